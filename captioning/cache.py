@@ -1,0 +1,341 @@
+"""The caption cache: append-only Parquet shards, JSON manifests, recipes, one lock.
+
+Layout of a cache directory::
+
+    CACHE.json                    format marker and version
+    recipes/<hash>.json           {"hash", "name", "recipe"}: each recipe stored once
+    captions/<shard>.parquet      one row per caption (CAPTION_SCHEMA); immutable
+    failures/<shard>.parquet      images that could not be captioned (FAILURE_SCHEMA)
+    manifests/<shard>.json        rows, bytes and sha256 of the shard's files, per-recipe counts
+    .lock                         file lock held while a shard is checked and published
+
+A caption is identified by (image_sha256, recipe, prompt_id, sample). A writer
+takes the lock, drops rows already on disk, writes the shard under a temporary
+name and renames it into `captions/`: whoever writes, `captions/*.parquet` holds
+each caption exactly once, so ``datasets.load_dataset("parquet", ...)`` reads the
+cache as it is. The shard files are the truth; a manifest missing after a crash
+is rebuilt by the next writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from filelock import FileLock
+
+from pipeline.digests import DigestIndex, first_occurrence
+from pipeline.errors import UserError
+from pipeline.fsutil import atomic_write_bytes, fsync_dir, fsync_file
+from pipeline.recipes import canonical_json, recipe_hash, sha256_file
+
+FORMAT = "tcjepa-caption-cache"
+VERSION = 1
+LOCK_TIMEOUT_S = 600.0
+
+CAPTION_SCHEMA = pa.schema(
+    [
+        pa.field("image_sha256", pa.string(), nullable=False),
+        pa.field("source_id", pa.string(), nullable=False),
+        pa.field("recipe", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample", pa.int32(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("text_sha256", pa.string(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("num_tokens", pa.int32(), nullable=True),
+    ]
+)
+CAPTION_KEY = ("image_sha256", "recipe", "prompt_id", "sample")
+
+FAILURE_SCHEMA = pa.schema(
+    [
+        pa.field("image_sha256", pa.string(), nullable=True),
+        pa.field("source_id", pa.string(), nullable=False),
+        pa.field("recipe", pa.string(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+    ]
+)
+FAILURE_KEY = ("image_sha256", "source_id", "recipe")
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    hash: str
+    name: str | None
+    recipe: dict[str, Any]
+
+    @property
+    def short(self) -> str:
+        return self.hash[:12]
+
+
+@dataclass
+class CommitResult:
+    shard: str | None
+    captions_added: int
+    captions_duplicate: int
+    failures_added: int
+
+
+@dataclass
+class CacheInfo:
+    shards: int
+    captions: int
+    images: int
+    failures: int
+    recipes: list[dict[str, Any]] = field(default_factory=list)
+
+
+def caption_row(
+    image_sha256: str,
+    source_id: str,
+    recipe: str,
+    prompt_id: str,
+    sample: int,
+    text: str,
+    finish_reason: str,
+    num_tokens: int | None = None,
+) -> dict[str, Any]:
+    """One row of CAPTION_SCHEMA; `text_sha256` is the caption's key in the embedding store."""
+    return {
+        "image_sha256": image_sha256,
+        "source_id": source_id,
+        "recipe": recipe,
+        "prompt_id": prompt_id,
+        "sample": sample,
+        "text": text,
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "finish_reason": finish_reason,
+        "num_tokens": num_tokens,
+    }
+
+
+def _row_digests(table: pa.Table, key: tuple[str, ...]) -> np.ndarray:
+    """16-byte digest per row of the key columns (nulls hashed as empty strings)."""
+    columns = [table.column(name).to_pylist() for name in key]
+    out = np.empty((table.num_rows, 16), dtype=np.uint8)
+    for i, values in enumerate(zip(*columns)):
+        joined = "\x1f".join("" if v is None else str(v) for v in values)
+        out[i] = np.frombuffer(hashlib.sha256(joined.encode("utf-8")).digest()[:16], dtype=np.uint8)
+    return out
+
+
+class CaptionCache:
+    """A caption cache directory; safe for several writer processes at once."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        marker = self.root / "CACHE.json"
+        if not marker.is_file():
+            raise UserError(f"{self.root} is not a caption cache (no CACHE.json); create one with `tcjepa caption ... --cache {self.root}`")
+        meta = json.loads(marker.read_text())
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise UserError(f"{self.root}: unsupported caption cache format {meta.get('format')!r} v{meta.get('version')}; this tcjepa reads {FORMAT} v{VERSION}")
+        self._caption_index = DigestIndex()
+        self._failure_index = DigestIndex()
+        self._indexed_shards: set[str] = set()
+
+    @classmethod
+    def open_or_create(cls, root: str | Path) -> CaptionCache:
+        root = Path(root)
+        if root.exists() and not root.is_dir():
+            raise UserError(f"--cache {root} exists and is not a directory")
+        if not (root / "CACHE.json").exists():
+            if root.exists() and any(p for p in root.iterdir() if p.name != ".lock"):
+                raise UserError(f"--cache {root} is a non-empty directory that is not a caption cache; choose an empty or new directory")
+            for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
+                (root / sub).mkdir(parents=True, exist_ok=True)
+            with FileLock(str(root / ".lock"), timeout=LOCK_TIMEOUT_S):
+                if not (root / "CACHE.json").exists():
+                    atomic_write_bytes(root / "CACHE.json", canonical_json({"format": FORMAT, "version": VERSION}))
+        return cls(root)
+
+    def _lock(self) -> FileLock:
+        return FileLock(str(self.root / ".lock"), timeout=LOCK_TIMEOUT_S)
+
+    # ---- recipes -------------------------------------------------------------------------
+
+    def add_recipe(self, recipe: dict[str, Any], name: str | None = None) -> str:
+        """Store `recipe` once (first name wins) and return its hash."""
+        digest = recipe_hash(recipe)
+        path = self.root / "recipes" / f"{digest}.json"
+        if not path.exists():
+            with self._lock():
+                if not path.exists():
+                    atomic_write_bytes(path, canonical_json({"hash": digest, "name": name, "recipe": recipe}))
+        return digest
+
+    def recipes(self) -> dict[str, RecipeInfo]:
+        out = {}
+        for path in sorted((self.root / "recipes").glob("*.json")):
+            doc = json.loads(path.read_text())
+            out[doc["hash"]] = RecipeInfo(doc["hash"], doc.get("name"), doc["recipe"])
+        return out
+
+    def resolve_recipes(self, selectors: list[str]) -> list[str]:
+        """Recipe hashes named by hash prefixes or names; with none named, the only recipe there is."""
+        known = self.recipes()
+        listing = ", ".join(f"{r.short} ({r.name or 'unnamed'})" for r in known.values()) or "none"
+        if not selectors:
+            if len(known) == 1:
+                return list(known)
+            if not known:
+                raise UserError(f"caption cache {self.root} holds no recipes yet; caption or import some first")
+            raise UserError(f"caption cache {self.root} holds several recipes; choose with --recipe (hash prefix or name): {listing}")
+        chosen: list[str] = []
+        for sel in selectors:
+            hits = [h for h, r in known.items() if r.name == sel] or [h for h in known if h.startswith(sel)]
+            if len(hits) != 1:
+                problem = "matches no recipe" if not hits else "is ambiguous"
+                raise UserError(f"--recipe {sel!r} {problem}; recipes in {self.root}: {listing}")
+            if hits[0] not in chosen:
+                chosen.append(hits[0])
+        return chosen
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def shard_ids(self) -> list[str]:
+        return sorted(p.stem for p in (self.root / "captions").glob("*.parquet"))
+
+    def caption_files(self) -> list[str]:
+        """Paths of every published caption shard, for ``datasets.load_dataset("parquet", data_files=...)``."""
+        return [str(self.root / "captions" / f"{s}.parquet") for s in self.shard_ids()]
+
+    def read_captions(self, columns: list[str] | None = None, recipes: list[str] | None = None) -> pa.Table:
+        """All published captions (optionally some columns, some recipes) as one table."""
+        wanted = None if columns is None else list(dict.fromkeys([*columns, *(["recipe"] if recipes is not None else [])]))
+        tables = []
+        for path in self.caption_files():
+            table = pq.read_table(path, columns=wanted)
+            if recipes is not None:
+                table = table.filter(pc.is_in(table.column("recipe"), value_set=pa.array(recipes, pa.string())))
+            tables.append(table if columns is None else table.select(columns))
+        if not tables:
+            schema = CAPTION_SCHEMA if columns is None else pa.schema([CAPTION_SCHEMA.field(c) for c in columns])
+            return schema.empty_table()
+        return pa.concat_tables(tables)
+
+    def read_failures(self) -> pa.Table:
+        published = set(self.shard_ids())
+        paths = sorted(p for p in (self.root / "failures").glob("*.parquet") if p.stem in published)
+        tables = [pq.read_table(p) for p in paths]
+        return pa.concat_tables(tables) if tables else FAILURE_SCHEMA.empty_table()
+
+    def info(self) -> CacheInfo:
+        captions = self.read_captions(columns=["image_sha256", "recipe"])
+        failures = self.read_failures()
+        per_recipe: dict[str, dict[str, int]] = {}
+        if captions.num_rows:
+            grouped = captions.group_by("recipe").aggregate([("image_sha256", "count"), ("image_sha256", "count_distinct")])
+            for row in grouped.to_pylist():
+                per_recipe[row["recipe"]] = {"captions": row["image_sha256_count"], "images": row["image_sha256_count_distinct"]}
+        recipes = []
+        for h, r in self.recipes().items():
+            counts = per_recipe.get(h, {"captions": 0, "images": 0})
+            kind = r.recipe.get("kind", "?")
+            recipes.append({"hash": h, "name": r.name, "kind": kind, **counts})
+        images = len(set(captions.column("image_sha256").to_pylist())) if captions.num_rows else 0
+        return CacheInfo(len(self.shard_ids()), captions.num_rows, images, failures.num_rows, recipes)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def _refresh_index(self) -> None:
+        """Add the keys of shards published since the last look (call under the lock)."""
+        for shard in self.shard_ids():
+            if shard in self._indexed_shards:
+                continue
+            caps = pq.read_table(self.root / "captions" / f"{shard}.parquet", columns=list(CAPTION_KEY))
+            self._caption_index.add(_row_digests(caps, CAPTION_KEY))
+            fail_path = self.root / "failures" / f"{shard}.parquet"
+            if fail_path.exists():
+                fails = pq.read_table(fail_path, columns=list(FAILURE_KEY))
+                self._failure_index.add(_row_digests(fails, FAILURE_KEY))
+            self._indexed_shards.add(shard)
+
+    def _clean_and_repair(self) -> None:
+        """Under the lock: drop temporaries of dead writers, rebuild manifests lost in a crash."""
+        for tmp in (self.root / "tmp").iterdir():
+            tmp.unlink(missing_ok=True)
+        published = set(self.shard_ids())
+        for orphan in (self.root / "failures").glob("*.parquet"):
+            if orphan.stem not in published:
+                orphan.unlink()
+        for shard in self.shard_ids():
+            if not (self.root / "manifests" / f"{shard}.json").exists():
+                self._write_manifest(shard)
+
+    def _write_manifest(self, shard: str) -> None:
+        files = {}
+        recipes: dict[str, int] = {}
+        for kind in ("captions", "failures"):
+            path = self.root / kind / f"{shard}.parquet"
+            if not path.exists():
+                continue
+            meta = pq.read_metadata(path)
+            files[kind] = {"path": f"{kind}/{shard}.parquet", "rows": meta.num_rows, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            if kind == "captions":
+                table = pq.read_table(path, columns=["recipe", "image_sha256"])
+                for row in table.group_by("recipe").aggregate([("image_sha256", "count")]).to_pylist():
+                    recipes[row["recipe"]] = row["image_sha256_count"]
+        doc = {"shard": shard, "files": files, "recipes": recipes, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
+
+    def commit(self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None) -> CommitResult:
+        """Publish new captions (and failure records) as one shard; rows already in the cache are dropped.
+
+        Either the whole shard becomes visible or nothing does.
+        """
+        cap_table = captions if isinstance(captions, pa.Table) else pa.Table.from_pylist(captions, schema=CAPTION_SCHEMA)
+        fail_table = failures if isinstance(failures, pa.Table) else pa.Table.from_pylist(failures or [], schema=FAILURE_SCHEMA)
+        cap_table = cap_table.cast(CAPTION_SCHEMA)
+        fail_table = fail_table.cast(FAILURE_SCHEMA)
+        known = set(self.recipes())
+        unknown = (set(cap_table.column("recipe").to_pylist()) | set(fail_table.column("recipe").to_pylist())) - known
+        if unknown:
+            raise ValueError(f"rows refer to recipes not stored in the cache: {sorted(unknown)}")
+        cap_digests = _row_digests(cap_table, CAPTION_KEY)
+        keep = first_occurrence(cap_digests)
+        cap_table, cap_digests = cap_table.filter(pa.array(keep)), cap_digests[keep]
+        fail_digests = _row_digests(fail_table, FAILURE_KEY)
+        keep_f = first_occurrence(fail_digests)
+        fail_table, fail_digests = fail_table.filter(pa.array(keep_f)), fail_digests[keep_f]
+        offered = cap_table.num_rows
+
+        with self._lock():
+            self._clean_and_repair()
+            self._refresh_index()
+            new = ~self._caption_index.contains(cap_digests)
+            new_f = ~self._failure_index.contains(fail_digests)
+            cap_table, fail_table = cap_table.filter(pa.array(new)), fail_table.filter(pa.array(new_f))
+            if cap_table.num_rows == 0 and fail_table.num_rows == 0:
+                return CommitResult(None, 0, offered, 0)
+            shard = f"{time.time_ns():020d}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            staged = []
+            for kind, table in (("captions", cap_table), ("failures", fail_table)):
+                if kind == "failures" and table.num_rows == 0:
+                    continue
+                tmp = self.root / "tmp" / f"{kind}-{shard}.parquet"
+                pq.write_table(table, tmp, compression="zstd")
+                fsync_file(tmp)
+                staged.append((tmp, self.root / kind / f"{shard}.parquet"))
+            # Failures first: a shard id is "published" once its captions file exists.
+            for tmp, final in reversed(staged):
+                os.rename(tmp, final)
+                fsync_dir(final.parent)
+            self._write_manifest(shard)
+            self._caption_index.add(cap_digests[new])
+            self._failure_index.add(fail_digests[new_f])
+            self._indexed_shards.add(shard)
+        return CommitResult(shard, cap_table.num_rows, offered - cap_table.num_rows, fail_table.num_rows)

@@ -1,0 +1,1 @@
+"""tcjepa pipeline: the `tcjepa` CLI and the pieces every stage shares."""

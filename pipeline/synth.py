@@ -1,0 +1,201 @@
+"""Procedural scenes whose captions say what the masked context cannot.
+
+Each image is a G×G grid of cells; each cell is empty or holds one shape whose
+colour, size and texture are drawn independently. Every image gets 8 captions
+in varied phrasing that name what is where, so a predictor that reads them can
+tell what sits in a hidden cell, and one that does not cannot.
+
+Outputs under DIR: ``images/NNNNNN.png``, ``captions.jsonl`` (``{"image",
+"captions"}``), ``labels.jsonl`` (image label and per-cell class map with the
+cell size in pixels) and ``classes.json`` (the label vocabularies).
+Image i depends only on (seed, i): a larger --n extends a smaller one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from pipeline.errors import UserError
+
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 80, 230),
+    "yellow": (235, 215, 40),
+    "purple": (150, 60, 200),
+    "orange": (245, 140, 20),
+    "cyan": (40, 210, 220),
+    "white": (245, 245, 245),
+}
+SHAPES = ("circle", "square", "triangle", "diamond", "cross")
+SIZES = ("small", "large")
+TEXTURES = ("solid", "striped", "dotted")
+CAPTIONS_PER_IMAGE = 8
+EMPTY_PROB = 0.45
+BACKGROUND = (70, 70, 70)
+ROW_WORDS = ("top", "upper middle", "lower middle", "bottom")
+COL_WORDS = ("left", "centre-left", "centre-right", "right")
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+
+
+@dataclass(frozen=True)
+class Obj:
+    row: int
+    col: int
+    shape: str
+    colour: str
+    size: str
+    texture: str
+
+
+def cell_class(obj: Obj | None) -> int:
+    """Per-cell class: 0 empty, else 1 + colour * len(SHAPES) + shape."""
+    if obj is None:
+        return 0
+    return 1 + list(COLOURS).index(obj.colour) * len(SHAPES) + SHAPES.index(obj.shape)
+
+
+def class_names() -> list[str]:
+    return ["empty"] + [f"{c} {s}" for c in COLOURS for s in SHAPES]
+
+
+def draw_scene(rng: np.random.Generator, grid: int) -> list[Obj]:
+    objs = []
+    for r in range(grid):
+        for c in range(grid):
+            if rng.random() < EMPTY_PROB:
+                continue
+            objs.append(
+                Obj(r, c, SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))],
+                    SIZES[rng.integers(len(SIZES))], TEXTURES[rng.integers(len(TEXTURES))])
+            )
+    return objs
+
+
+def _shape_mask(shape: str, n: int, frac: float) -> np.ndarray:
+    """Boolean n×n mask of `shape` filling `frac` of the cell, centred."""
+    yy, xx = np.mgrid[0:n, 0:n].astype(np.float32) + 0.5
+    cy = cx = n / 2
+    half = frac * n / 2
+    dy, dx = np.abs(yy - cy), np.abs(xx - cx)
+    if shape == "circle":
+        return dy**2 + dx**2 <= half**2
+    if shape == "square":
+        return (dy <= half * 0.85) & (dx <= half * 0.85)
+    if shape == "diamond":
+        return dy + dx <= half
+    if shape == "triangle":
+        top = cy - half
+        return (yy >= top) & (yy <= cy + half) & (dx <= (yy - top) / 2)
+    if shape == "cross":
+        arm = max(half * 0.35, 0.75)
+        return ((dy <= arm) & (dx <= half)) | ((dx <= arm) & (dy <= half))
+    raise ValueError(shape)
+
+
+def _texture_mask(texture: str, n: int) -> np.ndarray:
+    yy, xx = np.mgrid[0:n, 0:n]
+    if texture == "striped":
+        return ((yy + xx) // max(n // 8, 1)) % 2 == 0
+    if texture == "dotted":
+        step = max(n // 4, 2)
+        return (yy % step < step // 2) & (xx % step < step // 2)
+    return np.ones((n, n), dtype=bool)
+
+
+def render(objs: list[Obj], grid: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    cell = size // grid
+    img = np.empty((size, size, 3), dtype=np.float32)
+    img[:] = BACKGROUND
+    img += rng.normal(0, 6, size=img.shape)
+    for o in objs:
+        mask = _shape_mask(o.shape, cell, 0.9 if o.size == "large" else 0.55)
+        colour = np.array(COLOURS[o.colour], dtype=np.float32)
+        shade = np.where(_texture_mask(o.texture, cell)[..., None], colour, colour * 0.45)
+        block = img[o.row * cell : (o.row + 1) * cell, o.col * cell : (o.col + 1) * cell]
+        block[mask] = shade[mask]
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _where(o: Obj, style: int, grid: int) -> str:
+    if style == 0:
+        return f"in row {o.row + 1}, column {o.col + 1}"
+    if style == 1 and grid == 4:
+        return f"at the {ROW_WORDS[o.row]} {COL_WORDS[o.col]}"
+    if style == 2:
+        return f"in the {ORDINALS[o.col]} cell of the {ORDINALS[o.row]} row"
+    return f"at position ({o.row + 1}, {o.col + 1})"
+
+
+def _article(phrase: str) -> str:
+    return ("an " if phrase[0] in "aeiou" else "a ") + phrase
+
+
+def _describe(o: Obj, detail: int) -> str:
+    if detail == 0:
+        return f"{o.colour} {o.shape}"
+    if detail == 1:
+        return f"{o.size} {o.colour} {o.shape}"
+    return f"{o.size} {o.texture} {o.colour} {o.shape}"
+
+
+def captions_for(objs: list[Obj], grid: int, rng: np.random.Generator) -> list[str]:
+    """Eight captions in varied phrasing; each names every object and its cell."""
+    if not objs:
+        return [
+            "An empty grey grid with no shapes.", "Nothing is drawn on the grey background.",
+            "A blank scene.", "The grid is empty.", "No objects at all, only grey.",
+            "An empty picture with a grey background.", "There are no shapes in any cell.", "All cells are empty.",
+        ]
+    out = []
+    for k in range(CAPTIONS_PER_IMAGE):
+        order = rng.permutation(len(objs)) if k % 2 else np.arange(len(objs))
+        style, detail = k % 4, (k // 2) % 3
+        parts = [f"{_article(_describe(objs[i], detail))} {_where(objs[i], style, grid)}" for i in order]
+        if k % 3 == 0:
+            text = "There is " + "; ".join(parts) + "."
+        elif k % 3 == 1:
+            text = f"A grid scene with {len(objs)} shapes: " + ", ".join(parts) + "."
+        else:
+            text = " ".join(p[0].upper() + p[1:] + "." for p in parts)
+        out.append(text)
+    return out
+
+
+def image_label(objs: list[Obj]) -> str:
+    """Image-level probe label: the most common colour (ties by palette order), or 'none'."""
+    if not objs:
+        return "none"
+    counts = {c: 0 for c in COLOURS}
+    for o in objs:
+        counts[o.colour] += 1
+    return max(counts, key=lambda c: (counts[c], -list(COLOURS).index(c)))
+
+
+def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int = 0) -> None:
+    """Write `n` scenes with captions and labels under `out`."""
+    if n < 1:
+        raise UserError(f"--n must be at least 1 (got {n})")
+    if grid < 1 or image_size % grid or image_size // grid < 4:
+        raise UserError(f"--image-size {image_size} must be a multiple of --grid {grid} with cells of at least 4 px")
+    out = Path(out)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    cell = image_size // grid
+    with open(out / "captions.jsonl", "w") as caps, open(out / "labels.jsonl", "w") as labels:
+        for i in range(n):
+            rng = np.random.default_rng([seed, i])
+            objs = draw_scene(rng, grid)
+            name = f"images/{i:06d}.png"
+            Image.fromarray(render(objs, grid, image_size, rng)).save(out / name, optimize=False)
+            caps.write(json.dumps({"image": name, "captions": captions_for(objs, grid, rng)}) + "\n")
+            cells = [[0] * grid for _ in range(grid)]
+            for o in objs:
+                cells[o.row][o.col] = cell_class(o)
+            labels.write(json.dumps({"image": name, "label": image_label(objs), "cells": cells, "cell_size": cell}) + "\n")
+    meta = {"image_labels": ["none", *COLOURS], "cell_classes": class_names(), "grid": grid, "image_size": image_size, "seed": seed, "n": n}
+    (out / "classes.json").write_text(json.dumps(meta, indent=1) + "\n")
