@@ -1,5 +1,5 @@
 """`python -m pipeline` runs the same app as the `tcjepa` console script."""
 
-from pipeline.cli import app
+from pipeline.cli import main
 
-app(prog_name="tcjepa")
+main()

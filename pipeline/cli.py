@@ -1,2 +1,140 @@
+"""The `tcjepa` command line: a thin typer app; each command imports its stage lazily.
+
+Bad input raises `UserError`, which `main` prints as one line (exit status 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
-app = typer.Typer()
+
+from pipeline.errors import UserError
+
+app = typer.Typer(
+    name="tcjepa",
+    help="TC-JEPA: caption images (vLLM), embed captions (T5 → Zarr), pretrain image encoders on them.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+cache_app = typer.Typer(help="Inspect a caption cache.", no_args_is_help=True)
+store_app = typer.Typer(help="Inspect an embedding store.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+app.add_typer(store_app, name="store")
+
+
+@app.command("tiny-models")
+def tiny_models(
+    out: Annotated[Path, typer.Option(help="Directory to write `t5/` and `vlm/` into.")],
+    t5_corpus: Annotated[Optional[Path], typer.Option(help="captions.jsonl to train the tiny T5 on (span corruption); without it the T5 stays random.")] = None,
+    t5_steps: Annotated[int, typer.Option(help="Span-corruption training steps for the tiny T5 (with --t5-corpus).")] = 1500,
+    seed: Annotated[int, typer.Option(help="Seed for weights and training; same arguments give identical files.")] = 0,
+) -> None:
+    """Build a tiny T5 encoder and a tiny Qwen2-VL (with tokenizers) for tests, the demo and benchmarks."""
+    from pipeline.tiny_models import build_tiny_models
+
+    stats = build_tiny_models(out, t5_corpus=t5_corpus, t5_steps=t5_steps, seed=seed)
+    typer.echo(json.dumps(stats))
+
+
+@app.command()
+def synth(
+    out: Annotated[Path, typer.Option(help="Directory for images/, captions.jsonl, labels.jsonl, classes.json.")],
+    n: Annotated[int, typer.Option(help="Number of images.")],
+    image_size: Annotated[int, typer.Option(help="Image side in pixels (a multiple of --grid).")] = 64,
+    grid: Annotated[int, typer.Option(help="Cells per side; each cell is empty or holds one shape.")] = 4,
+    seed: Annotated[int, typer.Option(help="Image i depends only on (seed, i).")] = 0,
+) -> None:
+    """Draw synthetic scenes of shapes with 8 captions each that say what is where."""
+    from pipeline.synth import generate
+
+    generate(out, n, image_size=image_size, grid=grid, seed=seed)
+    typer.echo(f"wrote {n} images, captions.jsonl and labels.jsonl to {out}")
+
+
+@app.command()
+def caption(
+    cache: Annotated[Path, typer.Option(help="Caption cache directory (created if missing).")],
+    annotations: Annotated[Path, typer.Option(help="Import existing captions: our JSONL ({'image', 'captions'}) or COCO captions JSON.")],
+    image_root: Annotated[Optional[Path], typer.Option(help="Where the annotation file's image paths point (default: the file's directory).")] = None,
+    recipe_name: Annotated[Optional[str], typer.Option(help="Human name for this recipe in the cache (default: the file's stem).")] = None,
+) -> None:
+    """Add captions to a caption cache (importing an annotation file is idempotent)."""
+    from captioning.annotations import import_annotations
+    from captioning.cache import CaptionCache
+
+    report = import_annotations(CaptionCache.open_or_create(cache), annotations, image_root, recipe_name)
+    typer.echo(report.summary())
+    if report.captions_added + report.captions_already_cached == 0:
+        raise UserError(f"--annotations {annotations}: no usable caption (skipped: {dict(report.skipped)})")
+
+
+@cache_app.command("info")
+def cache_info(
+    cache: Annotated[Path, typer.Argument(help="Caption cache directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+) -> None:
+    """Images, captions, recipes (hash, name, counts), shards and failures of a cache."""
+    from dataclasses import asdict
+
+    from captioning.cache import CaptionCache
+
+    info = CaptionCache(cache).info()
+    if as_json:
+        typer.echo(json.dumps(asdict(info)))
+        return
+    typer.echo(f"{cache}: {info.images} images, {info.captions} captions, {info.shards} shards, {info.failures} failures")
+    for r in info.recipes:
+        typer.echo(f"  recipe {r['hash'][:12]}  {r['kind']:<12} {r['name'] or '-':<24} {r['images']:>9} images {r['captions']:>10} captions")
+
+
+@store_app.command("info")
+def store_info(
+    store: Annotated[Path, typer.Argument(help="Embedding store directory.")],
+) -> None:
+    """Encoder recipe, segments, captions and tokens of an embedding store."""
+    from embedding_cache.store import EmbeddingStore
+
+    s = EmbeddingStore(store)
+    typer.echo(json.dumps({"encoder_hash": s.encoder_hash, "encoder": s.encoder, "d_model": s.d_model, **s.stats()}))
+
+
+@app.command()
+def embed(
+    cache: Annotated[Path, typer.Option(help="Caption cache to read captions from.")],
+    store: Annotated[Path, typer.Option(help="Zarr v3 embedding store to append to (created if missing).")],
+    model: Annotated[str, typer.Option(help="T5 encoder: a local directory or a hub id (T5EncoderModel + tokenizer).")],
+    recipe: Annotated[Optional[list[str]], typer.Option(help="Caption recipe(s) to encode, by hash prefix or name (repeatable); required when the cache holds several.")] = None,
+    token_budget: Annotated[int, typer.Option(help="Max padded tokens (batch size × longest caption) per encoder batch.")] = 16384,
+    max_length: Annotated[int, typer.Option(help="Captions longer than this many tokens are truncated (counted and reported).")] = 512,
+    eos: Annotated[bool, typer.Option(help="Keep T5's end-of-sequence token as the last token.")] = True,
+    dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32 (never float16: T5 overflows). Stored as float16.")] = "bfloat16",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    window: Annotated[int, typer.Option(help="Captions sorted by length together; they are written back in image order.")] = 8192,
+    segment_mb: Annotated[int, typer.Option(help="Publish a segment every this many MiB of tokens (bounds the work a kill loses).")] = 4096,
+    chunk_tokens: Annotated[Optional[int], typer.Option(help="Rows per inner zarr chunk of `tokens` (default: ~16 MiB).")] = None,
+    shard_chunks: Annotated[Optional[int], typer.Option(help="Inner chunks per shard file (default: ~1 GiB shards).")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Only count the captions, tokens and bytes that would be added.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar with tokens/s.")] = True,
+) -> None:
+    """Encode every caption not yet in the store with T5 and append them as a new segment."""
+    from embedding_cache.job import EmbedConfig, run_embed
+
+    cfg = EmbedConfig(cache=cache, store=store, model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
+                      eos=eos, compute_dtype=dtype, device=device, window=window, segment_mb=segment_mb,
+                      chunk_tokens=chunk_tokens, shard_chunks=shard_chunks, dry_run=dry_run, progress=progress)
+    report = run_embed(cfg)
+    typer.echo(report.summary(dry_run))
+
+
+def main() -> None:
+    """Console-script entry point: run the app, turning `UserError` into one line and exit status 2."""
+    try:
+        app(prog_name="tcjepa")
+    except UserError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)

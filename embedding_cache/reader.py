@@ -1,0 +1,156 @@
+"""Read caption token embeddings from a store by memory-mapping its shard files.
+
+zarr's own read path costs about a millisecond of CPU per chunk, far too slow for
+a trainer that fetches thousands of small captions per step. The store's
+`tokens` arrays are uncompressed and sharded, and a zarr v3 shard file is the raw
+inner chunks followed by an index of little-endian ``uint64[n_chunks, 2]``
+(offset, nbytes) and a crc32c. This reader parses that index once and serves each
+caption as a zero-copy view into the mapped file. Only segments listed in the
+store's root attributes are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embedding_cache.store import EmbeddingStore
+from pipeline.digests import DigestIndex
+from pipeline.errors import UserError
+
+MISSING = np.uint64(2**64 - 1)
+
+
+@dataclass
+class _Segment:
+    offsets: np.ndarray
+    chunk_rows: int
+    chunks_width: int
+    chunks: list[np.ndarray | None]
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """tokens[start:stop] as a view when it lies in one inner chunk, else a copy."""
+        if stop <= start:
+            return np.zeros((0, self.chunks_width), dtype=np.float16)
+        first, last = start // self.chunk_rows, (stop - 1) // self.chunk_rows
+        if first == last:
+            base = first * self.chunk_rows
+            return self._chunk(first)[start - base : stop - base]
+        parts = []
+        for c in range(first, last + 1):
+            base = c * self.chunk_rows
+            parts.append(self._chunk(c)[max(start - base, 0) : min(stop - base, self.chunk_rows)])
+        return np.concatenate(parts)
+
+    def _chunk(self, c: int) -> np.ndarray:
+        chunk = self.chunks[c]
+        if chunk is None:
+            raise UserError(f"embedding store chunk {c} is missing; run `tcjepa store verify`")
+        return chunk
+
+
+def _map_tokens(array_dir: Path, d_model: int) -> tuple[int, list[np.ndarray | None]]:
+    """Memory-map every inner chunk of a sharded, uncompressed float16 `tokens` array."""
+    meta = json.loads((array_dir / "zarr.json").read_text())
+    shape = meta["shape"]
+    (codec,) = meta["codecs"]
+    config = codec["configuration"]
+    inner_codecs = [c["name"] for c in config["codecs"]]
+    index_codecs = [c["name"] for c in config["index_codecs"]]
+    if (codec["name"] != "sharding_indexed" or meta["data_type"] != "float16" or inner_codecs != ["bytes"]
+            or config["codecs"][0].get("configuration", {}).get("endian", "little") != "little"
+            or index_codecs != ["bytes", "crc32c"] or config.get("index_location", "end") != "end"):
+        raise UserError(f"{array_dir}: tokens must be float16, uncompressed, sharded with the index at the end")
+    shard_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+    chunk_rows, chunk_cols = config["chunk_shape"]
+    if chunk_cols != d_model or shape[1] != d_model:
+        raise UserError(f"{array_dir}: tokens width {shape[1]} does not match the store's d_model {d_model}")
+    sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+    per_shard = shard_rows // chunk_rows
+    n_chunks = -(-shape[0] // chunk_rows)
+    chunk_bytes = chunk_rows * d_model * 2
+    chunks: list[np.ndarray | None] = []
+    for s in range(-(-shape[0] // shard_rows)):
+        path = array_dir / f"c{sep}{s}{sep}0"
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        index = np.frombuffer(mapped[-(16 * per_shard + 4) : -4], dtype="<u8").reshape(per_shard, 2)
+        for k in range(min(per_shard, n_chunks - s * per_shard)):
+            offset, nbytes = index[k]
+            if offset == MISSING:
+                chunks.append(None)
+                continue
+            if nbytes != chunk_bytes:
+                raise UserError(f"{path}: inner chunk {k} has {nbytes} bytes, expected {chunk_bytes} (compressed?)")
+            chunks.append(mapped[int(offset) : int(offset) + chunk_bytes].view(np.float16).reshape(chunk_rows, d_model))
+    return chunk_rows, chunks
+
+
+class EmbeddingReader:
+    """Maps caption keys to float16 `[length, d_model]` arrays of a store, without zarr on the read path."""
+
+    def __init__(self, path: str | Path) -> None:
+        store = EmbeddingStore(path)
+        self.path = Path(path)
+        self.d_model = store.d_model
+        self.encoder: dict[str, Any] = store.encoder
+        self.encoder_hash = store.encoder_hash
+        self.segment_ids = store.segment_ids()
+        self._segments: list[_Segment] = []
+        self._index = DigestIndex()
+        self._starts = [0]
+        lengths = []
+        for seg_id in self.segment_ids:
+            offsets = store.read_offsets(seg_id)
+            keys = store.read_keys(seg_id)
+            chunk_rows, chunks = _map_tokens(store.segment_path(seg_id) / "tokens", self.d_model)
+            self._segments.append(_Segment(offsets, chunk_rows, self.d_model, chunks))
+            self._index.add(keys, np.arange(len(keys), dtype=np.int64) + self._starts[-1])
+            self._starts.append(self._starts[-1] + len(keys))
+            lengths.append(np.diff(offsets).astype(np.int32))
+        self._starts_arr = np.asarray(self._starts, dtype=np.int64)
+        self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def locate(self, keys: np.ndarray) -> np.ndarray:
+        """Global row of each 32-byte key (`[n, 32]` uint8), or -1 when the store lacks it."""
+        return self._index.lookup(keys)
+
+    def lengths(self, rows: np.ndarray) -> np.ndarray:
+        """Token count of each global row."""
+        return self._lengths[np.asarray(rows, dtype=np.int64)]
+
+    def get(self, row: int) -> np.ndarray:
+        """Token embeddings of one caption (a read-only view into the mapped shard when possible)."""
+        if not 0 <= row < len(self):
+            raise IndexError(f"row {row} out of range for a store of {len(self)} captions")
+        seg = int(np.searchsorted(self._starts_arr, row, side="right")) - 1
+        segment = self._segments[seg]
+        local = row - self._starts[seg]
+        return segment.rows(int(segment.offsets[local]), int(segment.offsets[local + 1]))
+
+    def get_key(self, key: bytes) -> np.ndarray:
+        row = int(self.locate(np.frombuffer(key, dtype=np.uint8).reshape(1, -1))[0])
+        if row < 0:
+            raise KeyError(key.hex())
+        return self.get(row)
+
+    def gather_padded(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Stack captions into `[n, L, d]` float16 zero-padded (L = longest, capped at `max_len`) plus lengths.
+
+        A row of -1 (no caption) yields length 0.
+        """
+        parts = [self.get(int(r)) if r >= 0 else None for r in rows]
+        lengths = np.array([0 if p is None else len(p) for p in parts], dtype=np.int64)
+        if max_len is not None:
+            lengths = np.minimum(lengths, max_len)
+        out = np.zeros((len(rows), int(lengths.max(initial=1)) or 1, self.d_model), dtype=np.float16)
+        for i, p in enumerate(parts):
+            if p is not None:
+                out[i, : lengths[i]] = p[: lengths[i]]
+        return out, lengths

@@ -1,0 +1,47 @@
+"""Session-wide fixtures: tiny models and synthetic data are built once per test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tcjepa(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tcjepa {' '.join(map(str, args))} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synth")
+    tcjepa("synth", "--out", out, "--n", 40, "--seed", 3)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    """`DIR/t5` (random tiny T5) and `DIR/vlm` (random tiny Qwen2-VL), built through the CLI."""
+    out = tmp_path_factory.mktemp("tiny")
+    tcjepa("tiny-models", "--out", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def annotated_cache(tmp_path_factory, synth_dir) -> Path:
+    cache = tmp_path_factory.mktemp("cache") / "cache"
+    tcjepa("caption", "--cache", cache, "--annotations", synth_dir / "captions.jsonl")
+    return cache

@@ -1,0 +1,132 @@
+import json
+import multiprocessing as mp
+
+import pyarrow.parquet as pq
+import pytest
+
+from captioning.cache import CaptionCache, caption_row
+from pipeline.errors import UserError
+from tests.conftest import tcjepa
+
+RECIPE = {"kind": "test", "model": "m"}
+
+
+def _rows(recipe, images, samples=2, prefix="cap"):
+    return [caption_row(f"{i:064x}", f"img{i}.png", recipe, "p0", s, f"{prefix} {i} {s}", "stop", 5)
+            for i in images for s in range(samples)]
+
+
+def _keys(cache):
+    table = cache.read_captions(columns=["image_sha256", "recipe", "prompt_id", "sample"])
+    return [tuple(r.values()) for r in table.to_pylist()]
+
+
+def test_commit_dedupes_and_is_readable_by_datasets(tmp_path):
+    import datasets
+
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    recipe = cache.add_recipe(RECIPE, "mine")
+    first = cache.commit(_rows(recipe, range(5)))
+    again = cache.commit(_rows(recipe, range(3, 8)) + _rows(recipe, range(3, 8)))
+    assert (first.captions_added, again.captions_added, again.captions_duplicate) == (10, 6, 4)
+    nothing = cache.commit(_rows(recipe, range(8)))
+    assert nothing.shard is None and nothing.captions_added == 0
+    keys = _keys(cache)
+    assert len(keys) == len(set(keys)) == 16
+    ds = datasets.load_dataset("parquet", data_files=cache.caption_files(), split="train")
+    assert len(ds) == 16 and set(ds.column_names) >= {"image_sha256", "recipe", "prompt_id", "sample", "text", "finish_reason"}
+    # a fresh handle (another process) sees the same keys and dedupes against them
+    other = CaptionCache(tmp_path / "c")
+    assert other.commit(_rows(recipe, range(2))).captions_added == 0
+    manifests = sorted((tmp_path / "c" / "manifests").glob("*.json"))
+    assert len(manifests) == len(cache.shard_ids()) == 2
+    doc = json.loads(manifests[0].read_text())
+    assert doc["files"]["captions"]["rows"] == 10 and doc["recipes"] == {recipe: 10}
+
+
+def test_failures_are_their_own_table(tmp_path):
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    recipe = cache.add_recipe(RECIPE)
+    fail = {"image_sha256": None, "source_id": "broken.png", "recipe": recipe, "reason": "truncated file"}
+    cache.commit(_rows(recipe, [1]), [fail])
+    cache.commit([], [fail])
+    assert cache.read_failures().num_rows == 1
+    assert cache.read_captions().num_rows == 2
+    assert cache.info().failures == 1
+
+
+def test_unknown_recipe_rows_are_refused(tmp_path):
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    with pytest.raises(ValueError, match="not stored"):
+        cache.commit(_rows("0" * 64, [1]))
+
+
+def test_missing_manifest_is_rebuilt_and_stray_temporaries_removed(tmp_path):
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    recipe = cache.add_recipe(RECIPE)
+    shard = cache.commit(_rows(recipe, [1])).shard
+    (tmp_path / "c" / "manifests" / f"{shard}.json").unlink()  # as if killed between rename and manifest
+    (tmp_path / "c" / "tmp" / "captions-dead.parquet").write_bytes(b"half a parquet file")
+    (tmp_path / "c" / "failures" / "orphan.parquet").write_bytes(b"x")
+    cache.commit(_rows(recipe, [2]))
+    assert (tmp_path / "c" / "manifests" / f"{shard}.json").exists()
+    assert not any((tmp_path / "c" / "tmp").iterdir())
+    assert not (tmp_path / "c" / "failures" / "orphan.parquet").exists()
+
+
+def test_resolve_recipes(tmp_path):
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    with pytest.raises(UserError, match="no recipes"):
+        cache.resolve_recipes([])
+    a = cache.add_recipe({"kind": "a"}, "alpha")
+    assert cache.resolve_recipes([]) == [a]
+    b = cache.add_recipe({"kind": "b"}, "beta")
+    with pytest.raises(UserError, match="several recipes.*alpha.*beta|several recipes.*beta.*alpha"):
+        cache.resolve_recipes([])
+    assert cache.resolve_recipes(["beta", a[:8]]) == [b, a]
+    with pytest.raises(UserError, match="matches no recipe"):
+        cache.resolve_recipes(["gamma"])
+
+
+def test_not_a_cache(tmp_path):
+    (tmp_path / "junk.txt").write_text("x")
+    with pytest.raises(UserError, match="not a caption cache"):
+        CaptionCache.open_or_create(tmp_path)
+    with pytest.raises(UserError, match="no CACHE.json"):
+        CaptionCache(tmp_path)
+
+
+def _writer(root, recipe, start, stop, chunk):
+    cache = CaptionCache(root)
+    for lo in range(start, stop, chunk):
+        cache.commit(_rows(recipe, range(lo, min(lo + chunk, stop)), samples=3))
+
+
+@pytest.mark.parametrize("writers", [2, 4])
+def test_concurrent_writers_with_overlapping_inputs(tmp_path, writers):
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    recipe = cache.add_recipe(RECIPE)
+    ctx = mp.get_context("spawn")
+    # each writer covers images [0, 40) in a different chunking; all overlap fully
+    procs = [ctx.Process(target=_writer, args=(tmp_path / "c", recipe, w * 3 % 40 if w else 0, 40, 3 + w)) for w in range(writers)]
+    procs.append(ctx.Process(target=_writer, args=(tmp_path / "c", recipe, 0, 40, 7)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    keys = _keys(CaptionCache(tmp_path / "c"))
+    assert len(keys) == len(set(keys)) == 40 * 3
+    total = sum(pq.read_metadata(f).num_rows for f in CaptionCache(tmp_path / "c").caption_files())
+    assert total == 120
+
+
+def test_cache_info_cli(annotated_cache):
+    out = json.loads(tcjepa("cache", "info", annotated_cache, "--json").stdout)
+    assert out["images"] == 40 and out["captions"] == 320 and out["shards"] == 1
+    (recipe,) = out["recipes"]
+    assert recipe["kind"] == "annotations" and recipe["name"] == "captions" and recipe["captions"] == 320
+    table = tcjepa("cache", "info", annotated_cache).stdout
+    assert "40 images, 320 captions" in table and recipe["hash"][:12] in table
+    bad = tcjepa("cache", "info", annotated_cache / "nope", check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1

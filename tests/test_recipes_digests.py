@@ -1,0 +1,49 @@
+import hashlib
+
+import numpy as np
+import pytest
+
+from pipeline.digests import DigestIndex, first_occurrence
+from pipeline.recipes import canonical_json, recipe_hash, text_key
+
+
+def test_canonical_json_is_order_and_whitespace_free():
+    a = {"b": 1, "a": [1, 2, {"y": "é", "x": None}]}
+    b = {"a": [1, 2, {"x": None, "y": "é"}], "b": 1}
+    assert canonical_json(a) == canonical_json(b) == '{"a":[1,2,{"x":null,"y":"é"}],"b":1}'.encode()
+    assert recipe_hash(a) == hashlib.sha256(canonical_json(a)).hexdigest()
+    assert recipe_hash(a) != recipe_hash({**a, "b": 2})
+    with pytest.raises(ValueError):
+        canonical_json({"x": float("nan")})
+
+
+def test_text_key_is_sha256_of_utf8():
+    assert text_key("a red ☂") == hashlib.sha256("a red ☂".encode()).digest()
+
+
+def _keys(values):
+    return np.stack([np.frombuffer(text_key(str(v)), dtype=np.uint8) for v in values])
+
+
+def test_digest_index_lookup_across_many_runs():
+    index = DigestIndex()
+    for run in range(20):  # more runs than the merge threshold
+        index.add(_keys(range(run * 10, run * 10 + 10)), np.arange(run * 10, run * 10 + 10))
+    assert len(index) == 200
+    found = index.lookup(_keys([0, 57, 199, 200, -1]))
+    assert found.tolist() == [0, 57, 199, -1, -1]
+    assert index.contains(_keys([5, 500])).tolist() == [True, False]
+
+
+def test_digest_index_keeps_first_payload():
+    index = DigestIndex()
+    index.add(_keys([1]), np.array([10]))
+    index.add(_keys([1]), np.array([99]))
+    assert index.lookup(_keys([1])).tolist() == [10]
+    for _ in range(10):
+        index.add(_keys([2]), np.array([7]))
+    assert index.lookup(_keys([1])).tolist() == [10]
+
+
+def test_first_occurrence():
+    assert first_occurrence(_keys([3, 1, 3, 2, 1])).tolist() == [True, True, False, True, False]

@@ -1,0 +1,67 @@
+import json
+
+import numpy as np
+from PIL import Image
+
+from pipeline import synth
+from tests.conftest import tcjepa
+
+
+def test_synth_files_labels_and_captions(synth_dir):
+    caps = [json.loads(line) for line in (synth_dir / "captions.jsonl").read_text().splitlines()]
+    labels = [json.loads(line) for line in (synth_dir / "labels.jsonl").read_text().splitlines()]
+    meta = json.loads((synth_dir / "classes.json").read_text())
+    assert len(caps) == len(labels) == 40
+    for c, lab in zip(caps, labels):
+        assert c["image"] == lab["image"]
+        assert len(c["captions"]) == 8 and all(t.strip() for t in c["captions"])
+        img = np.asarray(Image.open(synth_dir / c["image"]))
+        assert img.shape == (64, 64, 3)
+        assert lab["cell_size"] * len(lab["cells"]) == 64
+        names = meta["cell_classes"]
+        for r, row in enumerate(lab["cells"]):
+            for col, cls in enumerate(row):
+                block = img[r * 16 : (r + 1) * 16, col * 16 : (col + 1) * 16].astype(int)
+                spread = block.max(axis=(0, 1)) - block.min(axis=(0, 1))
+                if cls == 0:
+                    assert spread.max() < 60, "an empty cell is only noisy background"
+                else:
+                    colour, shape = names[cls].split(" ")
+                    assert spread.max() > 60, "a shape stands out from the background"
+                    # every caption names the object (its colour and shape words are in each caption)
+                    assert all(colour in t and shape in t for t in c["captions"])
+        assert lab["label"] in meta["image_labels"]
+
+
+def test_synth_deterministic_and_prefix_stable(tmp_path):
+    tcjepa("synth", "--out", tmp_path / "a", "--n", 5, "--seed", 1)
+    tcjepa("synth", "--out", tmp_path / "b", "--n", 8, "--seed", 1)
+    tcjepa("synth", "--out", tmp_path / "c", "--n", 5, "--seed", 2)
+    a = (tmp_path / "a" / "captions.jsonl").read_text().splitlines()
+    b = (tmp_path / "b" / "captions.jsonl").read_text().splitlines()
+    c = (tmp_path / "c" / "captions.jsonl").read_text().splitlines()
+    assert a == b[:5] and a != c
+    for i in range(5):
+        name = f"images/{i:06d}.png"
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_synth_other_sizes(tmp_path):
+    tcjepa("synth", "--out", tmp_path, "--n", 3, "--image-size", 96, "--grid", 3)
+    lab = json.loads((tmp_path / "labels.jsonl").read_text().splitlines()[0])
+    assert lab["cell_size"] == 32 and len(lab["cells"]) == 3
+    assert Image.open(tmp_path / lab["image"]).size == (96, 96)
+
+
+def test_synth_rejects_bad_sizes(tmp_path):
+    proc = tcjepa("synth", "--out", tmp_path, "--n", 3, "--image-size", 65, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "multiple of --grid" in proc.stderr
+
+
+def test_every_caption_phrasing_names_positions():
+    rng = np.random.default_rng(0)
+    objs = synth.draw_scene(rng, 4)
+    caps = synth.captions_for(objs, 4, rng)
+    assert len(set(caps)) == 8
+    for c in caps:
+        assert any(w in c for w in ("row", "position", "top", "bottom", "middle"))
