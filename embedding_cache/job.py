@@ -35,7 +35,7 @@ class EmbedConfig:
     compute_dtype: str = "bfloat16"
     device: str = "auto"
     window: int = 8192
-    segment_mb: int = 4096
+    segment_mb: float = 4096.0
     chunk_tokens: int | None = None
     shard_chunks: int | None = None
     dry_run: bool = False
@@ -86,7 +86,7 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
 
     cache = CaptionCache(cfg.cache)
     recipes = cache.resolve_recipes(cfg.recipes)
-    if cfg.token_budget < 1 or cfg.window < 1 or cfg.segment_mb < 1:
+    if cfg.token_budget < 1 or cfg.window < 1 or cfg.segment_mb <= 0:
         raise UserError("--token-budget, --window and --segment-mb must be positive")
     recipe, d_model = encoder_recipe(cfg.model, cfg.max_length, cfg.eos, cfg.compute_dtype)
     tokenizer = load_tokenizer(cfg.model)
@@ -114,7 +114,9 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     assert store is not None
     layout = TokenLayout.for_bytes(d_model)
     layout = TokenLayout(cfg.chunk_tokens or layout.chunk_tokens, cfg.shard_chunks or layout.shard_chunks)
-    segment_tokens = max(cfg.segment_mb * 2**20 // (2 * d_model), 1)
+    segment_tokens = max(int(cfg.segment_mb * 2**20) // (2 * d_model), 1)
+    if len(todo) == 0:
+        return report
     encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
     started = time.perf_counter()
     tokens_done = 0

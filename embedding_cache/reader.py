@@ -39,7 +39,8 @@ class _Segment:
         first, last = start // self.chunk_rows, (stop - 1) // self.chunk_rows
         if first == last:
             base = first * self.chunk_rows
-            return self._chunk(first)[start - base : stop - base]
+            chunk = self.chunks[first]
+            return (chunk if chunk is not None else self._chunk(first))[start - base : stop - base]
         parts = []
         for c in range(first, last + 1):
             base = c * self.chunk_rows
@@ -139,6 +140,33 @@ class EmbeddingReader:
         if row < 0:
             raise KeyError(key.hex())
         return self.get(row)
+
+    def _resolve(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Segment index and token span (start, stop) of each global row, vectorised."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"rows out of range for a store of {len(self)} captions")
+        segs = np.searchsorted(self._starts_arr, rows, side="right") - 1
+        local = rows - self._starts_arr[segs]
+        starts = np.empty(len(rows), dtype=np.int64)
+        stops = np.empty(len(rows), dtype=np.int64)
+        for seg in np.unique(segs).tolist():
+            pick = segs == seg
+            offsets = self._segments[seg].offsets
+            starts[pick] = offsets[local[pick]]
+            stops[pick] = offsets[local[pick] + 1]
+        return segs, starts, stops
+
+    def gather_packed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenate captions into one `[sum of lengths, d]` float16 array plus CSR offsets `[n + 1]`."""
+        segs, starts, stops = self._resolve(rows)
+        offsets = np.zeros(len(starts) + 1, dtype=np.int64)
+        np.cumsum(stops - starts, out=offsets[1:])
+        out = np.empty((int(offsets[-1]), self.d_model), dtype=np.float16)
+        segments = self._segments
+        for seg, start, stop, lo, hi in zip(segs.tolist(), starts.tolist(), stops.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()):
+            out[lo:hi] = segments[seg].rows(start, stop)
+        return out, offsets
 
     def gather_padded(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Stack captions into `[n, L, d]` float16 zero-padded (L = longest, capped at `max_len`) plus lengths.

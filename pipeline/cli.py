@@ -115,7 +115,7 @@ def embed(
     dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32 (never float16: T5 overflows). Stored as float16.")] = "bfloat16",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     window: Annotated[int, typer.Option(help="Captions sorted by length together; they are written back in image order.")] = 8192,
-    segment_mb: Annotated[int, typer.Option(help="Publish a segment every this many MiB of tokens (bounds the work a kill loses).")] = 4096,
+    segment_mb: Annotated[float, typer.Option(help="Publish a segment every this many MiB of tokens (bounds the work a kill loses).")] = 4096.0,
     chunk_tokens: Annotated[Optional[int], typer.Option(help="Rows per inner zarr chunk of `tokens` (default: ~16 MiB).")] = None,
     shard_chunks: Annotated[Optional[int], typer.Option(help="Inner chunks per shard file (default: ~1 GiB shards).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Only count the captions, tokens and bytes that would be added.")] = False,
