@@ -9,7 +9,6 @@ checked for finiteness and stored as float16.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,7 +104,9 @@ class T5Encoder:
     def load(cls, model: str, device: str, compute_dtype: str) -> T5Encoder:
         import torch
         from transformers import T5EncoderModel
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # the embed job shows its own progress
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         dtype = getattr(torch, compute_dtype)
         net = T5EncoderModel.from_pretrained(model, dtype=dtype).to(dev).eval()
@@ -135,7 +136,3 @@ class NonFiniteEmbedding(ValueError):
     def __init__(self, index: int) -> None:
         super().__init__(index)
         self.index = index
-
-
-def describe_recipe(recipe: dict[str, Any]) -> str:
-    return json.dumps(recipe, sort_keys=True)

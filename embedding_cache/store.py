@@ -18,7 +18,6 @@ Only listed segments exist for readers; a key lives in exactly one segment.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -313,8 +312,3 @@ class SegmentWriter:
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
-
-
-def read_store_attrs(path: Path) -> dict[str, Any]:
-    """The root attributes of a store, for tools that only need the metadata."""
-    return json.loads((Path(path) / "zarr.json").read_text())["attributes"]["tcjepa"]
