@@ -34,7 +34,7 @@ def encoder_recipe(model: str, max_length: int, eos: bool, compute_dtype: str) -
 
     try:
         config = AutoConfig.from_pretrained(model)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise UserError(f"--model {model}: cannot load a T5 config ({str(exc).splitlines()[0]})") from None
     if config.model_type not in ("t5", "mt5", "umt5"):
         raise UserError(f"--model {model} is a {config.model_type!r} model; `tcjepa embed` needs a T5 encoder")

@@ -131,6 +131,20 @@ def embed(
     typer.echo(report.summary(dry_run))
 
 
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="Directory for the demo's data, models, cache, store and summary.")] = Path("demo-out"),
+    n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = 400,
+    t5_steps: Annotated[int, typer.Option(help="Span-corruption steps for the tiny T5.")] = 1500,
+    seed: Annotated[int, typer.Option(help="Seed for data and models.")] = 0,
+) -> None:
+    """Run the pipeline on built-in synthetic data on the CPU (resumes if run again)."""
+    from pipeline.demo import run_demo
+
+    summary = run_demo(out, n_images=n_images, t5_steps=t5_steps, seed=seed)
+    typer.echo(json.dumps(summary))
+
+
 def main() -> None:
     """Console-script entry point: run the app, turning `UserError` into one line and exit status 2."""
     try:

@@ -151,5 +151,5 @@ def test_kill_and_resume_ends_as_an_uninterrupted_run(tmp_path, annotated_cache,
     assert "320 distinct texts" in out
     resumed = _store_contents(store)
     assert resumed.keys() == reference.keys()
-    for k, v in reference.items():
-        np.testing.assert_allclose(resumed[k].astype(np.float32), v.astype(np.float32), atol=0.02)
+    for k, v in reference.items():  # other batch compositions: equal up to bfloat16 rounding
+        np.testing.assert_allclose(resumed[k].astype(np.float32), v.astype(np.float32), atol=0.02, rtol=0.02)
