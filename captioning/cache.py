@@ -227,6 +227,15 @@ class CaptionCache:
             return schema.empty_table()
         return pa.concat_tables(tables)
 
+    def complete_images(self, recipe: str, captions_per_image: int) -> set[str]:
+        """Images that already have at least `captions_per_image` captions under `recipe`."""
+        table = self.read_captions(columns=["image_sha256"], recipes=[recipe])
+        if table.num_rows == 0:
+            return set()
+        counts = table.group_by("image_sha256").aggregate([("image_sha256", "count")])
+        full = counts.filter(pc.greater_equal(counts.column("image_sha256_count"), captions_per_image))
+        return set(full.column("image_sha256").to_pylist())
+
     def read_failures(self) -> pa.Table:
         published = set(self.shard_ids())
         paths = sorted(p for p in (self.root / "failures").glob("*.parquet") if p.stem in published)

@@ -10,18 +10,15 @@ checked for finiteness and stored as float16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.errors import UserError
-from pipeline.recipes import sha256_tree
+from pipeline.model_identity import load_config, model_identity
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
 FLOAT16_MAX = 65504.0
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model")
 
 
 def encoder_recipe(model: str, max_length: int, eos: bool, compute_dtype: str) -> tuple[dict[str, Any], int]:
@@ -30,27 +27,12 @@ def encoder_recipe(model: str, max_length: int, eos: bool, compute_dtype: str) -
         raise UserError(f"--dtype {compute_dtype}: T5 must run in one of {', '.join(COMPUTE_DTYPES)} (it overflows in float16)")
     if max_length < 2:
         raise UserError(f"--max-length must be at least 2 (got {max_length})")
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--model {model}: cannot load a T5 config ({str(exc).splitlines()[0]})") from None
+    config = load_config(model, "--model")
     if config.model_type not in ("t5", "mt5", "umt5"):
         raise UserError(f"--model {model} is a {config.model_type!r} model; `tcjepa embed` needs a T5 encoder")
-    local = Path(model)
-    if local.is_dir():
-        weights = [p.name for p in local.iterdir() if p.suffix in WEIGHT_SUFFIXES]
-        if not weights:
-            raise UserError(f"--model {model}: no weight files (*.safetensors, *.bin) in the directory")
-        identity = {"weights_sha256": sha256_tree(local, weights),
-                    "tokenizer_sha256": sha256_tree(local, [n for n in TOKENIZER_FILES if (local / n).exists()])}
-    else:
-        identity = {"revision": getattr(config, "_commit_hash", None)}
     recipe = {
         "kind": "t5-encoder",
-        "model": local.name if local.is_dir() else model,
-        **identity,
+        **model_identity(model, config, "--model"),
         "max_length": max_length,
         "eos": eos,
         "compute_dtype": compute_dtype,

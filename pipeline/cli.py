@@ -56,21 +56,74 @@ def synth(
     typer.echo(f"wrote {n} images, captions.jsonl and labels.jsonl to {out}")
 
 
+def parse_engine_args(pairs: list[str]) -> dict[str, object]:
+    """`key=value` pairs, values read as YAML scalars or flow mappings (2, 0.9, true, {image: 1})."""
+    import yaml
+
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--vllm-arg {pair!r}: expected key=value, e.g. tensor_parallel_size=2")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise UserError(f"--vllm-arg {pair!r}: cannot read the value") from None
+    return out
+
+
 @app.command()
 def caption(
-    cache: Annotated[Path, typer.Option(help="Caption cache directory (created if missing).")],
-    annotations: Annotated[Path, typer.Option(help="Import existing captions: our JSONL ({'image', 'captions'}) or COCO captions JSON.")],
-    image_root: Annotated[Optional[Path], typer.Option(help="Where the annotation file's image paths point (default: the file's directory).")] = None,
-    recipe_name: Annotated[Optional[str], typer.Option(help="Human name for this recipe in the cache (default: the file's stem).")] = None,
+    images: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), Parquet files, HF datasets directories, tar shards or image files.")] = None,
+    cache: Annotated[Path, typer.Option(help="Caption cache directory (created if missing).")] = ...,
+    model: Annotated[Optional[str], typer.Option(help="Vision-language chat model: a local directory or a hub id.")] = None,
+    captions_per_image: Annotated[int, typer.Option(help="N captions per image, spread over the prompts (K prompts × n samples).")] = 8,
+    prompts: Annotated[Optional[Path], typer.Option(help="Prompt templates: .json/.yaml list of strings or {id, text}, or one per line (default: dense, spatial, objects, setting).")] = None,
+    recipe_name: Annotated[Optional[str], typer.Option(help="Human name for this recipe in the cache.")] = None,
+    seed: Annotated[int, typer.Option(help="Base seed; each (image, prompt) gets a seed derived from it and the image hash.")] = 0,
+    shard: Annotated[str, typer.Option(help="Caption only images whose hash falls in shard i of n (one process per GPU).")] = "0/1",
+    backend: Annotated[str, typer.Option(help="vllm (default) or hf (transformers generate, for models vLLM lacks).")] = "vllm",
+    vllm_arg: Annotated[Optional[list[str]], typer.Option(help="Engine option key=value passed to vllm.LLM (repeatable), e.g. tensor_parallel_size=2.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Max new tokens per caption.")] = 160,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 0.8,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.95,
+    max_pixels: Annotated[int, typer.Option(help="Images larger than this many pixels are downscaled before the engine.")] = 1024 * 1024,
+    chunk_images: Annotated[int, typer.Option(help="Images per engine call; each finished chunk is committed to the cache.")] = 256,
+    decode_workers: Annotated[int, typer.Option(help="Processes decoding the next chunk while the engine works (0: a thread).")] = 2,
+    image_column: Annotated[Optional[str], typer.Option(help="Image column of Parquet / datasets inputs (default: image, img, jpg, png).")] = None,
+    device: Annotated[str, typer.Option(help="Device of the hf backend: auto, cpu, cuda.")] = "auto",
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own Python code to run (off unless asked for).")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Only count the images that would be captioned.")] = False,
+    annotations: Annotated[Optional[Path], typer.Option(help="Instead: import existing captions, our JSONL ({'image', 'captions'}) or COCO captions JSON.")] = None,
+    image_root: Annotated[Optional[Path], typer.Option(help="With --annotations: where the file's image paths point (default: its directory).")] = None,
 ) -> None:
-    """Add captions to a caption cache (importing an annotation file is idempotent)."""
-    from captioning.annotations import import_annotations
+    """Write N captions per image with a VLM into the caption cache, or import existing captions."""
     from captioning.cache import CaptionCache
 
-    report = import_annotations(CaptionCache.open_or_create(cache), annotations, image_root, recipe_name)
-    typer.echo(report.summary())
-    if report.captions_added + report.captions_already_cached == 0:
-        raise UserError(f"--annotations {annotations}: no usable caption (skipped: {dict(report.skipped)})")
+    if annotations is not None:
+        from captioning.annotations import import_annotations
+
+        if images:
+            raise UserError("give either IMAGES (to caption with a model) or --annotations (to import captions), not both")
+        report = import_annotations(CaptionCache.open_or_create(cache), annotations, image_root, recipe_name)
+        typer.echo(report.summary())
+        if report.captions_added + report.captions_already_cached == 0:
+            raise UserError(f"--annotations {annotations}: no usable caption (skipped: {dict(report.skipped)})")
+        return
+    if not images or model is None:
+        raise UserError("captioning needs IMAGES and --model (or --annotations FILE to import captions)")
+    from captioning.engines import SamplingConfig
+    from captioning.job import CaptionConfig, run_caption
+    from pipeline.images import ImagePolicy
+
+    cfg = CaptionConfig(
+        inputs=images, cache=cache, model=model, captions_per_image=captions_per_image, prompts_file=prompts,
+        recipe_name=recipe_name, seed=seed, shard=shard, backend=backend, engine_args=parse_engine_args(vllm_arg or []),
+        sampling=SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p),
+        image_policy=ImagePolicy(max_pixels=max_pixels), image_column=image_column, chunk_images=chunk_images,
+        decode_workers=decode_workers, device=device, trust_remote_code=trust_remote_code, dry_run=dry_run,
+    )
+    typer.echo(run_caption(cfg).summary(dry_run))
 
 
 @cache_app.command("info")
