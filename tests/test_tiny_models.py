@@ -62,8 +62,8 @@ def test_vllm_serves_the_tiny_vlm(vllm_engine, tiny_models):
     images = [Image.new("RGB", (64, 64), c) for c in ("red", "blue")]
     requests = [{"prompt": prompt, "multi_modal_data": {"image": im}} for im in images]
     params = SamplingParams(n=4, seed=7, max_tokens=8, temperature=1.0)
-    first = vllm_engine.generate(requests, params)
-    second = vllm_engine.generate(requests, params)
+    first = vllm_engine.llm.generate(requests, params)
+    second = vllm_engine.llm.generate(requests, params)
     assert [len(o.outputs) for o in first] == [4, 4]
     assert all(0 < len(c.token_ids) <= 8 and c.finish_reason in ("stop", "length") for o in first for c in o.outputs)
     assert [[c.text for c in o.outputs] for o in first] == [[c.text for c in o.outputs] for o in second]

@@ -1,0 +1,135 @@
+import io
+import json
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline.errors import UserError
+from pipeline.images import ImagePolicy, decode
+from pipeline.recipes import sha256_bytes
+from pipeline.sources import iter_images
+
+
+def _png(colour, size=(32, 24), mode="RGB"):
+    buf = io.BytesIO()
+    Image.new(mode, size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+IMAGES = {f"im{i}.png": _png((40 * i, 255 - 30 * i, 90)) for i in range(5)}
+
+
+def test_every_source_kind_yields_the_same_images(tmp_path):
+    import datasets
+
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    for i, (name, data) in enumerate(IMAGES.items()):
+        (folder / ("sub" if i % 2 else "") / name).write_bytes(data)
+    (folder / "notes.txt").write_text("not an image")
+    pq.write_table(pa.table({"image": [{"bytes": d, "path": n} for n, d in IMAGES.items()], "caption": ["x"] * 5}), tmp_path / "hf.parquet")
+    pq.write_table(pa.table({"jpg": list(IMAGES.values())}), tmp_path / "raw.parquet")
+    pq.write_table(pa.table({"file": [str(folder / ("sub" if i % 2 else "") / n) for i, n in enumerate(IMAGES)]}), tmp_path / "paths.parquet")
+    ds = datasets.Dataset.from_dict({"image": [Image.open(io.BytesIO(d)) for d in IMAGES.values()]}, features=datasets.Features({"image": datasets.Image()}))
+    ds.save_to_disk(str(tmp_path / "hfdir"))
+    with tarfile.open(tmp_path / "shard-000.tar", "w") as tar:
+        for name, data in IMAGES.items():
+            info = tarfile.TarInfo(f"{name[:-4]}.png")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            meta = json.dumps({"caption": "x"}).encode()
+            info = tarfile.TarInfo(f"{name[:-4]}.json")
+            info.size = len(meta)
+            tar.addfile(info, io.BytesIO(meta))
+
+    expected = {sha256_bytes(d) for d in IMAGES.values()}
+    for inputs, column in [([folder], None), ([tmp_path / "hf.parquet"], None), ([tmp_path / "raw.parquet"], None),
+                           ([tmp_path / "paths.parquet"], "file"), ([tmp_path / "shard-000.tar"], None)]:
+        entries = list(iter_images(inputs, column))
+        assert all(e.error is None for e in entries), inputs
+        assert {sha256_bytes(e.data) for e in entries} == expected and len(entries) == 5, inputs
+    hf_entries = list(iter_images([tmp_path / "hfdir"]))
+    assert len(hf_entries) == 5
+    # a datasets round trip re-encodes the pixels; the decoded images are the same
+    assert sorted(np.asarray(Image.open(io.BytesIO(e.data))).sum() for e in hf_entries) == sorted(
+        np.asarray(Image.open(io.BytesIO(d))).sum() for d in IMAGES.values())
+    ids = [e.source_id for e in iter_images([folder])]
+    assert ids == sorted(ids) and "sub/im1.png" in ids
+    assert [e.source_id for e in iter_images([tmp_path / "shard-000.tar"])][0] == "shard-000.tar::im0.png"
+    assert [e.source_id for e in iter_images([tmp_path / "raw.parquet"])][2] == "raw.parquet::2"
+
+
+def test_tar_links_and_traversal_are_never_followed(tmp_path):
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(_png("red"))
+    with tarfile.open(tmp_path / "evil.tar", "w") as tar:
+        link = tarfile.TarInfo("link.png")
+        link.type = tarfile.SYMTYPE
+        link.linkname = str(secret)
+        tar.addfile(link)
+        data = _png("blue")
+        info = tarfile.TarInfo("../../escape.png")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    entries = list(iter_images([tmp_path / "evil.tar"]))
+    assert entries[0].data is None and "link" in entries[0].error
+    assert entries[1].data == data  # read from the archive itself, nothing is extracted
+    assert not (tmp_path.parent.parent / "escape.png").exists()
+
+
+def test_bad_inputs_are_refused_up_front(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        iter_images([tmp_path / "absent"])
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(UserError, match="not a folder"):
+        iter_images([tmp_path / "x.csv"])
+    pq.write_table(pa.table({"label": [1]}), tmp_path / "t.parquet")
+    with pytest.raises(UserError, match="no image column"):
+        list(iter_images([tmp_path / "t.parquet"]))
+
+
+def bad_image_catalogue(tmp_path):
+    """name -> (bytes, expected failure reason prefix or None when it must decode)."""
+    rgb = _png("green", (40, 30))
+    jpeg = io.BytesIO()
+    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(jpeg, format="JPEG")
+    palette = io.BytesIO()
+    Image.new("P", (20, 20), 3).save(palette, format="PNG", transparency=3)
+    sixteen = io.BytesIO()
+    Image.fromarray(np.full((20, 20), 40000, dtype=np.uint16)).save(sixteen, format="PNG")
+    bomb = io.BytesIO()
+    Image.new("1", (10_000, 9_000)).save(bomb, format="PNG")
+    return {
+        "ok.png": (rgb, None),
+        "truncated.png": (rgb[: len(rgb) // 2], "corrupt or truncated"),
+        "zero.png": (b"", "empty file"),
+        "pixel.png": (_png("red", (1, 1)), "too small"),
+        "bomb.png": (bomb.getvalue(), "decompression bomb"),
+        "cmyk.jpg": (jpeg.getvalue(), None),
+        "palette_alpha.png": (palette.getvalue(), None),
+        "rgba.png": (_png((255, 0, 0, 0), (20, 20), "RGBA"), None),
+        "la.png": (_png((128, 255), (20, 20), "LA"), None),
+        "sixteen_bit.png": (sixteen.getvalue(), None),
+        "png_named.jpg": (_png("blue", (40, 30)), None),
+        "text.png": (b"hello, I am not an image", "not an image"),
+        "huge_but_decodable.png": (_png("white", (3000, 2000)), None),
+    }
+
+
+def test_decode_normalises_or_names_the_problem(tmp_path):
+    policy = ImagePolicy(max_pixels=512 * 512)
+    for name, (data, reason) in bad_image_catalogue(tmp_path).items():
+        image, error = decode(data, policy)
+        if reason is None:
+            assert error is None, (name, error)
+            assert image.mode == "RGB" and image.width * image.height <= 512 * 512, name
+        else:
+            assert image is None and error.startswith(reason), (name, error)
+    rgba, _ = decode(_png((255, 0, 0, 0), (20, 20), "RGBA"), policy)
+    assert rgba.getpixel((3, 3)) == (255, 255, 255), "transparent pixels become white"
+    big, _ = decode(_png("white", (3000, 2000)), policy)
+    assert abs(big.width / big.height - 1.5) < 0.01
