@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import multiprocessing
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -48,7 +50,7 @@ class CaptionConfig:
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)
     image_column: str | None = None
     chunk_images: int = 256
-    decode_workers: int = 2
+    decode_workers: int | None = None
     device: str = "auto"
     trust_remote_code: bool = False
     dry_run: bool = False
@@ -74,6 +76,14 @@ class CaptionReport:
         reasons = "; ".join(f"{k}: {v}" for k, v in sorted(self.failure_reasons.items()))
         return (f"recipe {self.recipe[:12]}: {self.images_seen} images seen, {head}, {self.already_cached} already cached, "
                 f"{self.failed} failed{f' ({reasons})' if reasons else ''}, {self.other_shards} in other shards{rate}")
+
+
+def default_decode_workers() -> int:
+    """Decode processes beside the engine: on a GPU machine up to 8; on CPU one thread, since vLLM's
+    CPU workers keep every core busy and extra processes only slow generation down (measured)."""
+    import torch
+
+    return min(8, max((os.cpu_count() or 2) // 2, 1)) if torch.cuda.is_available() else 0
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -199,7 +209,8 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
 
     owns_engine = engine is None
     bar = tqdm(unit="image", dynamic_ncols=True)
-    pool: Executor = ProcessPoolExecutor(cfg.decode_workers) if cfg.decode_workers > 0 else ThreadPoolExecutor(1)
+    workers = default_decode_workers() if cfg.decode_workers is None else cfg.decode_workers
+    pool: Executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 0 else ThreadPoolExecutor(1)
     try:
         chunks = _chunked(todo(), cfg.chunk_images)
         decoded = _decode_ahead(pool, chunks, cfg.image_policy)

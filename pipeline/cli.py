@@ -89,7 +89,7 @@ def caption(
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.95,
     max_pixels: Annotated[int, typer.Option(help="Images larger than this many pixels are downscaled before the engine.")] = 1024 * 1024,
     chunk_images: Annotated[int, typer.Option(help="Images per engine call; each finished chunk is committed to the cache.")] = 256,
-    decode_workers: Annotated[int, typer.Option(help="Processes decoding the next chunk while the engine works (0: a thread).")] = 2,
+    decode_workers: Annotated[Optional[int], typer.Option(help="Processes decoding the next chunk while the engine works (0: one thread; default: up to 8 with a GPU, a thread on CPU).")] = None,
     image_column: Annotated[Optional[str], typer.Option(help="Image column of Parquet / datasets inputs (default: image, img, jpg, png).")] = None,
     device: Annotated[str, typer.Option(help="Device of the hf backend: auto, cpu, cuda.")] = "auto",
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own Python code to run (off unless asked for).")] = False,

