@@ -32,6 +32,7 @@ demo: venv
 bench: venv
 	$(PY) benchmarks/embed.py
 	$(PY) benchmarks/loader.py
+	$(PY) benchmarks/caption.py
 
 clean-venv:
 	rm -rf $(VENV)
