@@ -122,7 +122,7 @@ def render(objs: list[Obj], grid: int, size: int, rng: np.random.Generator) -> n
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def _where(o: Obj, style: int, grid: int) -> str:
+def where_phrase(o: Obj, style: int, grid: int) -> str:
     if style == 0:
         return f"in row {o.row + 1}, column {o.col + 1}"
     if style == 1 and grid == 4:
@@ -132,11 +132,11 @@ def _where(o: Obj, style: int, grid: int) -> str:
     return f"at position ({o.row + 1}, {o.col + 1})"
 
 
-def _article(phrase: str) -> str:
+def article(phrase: str) -> str:
     return ("an " if phrase[0] in "aeiou" else "a ") + phrase
 
 
-def _describe(o: Obj, detail: int) -> str:
+def describe(o: Obj, detail: int) -> str:
     if detail == 0:
         return f"{o.colour} {o.shape}"
     if detail == 1:
@@ -156,7 +156,7 @@ def captions_for(objs: list[Obj], grid: int, rng: np.random.Generator) -> list[s
     for k in range(CAPTIONS_PER_IMAGE):
         order = rng.permutation(len(objs)) if k % 2 else np.arange(len(objs))
         style, detail = k % 4, (k // 2) % 3
-        parts = [f"{_article(_describe(objs[i], detail))} {_where(objs[i], style, grid)}" for i in order]
+        parts = [f"{article(describe(objs[i], detail))} {where_phrase(objs[i], style, grid)}" for i in order]
         if k % 3 == 0:
             text = "There is " + "; ".join(parts) + "."
         elif k % 3 == 1:

@@ -2,9 +2,10 @@
 
 Both are built from nothing (no hub) and loaded only through
 ``from_pretrained(dir)``, the same path real checkpoints take. With a caption
-corpus the T5 is briefly trained with span corruption so that its token
-embeddings bind attributes to positions; a random T5 passes captions on as a
-bag of words (see README, "Tiny models").
+corpus the T5 is first trained with span corruption; a random T5 passes
+captions on as a bag of words. What training does and does not change is
+measured by `tiny_t5.binding_score` and `tiny_t5.probe_accuracy` (README,
+"tcjepa tiny-models").
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def read_caption_corpus(path: Path) -> list[str]:
 
 def build_tiny_models(out: Path, t5_corpus: Path | None = None, t5_steps: int = 1500, seed: int = 0) -> dict[str, Any]:
     """Write `out/t5` and `out/vlm`; returns what was built (and the T5's binding score when trained)."""
-    from pipeline.tiny_t5 import binding_score, build_tiny_t5
+    from pipeline.tiny_t5 import binding_score, build_tiny_t5, probe_accuracy
     from pipeline.tiny_vlm import build_tiny_vlm
 
     if t5_steps < 0:
@@ -47,4 +48,6 @@ def build_tiny_models(out: Path, t5_corpus: Path | None = None, t5_steps: int = 
     build_tiny_vlm(out / "vlm", seed=seed)
     stats: dict[str, Any] = {"t5": str(out / "t5"), "vlm": str(out / "vlm"), "t5_training": t5}
     stats["t5_binding_score"] = round(binding_score(out / "t5"), 4)
+    if corpus:
+        stats["t5_probe_accuracy"] = {k: round(v, 4) for k, v in probe_accuracy(out / "t5").items()}
     return stats
