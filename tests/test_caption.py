@@ -189,3 +189,21 @@ def test_kill_and_resume_then_concurrent_writers(tmp_path, images, tiny_models, 
     keys = [(r["image_sha256"], r["prompt_id"], r["sample"]) for r in rows]
     assert len(keys) == len(set(keys)) == 320 and reference.captions == 320
     assert _keyed(rows) == expected, f"resumed captions differ (partial rows before resume: {partial})"
+
+
+def test_tar_and_parquet_sources_through_the_engine(tmp_path, images, tiny_models, vllm_engine):
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = sorted(images.glob("*.png"))[:4]
+    with tarfile.open(tmp_path / "shard-000.tar", "w") as tar:
+        for f in files[:2]:
+            tar.add(f, arcname=f"{f.stem}.png")
+    pq.write_table(pa.table({"image": [{"bytes": f.read_bytes(), "path": f.name} for f in files[2:]]}), tmp_path / "part.parquet")
+    report = run_caption(_cfg([tmp_path / "shard-000.tar", tmp_path / "part.parquet"], tmp_path / "cache", tiny_models), engine=vllm_engine)
+    assert report.captioned == 4 and report.captions == 32
+    sources = {r["source_id"]: r["image_sha256"] for r in _rows(tmp_path / "cache")}
+    assert sources == {"shard-000.tar::000000.png": sha256_file(files[0]), "shard-000.tar::000001.png": sha256_file(files[1]),
+                       "part.parquet::0": sha256_file(files[2]), "part.parquet::1": sha256_file(files[3])}

@@ -153,3 +153,21 @@ def test_kill_and_resume_ends_as_an_uninterrupted_run(tmp_path, annotated_cache,
     assert resumed.keys() == reference.keys()
     for k, v in reference.items():  # other batch compositions: equal up to bfloat16 rounding
         np.testing.assert_allclose(resumed[k].astype(np.float32), v.astype(np.float32), atol=0.02, rtol=0.02)
+
+
+def test_non_finite_or_overflowing_vectors_stop_with_the_caption_named(tmp_path, annotated_cache, tiny_models):
+    """T5 activations beyond float16's range must not be stored as inf."""
+    import shutil
+
+    import torch
+    from transformers import T5EncoderModel
+
+    broken = tmp_path / "t5-huge"
+    shutil.copytree(tiny_models / "t5", broken)
+    model = T5EncoderModel.from_pretrained(broken)
+    with torch.no_grad():
+        model.encoder.final_layer_norm.weight.mul_(1e6)
+    model.save_pretrained(broken)
+    proc = tcjepa("embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", broken, *SMALL, check=False)
+    assert proc.returncode == 2 and "non-finite or float16-overflowing" in proc.stderr and "caption " in proc.stderr, proc.stderr[-500:]
+    assert not EmbeddingReader(tmp_path / "s").segment_ids, "nothing is published"
