@@ -172,13 +172,22 @@ def test_kill_and_resume_then_concurrent_writers(tmp_path, images, tiny_models, 
     cache = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rng = random.Random(3)
+
+    def committed() -> int:
+        return len(_rows(cache)) if (cache / "CACHE.json").exists() else 0
+
     for _ in range(2):
+        before = committed()
         proc = subprocess.Popen(_cli(images, cache, tiny_models), cwd=REPO, env=env, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(22, 30))  # past the engine start, inside generation
+        deadline = time.monotonic() + 180
+        while committed() <= before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside the next chunk
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    partial = len(_rows(cache)) if (cache / "CACHE.json").exists() else 0
+        assert before < committed() < 320, "killed mid-run, after some chunks were committed"
+    partial = committed()
     # two writers at once over the same images finish the job together
     procs = [subprocess.Popen(_cli(images, cache, tiny_models), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
