@@ -38,7 +38,7 @@ from filelock import FileLock
 from pipeline.digests import DigestIndex, first_occurrence
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_bytes, fsync_dir, fsync_file
-from pipeline.recipes import canonical_json, recipe_hash, sha256_file
+from pipeline.recipes import canonical_json, recipe_hash, sha256_file, text_key
 
 FORMAT = "tcjepa-caption-cache"
 VERSION = 1
@@ -116,7 +116,7 @@ def caption_row(
         "prompt_id": prompt_id,
         "sample": sample,
         "text": text,
-        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "text_sha256": text_key(text).hex(),
         "finish_reason": finish_reason,
         "num_tokens": num_tokens,
     }

@@ -93,13 +93,13 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     texts, keys, n_rows = _texts_to_encode(cache, recipes)
     report = EmbedReport(captions_selected=n_rows, unique_texts=len(texts))
 
-    if cfg.dry_run and not (cfg.store / "zarr.json").exists():
-        store = None
-        todo = np.arange(len(texts))
-    else:
-        store = EmbeddingStore.open_or_create(cfg.store, recipe, d_model) if not cfg.dry_run else EmbeddingStore(cfg.store)
+    store: EmbeddingStore | None = None
+    if not cfg.dry_run:
+        store = EmbeddingStore.open_or_create(cfg.store, recipe, d_model)
+    elif (cfg.store / "zarr.json").exists():  # a dry run creates nothing, but refuses a mismatched store all the same
+        store = EmbeddingStore(cfg.store)
         store.check_encoder(recipe)
-        todo = np.flatnonzero(~store.published().contains(keys))
+    todo = np.arange(len(texts)) if store is None else np.flatnonzero(~store.published().contains(keys))
     report.already_stored = len(texts) - len(todo)
 
     if cfg.dry_run:

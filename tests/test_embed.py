@@ -78,7 +78,8 @@ def test_embed_refuses_other_encoder_recipe_and_fp16(tmp_path, annotated_cache, 
     store = tmp_path / "store"
     tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", *SMALL)
     for extra, needle in [(["--max-length", "32"], "another encoder recipe"), (["--dtype", "float32"], "another encoder recipe"),
-                          (["--no-eos"], "another encoder recipe"), (["--dtype", "float16"], "overflows in float16")]:
+                          (["--no-eos"], "another encoder recipe"), (["--dtype", "float16"], "overflows in float16"),
+                          (["--max-length", "32", "--dry-run"], "another encoder recipe")]:
         proc = tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", *SMALL, *extra, check=False)
         assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
