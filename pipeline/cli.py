@@ -57,19 +57,9 @@ def synth(
 
 
 def parse_engine_args(pairs: list[str]) -> dict[str, object]:
-    """`key=value` pairs, values read as YAML scalars or flow mappings (2, 0.9, true, {image: 1})."""
-    import yaml
+    from pipeline.keyvalues import parse_key_values
 
-    out: dict[str, object] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--vllm-arg {pair!r}: expected key=value, e.g. tensor_parallel_size=2")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError:
-            raise UserError(f"--vllm-arg {pair!r}: cannot read the value") from None
-    return out
+    return parse_key_values(pairs, "--vllm-arg", "tensor_parallel_size=2")
 
 
 @app.command()

@@ -1,0 +1,70 @@
+"""The TC-JEPA objective: L = L_predict + λ/N Σ_n L_sparse^n + β/N Σ_n L_consistency^n.
+
+With O_i^l = max(cos(q_l(i), K_l), 0) over caption n's valid words (layer l, token i):
+    L_sparse^n      = 1/|I| Σ_i 1/L Σ_l ||O_i^l||_1
+    L_consistency^n = 1/|I| Σ_i 1/L Σ_l ||O_i^l − Ō_i||_1,   Ō_i = 1/L Σ_l O_i^l
+I is every token the predictor conditions (context and target positions of every
+predictor sequence). The average over n runs over the captions an image has
+(images with fewer than N captions are not diluted), then over images with any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LOSSES = ("l2", "smooth_l1")
+
+
+def target_features(features: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
+    """Layer-normed (no affine) target-encoder outputs `[B, P, D]` gathered at `target_idx` `[B, M, Lt]`."""
+    normed = F.layer_norm(features, features.shape[-1:])
+    b, m, lt = target_idx.shape
+    flat = target_idx.reshape(b, m * lt, 1).expand(-1, -1, normed.shape[-1])
+    return torch.gather(normed, 1, flat).view(b, m, lt, -1)
+
+
+def prediction_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = "l2") -> torch.Tensor:
+    """Mean over target patches (and feature dims) of the squared L2 or smooth-L1 (β=1) distance."""
+    prediction, target = prediction.float(), target.float()
+    if kind == "l2":
+        return F.mse_loss(prediction, target)
+    if kind == "smooth_l1":
+        return F.smooth_l1_loss(prediction, target, beta=1.0)
+    raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {kind!r}")
+
+
+@dataclass
+class TextRegularisers:
+    sparse: torch.Tensor              # scalar: 1/N Σ_n L_sparse^n
+    consistency: torch.Tensor         # scalar: 1/N Σ_n L_consistency^n
+    positive_fraction: torch.Tensor   # [L]: share of valid patch–word cosines > 0 per layer (0 = regulariser dead)
+
+
+def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, valid: torch.Tensor) -> TextRegularisers:
+    """Sparsity and cross-layer consistency of rectified patch–word cosines.
+
+    `cosines`: per layer `[B, I, N, S]`; `word_mask` `[B, N, S]`; `valid` `[B, N]`.
+    """
+    stacked = torch.stack(cosines).float()  # [L, B, I, N, S]
+    words = word_mask[None, :, None].to(stacked.dtype)
+    rectified = stacked.clamp_min(0) * words
+    mean_over_layers = rectified.mean(dim=0, keepdim=True)
+    sparse = rectified.sum(dim=-1).mean(dim=0)  # [B, I, N]
+    consistency = (rectified - mean_over_layers).abs().sum(dim=-1).mean(dim=0)
+    weights = valid.to(sparse.dtype)
+    per_image = weights.sum(dim=1).clamp_min(1)
+    with_text = (weights.sum(dim=1) > 0).to(sparse.dtype)
+    denom = with_text.sum().clamp_min(1)
+
+    def average(per_token: torch.Tensor) -> torch.Tensor:
+        per_caption = per_token.mean(dim=1)  # [B, N]
+        return ((per_caption * weights).sum(dim=1) / per_image * with_text).sum() / denom
+
+    with torch.no_grad():
+        counted = words.expand_as(stacked)
+        positive = ((stacked > 0).to(stacked.dtype) * counted).sum(dim=(1, 2, 3, 4))
+        positive_fraction = positive / counted.sum(dim=(1, 2, 3, 4)).clamp_min(1)
+    return TextRegularisers(average(sparse), average(consistency), positive_fraction)

@@ -1,0 +1,207 @@
+"""The JEPA predictor and its text conditioner.
+
+Input: context features (projected to the predictor width, plus their position
+embeddings) followed by one mask token per target position (a shared learnable
+vector plus that position's embedding). Each target block is its own predictor
+sequence; sequences are ordered image-major (sequence p = image p // M, block
+p % M), so one image's M sequences are adjacent and can be viewed as one
+`[M*T]` row when they attend to that image's captions.
+
+Conditioning modes:
+- ``none``: plain I-JEPA.
+- ``sequence``: the N captions' word tokens, projected to the predictor width
+  (plus a learned type embedding), appended once to every predictor sequence;
+  padding words are masked out of self-attention.
+- ``cross``: TC-JEPA. In every layer, after self-attention, every token (context
+  and target positions alike) attends to each caption's words by residual
+  cross-attention (padding words masked), then the layer's MLP follows
+  (pre-norm residual: x + MLP(LN x)). The N caption-conditioned versions are
+  max-pooled over captions, per layer, and the pooled features feed the next
+  layer. `pool="after_mlp"` pools after each caption's MLP (the literal reading
+  of the paper); `pool="before_mlp"` pools right after the cross-attention and
+  runs one shared MLP (N times cheaper). Missing captions are left out of the
+  pool; an image without any caption takes the unconditioned path (x + MLP).
+
+The cross-attention also returns the patch–word cosine of every layer, taken over
+the full projected vectors (all heads together), for the sparsity and
+consistency regularisers (`train.losses`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.vit import LN_EPS, MLP, SelfAttention, init_weights, scale_residual_outputs, sincos_2d
+
+CONDITIONING = ("none", "sequence", "cross")
+POOLING = ("after_mlp", "before_mlp")
+
+
+@dataclass
+class TextBatch:
+    """Up to N captions per image as padded word embeddings; length 0 marks a missing caption."""
+
+    tokens: torch.Tensor   # [B, N, S, d_text]
+    lengths: torch.Tensor  # [B, N] int64
+
+    @property
+    def word_mask(self) -> torch.Tensor:
+        """bool `[B, N, S]`: True on real words."""
+        s = self.tokens.shape[2]
+        return torch.arange(s, device=self.lengths.device) < self.lengths[..., None]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """bool `[B, N]`: the caption exists."""
+        return self.lengths > 0
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False) -> TextBatch:
+        return TextBatch(self.tokens.to(device, dtype=dtype, non_blocking=non_blocking), self.lengths.to(device, non_blocking=non_blocking))
+
+
+@dataclass
+class PredictorOutput:
+    prediction: torch.Tensor            # [B, M, Lt, encoder width]
+    cosines: list[torch.Tensor]         # cross mode: per layer, patch–word cosine [B, M*T, N, S]; else empty
+
+
+class TextCrossAttention(nn.Module):
+    """Multi-head attention from image tokens to each caption's words, one softmax per caption."""
+
+    def __init__(self, dim: int, text_dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(text_dim, dim)
+        self.v = nn.Linear(text_dim, dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, text: TextBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` `[B, Q, d]` (normed) → per-caption outputs `[B, N, Q, d]` and cosines `[B, Q, N, S]`.
+
+        All captions' words form one key sequence, so the scores of every caption
+        come from a single matmul and the softmax is taken per caption on a view.
+        """
+        b, nq, d = x.shape
+        n, s = text.tokens.shape[1:3]
+        h, dh = self.heads, d // self.heads
+        q_full = self.q(x)
+        k_full = self.k(text.tokens).reshape(b, n * s, d)
+        q = q_full.view(b, nq, h, dh).transpose(1, 2)
+        k = k_full.view(b, n * s, h, dh).transpose(1, 2)
+        v = self.v(text.tokens).view(b, n, s, h, dh).permute(0, 3, 1, 2, 4)
+        raw = q @ k.transpose(-1, -2)  # [B, h, Q, N*S]
+        # A missing caption has no words; let it attend to its padding (the output is discarded) instead of NaN.
+        attend = text.word_mask | ~text.valid[..., None]
+        logits = (raw * dh**-0.5).masked_fill(~attend.view(b, 1, 1, n * s), float("-inf"))
+        probs = logits.view(b, h, nq, n, s).softmax(dim=-1)
+        out = probs.transpose(2, 3) @ v  # [B, h, N, Q, dh]
+        out = self.proj(out.permute(0, 2, 3, 1, 4).reshape(b, n, nq, d))
+        # Sum over heads of per-head dot products = the dot product of the full vectors.
+        norms = q_full.float().norm(dim=-1)[:, :, None] * k_full.float().norm(dim=-1)[:, None, :]
+        cosine = raw.float().sum(dim=1) / norms.clamp_min(1e-6)
+        return out, cosine.view(b, nq, n, s)
+
+
+def masked_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Max over dim 1 of `x` `[B, N, ...]` among entries with `keep` `[B, N]` True."""
+    shape = keep.shape + (1,) * (x.dim() - 2)
+    return x.masked_fill(~keep.view(shape), float("-inf")).amax(dim=1)
+
+
+class PredictorBlock(nn.Module):
+    """Self-attention, then (cross mode) text cross-attention pooled over captions, then the MLP."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, text_dim: int | None, pool: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.attn = SelfAttention(dim, heads)
+        self.cross = None if text_dim is None else TextCrossAttention(dim, text_dim, heads)
+        self.norm_cross = None if text_dim is None else nn.LayerNorm(dim, eps=LN_EPS)
+        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.mlp = MLP(dim, int(dim * mlp_ratio))
+        self.pool = pool
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, text: TextBatch | None,
+                blocks_per_image: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.attn(self.norm1(x), key_mask)
+        if self.cross is None or text is None:
+            return x + self.mlp(self.norm2(x)), None
+        p, t, d = x.shape
+        per_image = x.reshape(p // blocks_per_image, blocks_per_image * t, d)
+        out, cosine = self.cross(self.norm_cross(per_image), text)
+        valid = text.valid
+        out = out * valid[:, :, None, None].to(out.dtype)
+        # An image without captions keeps one "empty caption" (zero update): the unconditioned path.
+        pool_keep = valid.clone()
+        pool_keep[:, 0] |= ~valid.any(dim=1)
+        conditioned = per_image[:, None] + out  # [B, N, M*T, d]
+        if self.pool == "after_mlp":
+            conditioned = conditioned + self.mlp(self.norm2(conditioned))
+            pooled = masked_max(conditioned, pool_keep)
+        else:
+            pooled = masked_max(conditioned, pool_keep)
+            pooled = pooled + self.mlp(self.norm2(pooled))
+        return pooled.reshape(p, t, d), cosine
+
+
+class Predictor(nn.Module):
+    def __init__(self, encoder_width: int, grid: tuple[int, int], width: int = 384, depth: int = 6, heads: int = 12,
+                 mlp_ratio: float = 4.0, conditioning: str = "none", text_dim: int | None = None,
+                 pool: str = "after_mlp") -> None:
+        super().__init__()
+        if conditioning not in CONDITIONING:
+            raise ValueError(f"conditioning must be one of {', '.join(CONDITIONING)}, got {conditioning!r}")
+        if pool not in POOLING:
+            raise ValueError(f"pool must be one of {', '.join(POOLING)}, got {pool!r}")
+        if conditioning != "none" and not text_dim:
+            raise ValueError(f"conditioning {conditioning!r} needs the text embedding width (text_dim)")
+        self.conditioning = conditioning
+        self.embed = nn.Linear(encoder_width, width)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
+        self.register_buffer("pos_embed", sincos_2d(width, grid), persistent=False)
+        cross_dim = text_dim if conditioning == "cross" else None
+        self.blocks = nn.ModuleList(PredictorBlock(width, heads, mlp_ratio, cross_dim, pool) for _ in range(depth))
+        self.text_embed = nn.Linear(text_dim, width) if conditioning == "sequence" else None
+        self.text_type = nn.Parameter(torch.zeros(1, 1, width)) if conditioning == "sequence" else None
+        self.norm = nn.LayerNorm(width, eps=LN_EPS)
+        self.proj = nn.Linear(width, encoder_width)
+        init_weights(self)
+        nn.init.trunc_normal_(self.mask_token, std=0.02)
+        if self.text_type is not None:
+            nn.init.trunc_normal_(self.text_type, std=0.02)
+        scale_residual_outputs(self.blocks)
+
+    def forward(self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor,
+                text: TextBatch | None = None) -> PredictorOutput:
+        """`context` `[B, Lc, D]` at `context_idx` `[B, Lc]`; predicts `[B, M, Lt, D]` at `target_idx` `[B, M, Lt]`.
+
+        `text` None (or mode ``none``) predicts without captions: the no-text control.
+        """
+        b, m, lt = target_idx.shape
+        lc = context_idx.shape[1]
+        pos = self.pos_embed
+        ctx = self.embed(context) + pos[context_idx]
+        ctx = ctx.repeat_interleave(m, dim=0)  # [B*M, Lc, w], image-major
+        queries = self.mask_token + pos[target_idx.reshape(b * m, lt)]
+        x = torch.cat([ctx, queries.to(ctx.dtype)], dim=1)
+        key_mask = None
+        use_text = text if self.conditioning != "none" else None
+        if use_text is not None and self.conditioning == "sequence":
+            words = self.text_embed(use_text.tokens) + self.text_type  # [B, N, S, w]
+            words = words.reshape(b, -1, words.shape[-1]).repeat_interleave(m, dim=0)
+            x = torch.cat([x, words.to(x.dtype)], dim=1)
+            word_mask = use_text.word_mask.reshape(b, -1).repeat_interleave(m, dim=0)
+            key_mask = torch.cat([torch.ones(b * m, lc + lt, dtype=torch.bool, device=x.device), word_mask], dim=1)
+        cross_text = use_text if self.conditioning == "cross" else None
+        cosines = []
+        for block in self.blocks:
+            x, cosine = block(x, key_mask, cross_text, m)
+            if cosine is not None:
+                cosines.append(cosine)
+        out = self.proj(self.norm(x[:, lc : lc + lt]))
+        return PredictorOutput(out.view(b, m, lt, -1), cosines)

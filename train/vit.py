@@ -1,0 +1,160 @@
+"""The Vision Transformer used as context and target encoder (I-JEPA style).
+
+No CLS token, fixed 2-D sin-cos position embeddings, a Conv2d patch embedding,
+pre-norm blocks with SDPA attention, a final LayerNorm. The context encoder is
+called with `keep` (the context patch indices) and runs only on those tokens;
+the target encoder is called without it and sees the whole image.
+
+Weights are initialised once, in the constructor, including the depth scaling
+of each block's output projections (the reference code re-initialised after
+construction and so undid it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ViTSize:
+    width: int
+    depth: int
+    heads: int
+    mlp_ratio: float = 4.0
+    predictor_depth: int = 6
+
+
+# Widths, depths and heads of the I-JEPA reference; predictor depth by size (6 by default, 12 for L/H, 16 for g).
+VIT_SIZES: dict[str, ViTSize] = {
+    "vit_tiny": ViTSize(192, 12, 3),
+    "vit_small": ViTSize(384, 12, 6),
+    "vit_base": ViTSize(768, 12, 12),
+    "vit_large": ViTSize(1024, 24, 16, predictor_depth=12),
+    "vit_huge": ViTSize(1280, 32, 16, predictor_depth=12),
+    "vit_giant": ViTSize(1408, 40, 16, mlp_ratio=48 / 11, predictor_depth=16),
+}
+
+LN_EPS = 1e-6
+
+
+def sincos_1d(dim: int, positions: torch.Tensor) -> torch.Tensor:
+    """`[len(positions), dim]` sin-cos embedding of 1-D positions (dim even)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2))
+    angles = positions.to(torch.float64)[:, None] * omega[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+
+
+def sincos_2d(dim: int, grid: tuple[int, int]) -> torch.Tensor:
+    """`[H*W, dim]` fixed 2-D embedding, row-major: half the channels encode the row, half the column."""
+    if dim % 4:
+        raise ValueError(f"sin-cos 2-D position embeddings need a width divisible by 4, got {dim}")
+    h, w = grid
+    rows = torch.arange(h).repeat_interleave(w)
+    cols = torch.arange(w).repeat(h)
+    return torch.cat([sincos_1d(dim // 2, rows), sincos_1d(dim // 2, cols)], dim=1).float()
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"width {dim} is not divisible by {heads} heads")
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`key_mask`: bool `[B, L]`, True where a token may be attended to (padding is False)."""
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(b, n, d))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + Attn(LN x), then x + MLP(LN x)."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.attn = SelfAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.mlp = MLP(dim, int(dim * mlp_ratio))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), key_mask)
+        return x + self.mlp(self.norm2(x))
+
+
+def init_weights(module: nn.Module) -> None:
+    """Truncated-normal(0.02) linear/conv weights, zero biases, unit LayerNorms."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+def scale_residual_outputs(blocks: nn.ModuleList) -> None:
+    """Divide block l's residual output projections by sqrt(2 l), as I-JEPA does, so deep stacks start stable."""
+    for layer, block in enumerate(blocks, start=1):
+        block.attn.proj.weight.data.div_(math.sqrt(2.0 * layer))
+        block.mlp.fc2.weight.data.div_(math.sqrt(2.0 * layer))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"patch size {patch_size} does not divide image size {image_size}")
+        self.patch_size = patch_size
+        self.grid = (image_size // patch_size, image_size // patch_size)
+        self.width = width
+        self.heads = heads
+        self.patch_embed = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size)
+        self.register_buffer("pos_embed", sincos_2d(width, self.grid), persistent=False)
+        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(width, eps=LN_EPS)
+        init_weights(self)
+        scale_residual_outputs(self.blocks)
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`images` `[B, 3, H, W]` → features `[B, L, width]`; `keep` `[B, L]` patch indices, or None for all."""
+        x = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos_embed
+        if keep is not None:
+            x = torch.gather(x, 1, keep[..., None].expand(-1, -1, x.shape[-1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def build_vit(model: str, image_size: int, patch_size: int, width: int | None = None, depth: int | None = None,
+              heads: int | None = None) -> VisionTransformer:
+    """A named size (`vit_tiny` … `vit_giant`), with width/depth/heads overridable for custom sizes."""
+    if model not in VIT_SIZES:
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(VIT_SIZES)}")
+    size = VIT_SIZES[model]
+    return VisionTransformer(image_size, patch_size, width or size.width, depth or size.depth, heads or size.heads, size.mlp_ratio)
