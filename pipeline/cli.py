@@ -174,6 +174,73 @@ def embed(
     typer.echo(report.summary(dry_run))
 
 
+def _help_config(value: bool) -> None:
+    if value:
+        from dataclasses import fields
+
+        from train.config import FIELD_HELP, TrainConfig
+
+        for f in fields(TrainConfig):
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            typer.echo(f"{f.name:<20} {FIELD_HELP[f.name]} (default: {default!r})")
+        raise typer.Exit()
+
+
+@app.command()
+def train(
+    images: Annotated[Optional[list[Path]], typer.Argument(help="Image sources, as for `tcjepa caption` (the same ones the cache was made from).")] = None,
+    out: Annotated[Path, typer.Option(help="Run directory: config.yaml, index.parquet, checkpoint.pt, metrics.jsonl, curves.png. Resumes if it holds a checkpoint.")] = ...,
+    cache: Annotated[Optional[Path], typer.Option(help="Caption cache (not needed with --conditioning none).")] = None,
+    store: Annotated[Optional[Path], typer.Option(help="Embedding store made by `tcjepa embed` from the cache.")] = None,
+    recipe: Annotated[Optional[list[str]], typer.Option(help="Caption recipe(s) to train on, by name or hash prefix (repeatable); required when the cache holds several.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="YAML file of config keys (see --help-config); flags and --set override it.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config key: key=value (repeatable), e.g. --set ema=[0.996,1.0].")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Encoder: vit_tiny, vit_small, vit_base, vit_large, vit_huge, vit_giant.")] = None,
+    patch_size: Annotated[Optional[int], typer.Option(help="Patch side in pixels (must divide --image-size).")] = None,
+    image_size: Annotated[Optional[int], typer.Option(help="Training image side in pixels.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Global batch size, all processes together.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps for the whole run.")] = None,
+    conditioning: Annotated[Optional[str], typer.Option(help="none (I-JEPA), sequence, or cross (TC-JEPA).")] = None,
+    pool: Annotated[Optional[str], typer.Option(help="cross mode: max-pool over captions after_mlp (literal) or before_mlp (N× cheaper MLP).")] = None,
+    captions_per_image: Annotated[Optional[int], typer.Option(help="N captions per image per step.")] = None,
+    lambda_sparse: Annotated[Optional[float], typer.Option(help="λ: weight of the sparsity regulariser.")] = None,
+    beta_consistency: Annotated[Optional[float], typer.Option(help="β: weight of the consistency regulariser.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
+    min_coverage: Annotated[Optional[float], typer.Option(help="Least fraction of images with ≥1 caption (0 disables the check).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for weights, data order, crops, masks and caption choice.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N (torchrun picks cuda:LOCAL_RANK).")] = None,
+    resume: Annotated[bool, typer.Option(help="Require a checkpoint in --out to continue from (resuming is automatic anyway).")] = False,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    help_config: Annotated[bool, typer.Option("--help-config", callback=_help_config, is_eager=True, help="List every config key with its meaning and default, then exit.")] = False,
+) -> None:
+    """Pretrain an image encoder with TC-JEPA (or I-JEPA with --conditioning none); run under torchrun for many GPUs."""
+    from train.config import TrainConfig, apply, load_yaml, parse_set
+
+    saved = out / "config.yaml"
+    cfg = TrainConfig()
+    if saved.exists() and config is None:
+        cfg = apply(cfg, load_yaml(saved), str(saved))
+    if config is not None:
+        cfg = apply(cfg, load_yaml(config), str(config))
+    flags = {"images": [str(p) for p in images] if images else None, "cache": cache and str(cache), "store": store and str(store),
+             "recipes": recipe, "model": model, "patch_size": patch_size, "image_size": image_size, "batch_size": batch_size,
+             "steps": steps, "conditioning": conditioning, "pool": pool, "captions_per_image": captions_per_image,
+             "lambda_sparse": lambda_sparse, "beta_consistency": beta_consistency, "lr": lr, "min_coverage": min_coverage,
+             "seed": seed, "device": device}
+    cfg = apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line")
+    cfg = apply(cfg, parse_set(set_ or []), "--set")
+    if not cfg.images:
+        raise UserError("no images: pass IMAGES (or `images:` in --config)")
+    if resume and not (out / "checkpoint.pt").exists():
+        raise UserError(f"--resume: {out} holds no checkpoint to continue from")
+    from train.loop import train as run_training
+
+    metrics = run_training(cfg, out, progress=progress)
+    last = [m for m in metrics if "val_loss_predict" in m]
+    if last:
+        typer.echo(json.dumps({"run": str(out), **last[-1]}))
+
+
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Directory for the demo's data, models, cache, store and summary.")] = Path("demo-out"),

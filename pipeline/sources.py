@@ -6,22 +6,35 @@ every image's raw bytes with a stable *source id* (the path inside a folder,
 an entry that cannot be read comes with an error instead of bytes, so one bad
 file never stops a job. Images are identified downstream by the sha256 of
 their bytes; the source id is recorded beside it.
+
+The trainer reads images at random instead: `list_images(inputs)` lists the
+same images as `ImageRef`s without reading their bytes, and an `ImageReader`
+in each DataLoader worker fetches one image per call (a file read, one
+``pread`` from a tar shard, one row of a memory-mapped Arrow table).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tarfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    import datasets
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 TABLE_SUFFIXES = (".parquet",)
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 IMAGE_COLUMNS = ("image", "img", "jpg", "png", "image_bytes")
+COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ")  # gzip, bzip2, xz
+OPEN_HANDLES = 64  # per reader: enough for a worker's working set, far below the fd limit
 
 
 @dataclass(frozen=True)
@@ -31,21 +44,33 @@ class ImageEntry:
     error: str | None = None
 
 
-def _folder(root: Path, image_column: str | None) -> Iterator[ImageEntry]:
-    """Images, Parquet files and tar shards below `root` (recursive, sorted, links not followed)."""
-    paths = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        paths.extend(Path(dirpath) / f for f in filenames if f.lower().endswith((*IMAGE_SUFFIXES, *TABLE_SUFFIXES, *TAR_SUFFIXES)))
-    for path in sorted(paths):
-        rel = path.relative_to(root).as_posix()
-        name = rel.lower()
-        if name.endswith(TABLE_SUFFIXES):
-            yield from _parquet(path, image_column, rel)
-        elif name.endswith(TAR_SUFFIXES):
-            yield from _tar(path, rel)
-        else:
-            yield _file(path, rel)
+@dataclass(frozen=True)
+class ImageRef:
+    """Where one image's bytes are, so that a worker can read it without scanning its source."""
+
+    source_id: str  # exactly the source id iter_images gives the same image
+    kind: str  # "file" | "tar" | "table"
+    path: str  # absolute path of the file / tar shard / parquet file / HF dataset dir
+    offset: int = 0  # tar: byte offset of the member's data; table: row number
+    size: int = -1  # tar: member size in bytes
+    column: str = ""  # table: image column
+
+
+def _leaves(kinds: list[tuple[Path, str]]) -> Iterator[tuple[Path, str, str]]:
+    """(path, kind, label) of every single source: folders expand to their files (recursive,
+    sorted, links to directories not followed); the label prefixes the source ids."""
+    for path, kind in kinds:
+        if kind != "folder":
+            yield path, kind, path.name
+            continue
+        paths = []
+        for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+            dirnames.sort()
+            paths.extend(Path(dirpath) / f for f in filenames if f.lower().endswith((*IMAGE_SUFFIXES, *TABLE_SUFFIXES, *TAR_SUFFIXES)))
+        for file in sorted(paths):
+            rel = file.relative_to(path).as_posix()
+            name = rel.lower()
+            yield file, "parquet" if name.endswith(TABLE_SUFFIXES) else "tar" if name.endswith(TAR_SUFFIXES) else "image", rel
 
 
 def _file(path: Path, label: str) -> ImageEntry:
@@ -121,16 +146,27 @@ def _parquet(path: Path, column: str | None, label: str) -> Iterator[ImageEntry]
             row += 1
 
 
-def _hf_dataset(root: Path, column: str | None) -> Iterator[ImageEntry]:
+def _load_hf(root: Path) -> datasets.Dataset:
     import datasets
 
     ds = datasets.load_from_disk(str(root))
     if isinstance(ds, datasets.DatasetDict):
         raise UserError(f"{root} holds several splits ({', '.join(ds)}); pass one split's directory")
+    return ds
+
+
+def _undecoded(ds: datasets.Dataset, name: str) -> datasets.Dataset:
+    """Only column `name`, with an Image feature left as its stored {bytes, path}."""
+    import datasets
+
+    ds = ds.select_columns([name])
+    return ds.cast_column(name, datasets.Image(decode=False)) if isinstance(ds.features[name], datasets.Image) else ds
+
+
+def _hf_dataset(root: Path, column: str | None) -> Iterator[ImageEntry]:
+    ds = _load_hf(root)
     name = _image_column(list(ds.column_names), column, str(root))
-    if isinstance(ds.features[name], datasets.Image):
-        ds = ds.cast_column(name, datasets.Image(decode=False))
-    for row, value in enumerate(ds.select_columns([name]).to_iterable_dataset()):
+    for row, value in enumerate(_undecoded(ds, name).to_iterable_dataset()):
         data, error = _value_bytes(value[name], root)
         yield ImageEntry(f"{root.name}::{row}", data, error)
 
@@ -146,25 +182,177 @@ def describe_input(path: Path) -> str:
     raise UserError(f"{path}: not a folder, .parquet file, .tar shard, HF datasets directory or image file")
 
 
-def iter_images(inputs: list[Path], image_column: str | None = None) -> Iterator[ImageEntry]:
-    """Every image of every input, in a deterministic order; bad inputs are refused before any is read."""
+def _check_inputs(inputs: list[Path]) -> list[tuple[Path, str]]:
+    """(path, kind) of each input; a missing or unknown one is refused before any is read."""
     kinds = []
     for path in map(Path, inputs):
         if not path.exists():
             raise UserError(f"{path}: no such file or directory")
         kinds.append((path, describe_input(path)))
-    return _iter_inputs(kinds, image_column)
+    return kinds
+
+
+def iter_images(inputs: list[Path], image_column: str | None = None) -> Iterator[ImageEntry]:
+    """Every image of every input, in a deterministic order; bad inputs are refused before any is read."""
+    return _iter_inputs(_check_inputs(inputs), image_column)
 
 
 def _iter_inputs(kinds: list[tuple[Path, str]], image_column: str | None) -> Iterator[ImageEntry]:
-    for path, kind in kinds:
-        if kind == "folder":
-            yield from _folder(path, image_column)
-        elif kind == "hf-dataset":
+    for path, kind, label in _leaves(kinds):
+        if kind == "hf-dataset":
             yield from _hf_dataset(path, image_column)
         elif kind == "parquet":
-            yield from _parquet(path, image_column, path.name)
+            yield from _parquet(path, image_column, label)
         elif kind == "tar":
-            yield from _tar(path, path.name)
+            yield from _tar(path, label)
         else:
-            yield _file(path, path.name)
+            yield _file(path, label)
+
+
+# ---- random access (the trainer) ----------------------------------------------------------
+
+
+def _skip_warning(label: str, problem: str) -> None:
+    """A source list_images cannot list: iter_images reports it as an error entry, here it is said once."""
+    print(f"warning: {label}: {problem}; its images are left out", file=sys.stderr)
+
+
+def _tar_refs(path: Path, label: str) -> Iterator[ImageRef]:
+    """Regular image members of an uncompressed tar shard, from the headers alone."""
+    try:
+        with open(path, "rb") as f:
+            compressed = f.read(6).startswith(COMPRESSED_MAGIC)
+        tar = None if compressed else tarfile.open(path, mode="r:")
+    except (tarfile.TarError, OSError) as exc:
+        _skip_warning(label, f"unreadable tar shard ({exc})")
+        return
+    if tar is None:
+        raise UserError(f"{path}: compressed tar shard; training reads images at random offsets, so decompress it first (e.g. gunzip -k) and pass the .tar")
+    where = os.path.abspath(path)
+    with tar:
+        try:
+            for member in tar:
+                # links and sparse members have no contiguous data to pread; iter_images reports links as errors
+                if member.name.lower().endswith(IMAGE_SUFFIXES) and member.isreg() and not member.issparse():
+                    yield ImageRef(f"{label}::{member.name}", "tar", where, member.offset_data, member.size)
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            _skip_warning(label, f"tar shard ends early or is corrupt ({exc}); members after the damage")
+
+
+def _parquet_refs(path: Path, column: str | None, label: str) -> list[ImageRef]:
+    """One ref per row, from the file's metadata alone."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        _skip_warning(label, f"unreadable parquet file ({exc})")
+        return []
+    name = _image_column(pf.schema_arrow.names, column, str(path))
+    where = os.path.abspath(path)
+    return [ImageRef(f"{label}::{row}", "table", where, row, column=name) for row in range(pf.metadata.num_rows)]
+
+
+def _hf_refs(root: Path, column: str | None) -> list[ImageRef]:
+    ds = _load_hf(root)
+    name = _image_column(list(ds.column_names), column, str(root))
+    where = os.path.abspath(root)
+    return [ImageRef(f"{root.name}::{row}", "table", where, row, column=name) for row in range(ds.num_rows)]
+
+
+def list_images(inputs: list[Path], image_column: str | None = None) -> list[ImageRef]:
+    """Same images, same order, same source ids as iter_images, without reading image bytes.
+
+    Tar shards are listed from their headers, Parquet files from their metadata. Entries
+    iter_images yields only as errors (links in tar shards, unreadable shards) are left
+    out; a file or table cell that turns out unreadable fails in `ImageReader.read`.
+    """
+    refs: list[ImageRef] = []
+    for path, kind, label in _leaves(_check_inputs(inputs)):
+        if kind == "hf-dataset":
+            refs.extend(_hf_refs(path, image_column))
+        elif kind == "parquet":
+            refs.extend(_parquet_refs(path, image_column, label))
+        elif kind == "tar":
+            refs.extend(_tar_refs(path, label))
+        else:
+            refs.append(ImageRef(label, "file", os.path.abspath(path)))
+    return refs
+
+
+class ImageReader:
+    """Reads one image's bytes per call from an `ImageRef`.
+
+    Handles (tar shard descriptors, memory-mapped Arrow tables) are opened on first use
+    and belong to the process that opened them: a reader pickled into, or forked with, a
+    DataLoader worker opens its own. A Parquet file is read through a memory-mapped Arrow
+    copy of its image column that `datasets` writes once to its cache (HF_DATASETS_CACHE),
+    because Parquet itself can only be read a whole page of images at a time.
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._handles: OrderedDict[str, int | datasets.Dataset] = OrderedDict()
+
+    def __reduce__(self) -> tuple[type[ImageReader], tuple[()]]:
+        """Pickle as a fresh reader: open handles never travel to another process."""
+        return ImageReader, ()
+
+    def read(self, ref: ImageRef) -> bytes:
+        """The image's bytes; OSError (naming the source id) when they cannot be read."""
+        if ref.kind == "file":
+            try:
+                return Path(ref.path).read_bytes()
+            except OSError as exc:
+                raise OSError(f"{ref.source_id}: unreadable file: {exc.strerror or exc}") from exc
+        if ref.kind == "tar":
+            data = os.pread(self._handle(ref), ref.size, ref.offset)
+            if len(data) != ref.size:
+                raise OSError(f"{ref.source_id}: tar shard {ref.path} is shorter than when it was listed")
+            return data
+        if ref.kind == "table":
+            data, error = _value_bytes(self._handle(ref)[ref.offset][ref.column], Path(ref.path) if os.path.isdir(ref.path) else Path(ref.path).parent)
+            if data is None:
+                raise OSError(f"{ref.source_id}: {error}")
+            return data
+        raise ValueError(f"unknown ImageRef kind {ref.kind!r}")
+
+    def _handle(self, ref: ImageRef) -> int | datasets.Dataset:
+        """The open tar descriptor or Arrow table for `ref`, least recently used ones closed."""
+        if self._pid != os.getpid():  # forked: the parent's handles are not ours to use or close
+            self._pid, self._handles = os.getpid(), OrderedDict()
+        key = f"{ref.kind}:{ref.path}:{ref.column}"
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._open(ref)
+            self._handles[key] = handle
+            if len(self._handles) > OPEN_HANDLES:
+                self._close(self._handles.popitem(last=False)[1])
+        else:
+            self._handles.move_to_end(key)
+        return handle
+
+    @staticmethod
+    def _open(ref: ImageRef) -> int | datasets.Dataset:
+        if ref.kind == "tar":
+            try:
+                return os.open(ref.path, os.O_RDONLY)
+            except OSError as exc:
+                raise OSError(f"{ref.source_id}: unreadable tar shard: {exc.strerror or exc}") from exc
+        if os.path.isdir(ref.path):
+            return _undecoded(_load_hf(Path(ref.path)), ref.column)
+        import datasets
+
+        return _undecoded(datasets.Dataset.from_parquet(ref.path, columns=[ref.column]), ref.column)
+
+    @staticmethod
+    def _close(handle: int | datasets.Dataset) -> None:
+        if isinstance(handle, int):
+            os.close(handle)
+
+    def close(self) -> None:
+        """Close this process's handles (the reader stays usable and reopens on demand)."""
+        if self._pid == os.getpid():
+            for handle in self._handles.values():
+                self._close(handle)
+        self._handles = OrderedDict()

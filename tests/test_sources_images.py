@@ -1,5 +1,8 @@
 import io
 import json
+import multiprocessing
+import pickle
+import re
 import tarfile
 
 import numpy as np
@@ -11,7 +14,7 @@ from PIL import Image
 from pipeline.errors import UserError
 from pipeline.images import ImagePolicy, decode
 from pipeline.recipes import sha256_bytes
-from pipeline.sources import iter_images
+from pipeline.sources import ImageReader, iter_images, list_images
 
 
 def _png(colour, size=(32, 24), mode="RGB"):
@@ -133,3 +136,78 @@ def test_decode_normalises_or_names_the_problem(tmp_path):
     assert rgba.getpixel((3, 3)) == (255, 255, 255), "transparent pixels become white"
     big, _ = decode(_png("white", (3000, 2000)), policy)
     assert abs(big.width / big.height - 1.5) < 0.01
+
+
+def _read_all(reader, refs):
+    return [reader.read(r) for r in refs]
+
+
+def test_list_images_reads_what_iter_images_yields(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))  # Parquet's Arrow copies, also in the child
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    folder = tmp_path / "folder"
+    (folder / "a" / "b").mkdir(parents=True)
+    names = list(IMAGES)
+    for i, name in enumerate(names):
+        (folder / ["", "a", "a/b"][i % 3] / name).write_bytes(IMAGES[name])
+    pq.write_table(pa.table({"image": [{"bytes": d, "path": None} for d in IMAGES.values()]}), folder / "a" / "t.parquet", row_group_size=2)
+    pq.write_table(pa.table({"file": [str(folder / n) for n in names[::3]] + ["", None]}), tmp_path / "paths.parquet")
+    pq.write_table(pa.table({"label": [1, 2], "jpg": [IMAGES[names[0]], IMAGES[names[1]]]}), tmp_path / "raw.parquet")
+    ds = datasets.Dataset.from_dict({"image": [Image.open(io.BytesIO(d)) for d in IMAGES.values()], "n": list(range(5))},
+                                    features=datasets.Features({"image": datasets.Image(), "n": datasets.Value("int32")}))
+    ds.save_to_disk(str(tmp_path / "hfdir"))
+    with tarfile.open(folder / "a" / "shard.tar", "w") as tar:
+        for name, data in IMAGES.items():
+            for member, payload in ((name, data), (f"{name[:-4]}.json", b"{}")):
+                info = tarfile.TarInfo(member)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+        link = tarfile.TarInfo("link.png")
+        link.type = tarfile.SYMTYPE
+        link.linkname = names[0]
+        tar.addfile(link)
+    (tmp_path / "shard.tar").write_bytes((folder / "a" / "shard.tar").read_bytes())
+
+    reader = ImageReader()
+    for inputs, column in [([folder], None), ([tmp_path / "hfdir"], None), ([tmp_path / "raw.parquet"], None),
+                           ([tmp_path / "shard.tar", folder / names[0]], None), ([tmp_path / "paths.parquet"], "file")]:
+        entries = [e for e in iter_images(inputs, column) if e.data is not None or "link" not in e.error]
+        refs = list_images(inputs, column)
+        assert [r.source_id for r in refs] == [e.source_id for e in entries], inputs
+        for ref, entry in zip(refs, entries):
+            if entry.data is None:
+                with pytest.raises(OSError, match=re.escape(entry.error)):
+                    reader.read(ref)
+            else:
+                assert reader.read(ref) == entry.data, ref
+    refs = list_images([folder])
+    assert {r.kind for r in refs} == {"file", "table", "tar"} and len(refs) == 15 and all(r.path.startswith("/") for r in refs)
+    assert "a/shard.tar::link.png" not in {r.source_id for r in refs}
+
+    refs = list_images([folder, tmp_path / "hfdir", tmp_path / "raw.parquet"])
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # the reader is pickled into the child before any use
+        assert pool.apply(_read_all, (ImageReader(), refs)) == _read_all(reader, refs)
+    assert vars(pickle.loads(pickle.dumps(reader)))["_handles"] == {}  # a used reader pickles without its handles
+    reader.close()
+    assert _read_all(reader, refs[:3]) == [e.data for e in list(iter_images([folder]))[:3]]
+
+
+def test_list_images_refuses_what_it_cannot_read_at_random(tmp_path):
+    import gzip
+
+    with pytest.raises(UserError, match="no such file"):
+        list_images([tmp_path / "absent"])
+    pq.write_table(pa.table({"label": [1]}), tmp_path / "t.parquet")
+    with pytest.raises(UserError, match="no image column"):
+        list_images([tmp_path / "t.parquet"])
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("x.png")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    (tmp_path / "s.tar.gz").write_bytes(gzip.compress(buf.getvalue()))
+    assert [e.data for e in iter_images([tmp_path / "s.tar.gz"])] == [b"abc"]
+    with pytest.raises(UserError, match="compressed tar shard.*decompress"):
+        list_images([tmp_path / "s.tar.gz"])

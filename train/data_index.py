@@ -1,0 +1,256 @@
+"""The training set, joined once at start-up: which images, their sha256, their caption keys.
+
+Images come from `list_images` (random access, no bytes read). Each image's
+sha256 comes from the caption cache's source id → image_sha256 record when the
+cache has one, because hashing millions of images costs a full pass over the
+data; a random sample of those records is checked against the bytes, since
+another folder may reuse the same relative names. Captions are joined by
+sha256 and kept as embedding-store *keys* (text_sha256), not store rows: rows
+shift when segments are added, keys do not.
+
+The index is saved beside the run as one Parquet file (one row per image, the
+scalars in the schema metadata), so a resumed run trains on the same join.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from captioning.cache import CaptionCache
+from embedding_cache.reader import EmbeddingReader
+from pipeline.errors import UserError
+from pipeline.fsutil import atomic_write_bytes
+from pipeline.sources import ImageReader, ImageRef, list_images
+
+FORMAT = "tcjepa-train-index"
+VERSION = 1
+KEY_BYTES = 32
+UNREADABLE = "unreadable"
+
+_SCHEMA = pa.schema(
+    [
+        pa.field("source_id", pa.string(), nullable=False),
+        pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("path", pa.dictionary(pa.int32(), pa.string()), nullable=False),
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("size", pa.int64(), nullable=False),
+        pa.field("column", pa.dictionary(pa.int32(), pa.string()), nullable=False),
+        pa.field("sha256", pa.string(), nullable=False),
+        pa.field("captions", pa.large_list(pa.binary(KEY_BYTES)), nullable=False),
+    ]
+)
+
+
+@dataclass
+class TrainIndex:
+    refs: list[ImageRef]  # usable images, in source order
+    sha256: list[str]  # hex sha256 of each image's bytes
+    caption_offsets: np.ndarray  # int64 [n+1], CSR into caption_keys
+    caption_keys: np.ndarray  # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
+    recipes: list[str]  # recipe hashes, in the order the captions are
+    coverage: dict[int, int]  # number of captions -> number of images
+    left_out: dict[str, int] = field(default_factory=dict)  # reason -> listed images not in `refs`
+    missing_embeddings: int = 0  # distinct captions of these images that the store lacks (dropped)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def captions_of(self, i: int) -> np.ndarray:
+        """Store keys (`[k, 32]` uint8) of image i's captions."""
+        return self.caption_keys[self.caption_offsets[i] : self.caption_offsets[i + 1]]
+
+    def covered_fraction(self) -> float:
+        """Fraction of images with at least one caption."""
+        return 1.0 - self.coverage.get(0, 0) / len(self.refs) if self.refs else 0.0
+
+    def coverage_line(self) -> str:
+        """One line for the log, e.g. ``400 images: 0 captions 3, 1–7 0, 8 397; 99.2% with at least one``."""
+        top = max(self.coverage, default=0)
+        parts = [f"0 captions {self.coverage.get(0, 0)}"]
+        if top >= 2:
+            middle = sum(v for k, v in self.coverage.items() if 0 < k < top)
+            parts.append(f"{'1' if top == 2 else f'1–{top - 1}'} {middle}")
+        if top >= 1:
+            parts.append(f"{top} {self.coverage[top]}")
+        line = f"{len(self.refs)} images: {', '.join(parts)}; {100 * self.covered_fraction():.1f}% with at least one"
+        if self.left_out:
+            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(self.left_out.items()))
+            line += f"; {sum(self.left_out.values())} images left out ({reasons})"
+        if self.missing_embeddings:
+            line += f"; {self.missing_embeddings} captions not in the embedding store were dropped (run `tcjepa embed` on this cache and store to add them)"
+        return line
+
+    def save(self, path: Path) -> None:
+        """Write the index as one Parquet file, atomically."""
+        offsets = pa.array(self.caption_offsets, pa.int64())
+        keys = pa.FixedSizeBinaryArray.from_buffers(pa.binary(KEY_BYTES), len(self.caption_keys), [None, pa.py_buffer(np.ascontiguousarray(self.caption_keys))])
+        columns = {
+            "source_id": pa.array([r.source_id for r in self.refs], pa.string()),
+            "kind": pa.array([r.kind for r in self.refs], pa.string()).dictionary_encode(),
+            "path": pa.array([r.path for r in self.refs], pa.string()).dictionary_encode(),
+            "offset": pa.array([r.offset for r in self.refs], pa.int64()),
+            "size": pa.array([r.size for r in self.refs], pa.int64()),
+            "column": pa.array([r.column for r in self.refs], pa.string()).dictionary_encode(),
+            "sha256": pa.array(self.sha256, pa.string()),
+            "captions": pa.LargeListArray.from_arrays(offsets, keys),
+        }
+        meta = {"format": FORMAT, "version": VERSION, "recipes": self.recipes, "coverage": {str(k): v for k, v in self.coverage.items()},
+                "left_out": self.left_out, "missing_embeddings": self.missing_embeddings}
+        table = pa.Table.from_pydict(columns, schema=_SCHEMA).replace_schema_metadata({"tcjepa": json.dumps(meta)})
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        atomic_write_bytes(Path(path), buf.getvalue())
+
+    @classmethod
+    def load(cls, path: Path) -> TrainIndex:
+        table = pq.read_table(path)
+        meta = json.loads((table.schema.metadata or {}).get(b"tcjepa", b"{}"))
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise UserError(f"{path} is not a tcjepa train index v{VERSION}; delete it to rebuild the index")
+        names = ("source_id", "kind", "path", "offset", "size", "column")
+        refs = [ImageRef(**dict(zip(names, row))) for row in zip(*(table.column(name).to_pylist() for name in names))]
+        captions = table.column("captions").combine_chunks()
+        offsets = captions.offsets.to_numpy().astype(np.int64)
+        flat = captions.flatten()
+        keys = np.frombuffer(flat.buffers()[1] or b"", dtype=np.uint8, count=len(flat) * KEY_BYTES, offset=flat.offset * KEY_BYTES)
+        return cls(refs, table.column("sha256").to_pylist(), offsets - offsets[0], keys.reshape(-1, KEY_BYTES).copy(), meta["recipes"],
+                   {int(k): v for k, v in meta["coverage"].items()}, meta["left_out"], meta["missing_embeddings"])
+
+
+def _hash_refs(refs: list[ImageRef], reader: ImageReader, progress: bool, what: str) -> list[str | None]:
+    """sha256 of each image's bytes, None for one that cannot be read."""
+    from tqdm import tqdm
+
+    out: list[str | None] = []
+    for ref in tqdm(refs, desc=what, unit="image", disable=not progress or not refs, dynamic_ncols=True):
+        try:
+            out.append(hashlib.sha256(reader.read(ref)).hexdigest())
+        except OSError:
+            out.append(None)
+    return out
+
+
+def _recorded_sha256(cache: CaptionCache, refs: list[ImageRef]) -> dict[str, str]:
+    """source id -> sha256 the cache recorded for it (any recipe, captions or failures), where that is
+    unambiguous: one sha256 per id in the cache, and the id names one listed image only."""
+    captions = cache.read_captions(columns=["source_id", "image_sha256"])
+    failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256")))
+    seen = pa.table({name: pa.chunked_array(captions.column(name).chunks + failures.column(name).chunks, pa.string())
+                     for name in ("source_id", "image_sha256")})
+    groups = seen.group_by("source_id").aggregate([("image_sha256", "count_distinct"), ("image_sha256", "min")])
+    groups = groups.filter(pc.equal(groups.column("image_sha256_count_distinct"), 1))
+    recorded = dict(zip(groups.column("source_id").to_pylist(), groups.column("image_sha256_min").to_pylist()))
+    repeated = {sid for sid, n in Counter(r.source_id for r in refs).items() if n > 1}
+    return {sid: sha for sid, sha in recorded.items() if sid not in repeated}
+
+
+def _image_sha256(refs: list[ImageRef], recorded: dict[str, str], verify_sample: int, progress: bool) -> list[str | None]:
+    """Each image's sha256: the cache's record, checked on a random sample, else hashed from the bytes."""
+    reader = ImageReader()
+    known = [i for i, r in enumerate(refs) if r.source_id in recorded]
+    sample = random.sample(known, min(verify_sample, len(known)))
+    actual = _hash_refs([refs[i] for i in sample], reader, progress, "verifying image hashes")
+    differ = sum(a is not None and a != recorded[refs[i].source_id] for i, a in zip(sample, actual))
+    if differ:
+        print(f"warning: {differ} of {len(sample)} sampled images differ from what the caption cache recorded for their source id "
+              f"(another folder with the same file names?); hashing every image", file=sys.stderr)
+        return _hash_refs(refs, reader, progress, "hashing images")
+    shas: list[str | None] = [recorded.get(r.source_id) for r in refs]
+    unknown = [i for i, s in enumerate(shas) if s is None]
+    for i, sha in zip(unknown, _hash_refs([refs[i] for i in unknown], reader, progress, "hashing images")):
+        shas[i] = sha
+    for i, sha in zip(sample, actual):  # an unreadable sampled image is left out like any other
+        shas[i] = sha
+    return shas
+
+
+def _captions_by_image(cache: CaptionCache, recipes: list[str]) -> dict[str, list[str]]:
+    """image sha256 -> its caption keys (hex) under `recipes`, ordered (recipe, prompt_id, sample), no repeated text."""
+    table = cache.read_captions(columns=["image_sha256", "recipe", "prompt_id", "sample", "text_sha256"], recipes=recipes)
+    table = table.append_column("rank", pc.index_in(table.column("recipe"), value_set=pa.array(recipes, pa.string())))
+    table = table.sort_by([("image_sha256", "ascending"), ("rank", "ascending"), ("prompt_id", "ascending"), ("sample", "ascending")])
+    out: dict[str, list[str]] = {}
+    for sha, key in zip(table.column("image_sha256").to_pylist(), table.column("text_sha256").to_pylist()):
+        keys = out.setdefault(sha, [])
+        if key not in keys:
+            keys.append(key)
+    return out
+
+
+def _rejected(cache: CaptionCache, captioned: set[str]) -> dict[str, str]:
+    """sha256 -> reason, for images a captioner read but rejected (undecodable, too small, ...) and the
+    chosen recipes did not caption: the trainer could not use them either."""
+    failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256"))).sort_by([("image_sha256", "ascending"), ("reason", "ascending")])
+    out: dict[str, str] = {}
+    for sha, reason in zip(failures.column("image_sha256").to_pylist(), failures.column("reason").to_pylist()):
+        if sha not in captioned:
+            out.setdefault(sha, reason.split(" (")[0])
+    return out
+
+
+def build_index(inputs: list[Path], cache: Path | None, store: Path | None, recipes: list[str],
+                min_coverage: float = 0.95, image_column: str | None = None,
+                verify_sample: int = 64, progress: bool = True) -> TrainIndex:
+    """Join the images of `inputs` with their captions in `cache` whose embeddings `store` holds.
+
+    Without a cache (plain I-JEPA) every readable image is used, with no captions. Raises
+    UserError when fewer than `min_coverage` of the images have a caption (0 disables the check).
+    """
+    if cache is None and store is not None:
+        raise UserError("--store needs --cache: the captions whose embeddings to look up")
+    caption_cache = CaptionCache(cache) if cache is not None else None
+    chosen = caption_cache.resolve_recipes(recipes) if caption_cache is not None else []
+    embeddings = EmbeddingReader(store) if store is not None else None
+    refs = list_images(inputs, image_column)
+    if not refs:
+        raise UserError(f"no images found in {', '.join(map(str, inputs))}")
+    recorded: dict[str, str] = {}
+    by_image: dict[str, list[str]] = {}
+    rejected: dict[str, str] = {}
+    if caption_cache is not None:
+        recorded = _recorded_sha256(caption_cache, refs)
+        by_image = _captions_by_image(caption_cache, chosen)
+        rejected = _rejected(caption_cache, set(by_image))
+    shas = _image_sha256(refs, recorded, verify_sample, progress)
+
+    left_out: Counter[str] = Counter()
+    kept: list[int] = []
+    for i, sha in enumerate(shas):
+        reason = UNREADABLE if sha is None else rejected.get(sha)
+        if reason is None:
+            kept.append(i)
+        else:
+            left_out[reason] += 1
+    per_image = [by_image.get(shas[i], []) for i in kept]
+    missing: set[str] = set()
+    if embeddings is not None:
+        wanted = sorted({k for keys in per_image for k in keys})
+        if wanted:
+            rows = embeddings.locate(np.frombuffer(bytes.fromhex("".join(wanted)), dtype=np.uint8).reshape(-1, KEY_BYTES))
+            missing = {k for k, row in zip(wanted, rows.tolist()) if row < 0}
+            per_image = [[k for k in keys if k not in missing] for keys in per_image]
+
+    offsets = np.zeros(len(per_image) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter((len(keys) for keys in per_image), dtype=np.int64, count=len(per_image)), out=offsets[1:])
+    flat = bytes.fromhex("".join(k for keys in per_image for k in keys))
+    index = TrainIndex([refs[i] for i in kept], [shas[i] for i in kept], offsets,
+                       np.frombuffer(flat, dtype=np.uint8).reshape(-1, KEY_BYTES).copy(), chosen,
+                       dict(sorted(Counter(len(keys) for keys in per_image).items())), dict(sorted(left_out.items())), len(missing))
+    if not index.refs:
+        raise UserError(f"no usable images: {index.coverage_line()}")
+    if caption_cache is not None and index.covered_fraction() < min_coverage:
+        raise UserError(f"caption coverage below --min-coverage {min_coverage:g}: {index.coverage_line()}; "
+                        f"caption the missing images (tcjepa caption) or lower --min-coverage to train anyway")
+    return index

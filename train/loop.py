@@ -1,0 +1,300 @@
+"""`tcjepa train`: the training loop, on one process or many (torchrun: DDP, or FSDP for the largest models).
+
+Data flows: TrainIndex (join, built once by rank 0) → StepBatches (DataLoader
+workers: decode, crop, masks, caption tokens from memory maps) → device →
+JEPA forward under bf16 autocast → losses → AdamW step with schedules read at
+the step → EMA of the target encoder → metrics / validation / checkpoint.
+No text model is imported anywhere on this path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from pipeline.errors import UserError
+from pipeline.fsutil import atomic_write_bytes
+from train.checkpoint import load_checkpoint, save_checkpoint
+from train.config import TrainConfig, differences, to_dict, validate
+from train.data import Batch, StepBatches, normalise, split_images
+from train.data_index import TrainIndex, build_index
+from train.jepa import JEPA, build_models, compute_losses, ema_update, param_groups
+from train.metrics import MetricsLog, effective_rank, plot_curves
+from train.predictor import TextBatch
+from train.schedules import Cosine, Linear, WarmupCosine
+
+CONFIG = "config.yaml"
+INDEX = "index.parquet"
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def start_runtime(cfg: TrainConfig) -> Runtime:
+    """Join the torchrun process group when there is one, and pick this process's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise UserError(f"--device {cfg.device}: CUDA is not available on this machine; use --device cpu")
+    if want_cuda:
+        device = torch.device(cfg.device if ":" in cfg.device else f"cuda:{local_rank}")
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        # A long timeout: rank 0 may spend a while building the index while the others wait.
+        dist.init_process_group("nccl" if want_cuda else "gloo", timeout=datetime.timedelta(hours=2))
+    return Runtime(rank, world, device)
+
+
+def barrier(rt: Runtime) -> None:
+    if rt.world > 1:
+        dist.barrier()
+
+
+def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime) -> None:
+    """Create RUN and save the resolved config; refuse a RUN made with a different config."""
+    saved_path = run / CONFIG
+    if saved_path.exists():
+        saved = yaml.safe_load(saved_path.read_text()) or {}
+        changed = differences(saved, cfg)
+        if changed:
+            details = ", ".join(f"{k}: {saved.get(k)!r} → {to_dict(cfg)[k]!r}" for k in changed[:4])
+            raise UserError(f"{run} holds a run with another config ({details}); use a new --out or the same settings")
+    elif run.exists() and any(run.iterdir()) and rt.main:
+        raise UserError(f"--out {run} is a non-empty directory that is not a tcjepa run; choose a new directory")
+    barrier(rt)
+    if rt.main:
+        run.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+
+
+def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
+    """The image ↔ caption ↔ store join, built once by rank 0 and saved beside the run."""
+    path = run / INDEX
+    if rt.main and not path.exists():
+        cache = Path(cfg.cache) if cfg.conditioning != "none" else None
+        store = Path(cfg.store) if cfg.conditioning != "none" else None
+        index = build_index([Path(p) for p in cfg.images], cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column)
+        print(index.coverage_line(), file=sys.stderr)
+        index.save(path)
+    barrier(rt)
+    return TrainIndex.load(path)
+
+
+def text_width(cfg: TrainConfig) -> int | None:
+    if cfg.conditioning == "none":
+        return None
+    from embedding_cache.store import EmbeddingStore
+
+    return EmbeddingStore(cfg.store).d_model
+
+
+def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TextBatch | None]:
+    images = normalise(batch.images.to(device, non_blocking=True))
+    context = batch.context.to(device, non_blocking=True)
+    targets = batch.targets.to(device, non_blocking=True)
+    text = None
+    if batch.tokens is not None:
+        text = TextBatch(batch.tokens, batch.lengths).to(device, dtype=dtype, non_blocking=True)
+    return images, context, targets, text
+
+
+def shuffled(text: TextBatch) -> TextBatch:
+    """Captions moved to the next image (a derangement): the honest control for text reliance."""
+    return TextBatch(text.tokens.roll(1, dims=0), text.lengths.roll(1, dims=0))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run: Path, progress: bool = True) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        self.run = run
+        self.progress = progress
+        self.rt = start_runtime(cfg)
+        prepare_run(cfg, run, self.rt)
+        self.index = load_or_build_index(cfg, run, self.rt)
+        train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.model, self.target = build_models(cfg, text_width(cfg))
+        self.model.to(self.rt.device)
+        self.target.to(self.rt.device)
+        self.dataset = StepBatches(self.index, train_ids, cfg, self.model.encoder.grid, self.rt.rank, self.rt.world)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
+        self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
+        self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
+        self.ema = Linear(cfg.ema[0], cfg.ema[1], cfg.steps)
+        self.autocast_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        self.metrics = MetricsLog(run)
+        self.start_step = self._resume()
+        self.train_module = self._wrap(self.model)
+
+    def _resume(self) -> int:
+        state = load_checkpoint(self.run)
+        if state is None:
+            return 0
+        self.model.load_state_dict(state["model"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        if self.rt.main:
+            self.metrics.truncate_after(step)
+            print(f"resuming {self.run} at step {step}", file=sys.stderr)
+        return step
+
+    def _wrap(self, model: JEPA) -> torch.nn.Module:
+        module: torch.nn.Module = model
+        if self.rt.world > 1:
+            if self.cfg.fsdp:
+                from torch.distributed.fsdp import fully_shard
+
+                for block in [*model.encoder.blocks, *model.predictor.blocks]:
+                    fully_shard(block)
+                fully_shard(model)
+            else:
+                ids = [self.rt.device.index] if self.rt.device.type == "cuda" else None
+                module = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if self.cfg.compile:
+            module = torch.compile(module)
+        return module
+
+    def _set_schedules(self, step: int) -> float:
+        lr, wd = self.lr(step), self.wd(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+            group["weight_decay"] = wd if group["decay"] else 0.0
+        return self.ema(step)
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        workers = self.cfg.num_workers
+        return torch.utils.data.DataLoader(
+            self.dataset,
+            batch_size=None,
+            sampler=range(self.start_step, self.cfg.steps),
+            num_workers=workers,
+            pin_memory=self.rt.device.type == "cuda",
+            prefetch_factor=4 if workers else None,
+            persistent_workers=False,
+        )
+
+    def _state(self, step: int) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "target": self.target.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "step": step, "config": to_dict(self.cfg)}
+
+    def _mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        if self.rt.world > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            values /= self.rt.world
+        return values
+
+    def train(self) -> list[dict[str, Any]]:
+        cfg, rt = self.cfg, self.rt
+        device_type = rt.device.type
+        val_batch = self.dataset.validation_batch(self.val_ids) if rt.main else None
+        sums = torch.zeros(4, device=rt.device)
+        logged_steps = 0
+        tick, images_seen = time.perf_counter(), 0
+        bar = None
+        if rt.main and self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr)
+        self.train_module.train()
+        for step, batch in zip(range(self.start_step, cfg.steps), self._loader()):
+            momentum = self._set_schedules(step)
+            images, context, targets, text = to_device(batch, rt.device, self.autocast_dtype)
+            with torch.autocast(device_type, dtype=self.autocast_dtype, enabled=cfg.bf16):
+                losses = compute_losses(self.train_module, self.target, images, context, targets, text, cfg)
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.total.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+            ema_update(self.target, self.model.encoder, momentum)
+            done = step + 1
+            parts = torch.stack([losses.total, losses.predict, losses.sparse, losses.consistency]).detach().float()
+            sums += parts
+            logged_steps += 1
+            images_seen += cfg.batch_size
+            if bar is not None:
+                bar.update(1)
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                means = self._mean_across_ranks(sums / logged_steps).tolist()
+                if not all(math.isfinite(v) for v in means):
+                    self._stop_non_finite(done)
+                elapsed = time.perf_counter() - tick
+                record = {"step": done, "loss": means[0], "loss_predict": means[1], "loss_sparse": means[2],
+                          "loss_consistency": means[3], "lr": self.lr(step), "wd": self.wd(step), "ema": momentum,
+                          "images_per_s": images_seen / elapsed}
+                if rt.main:
+                    self.metrics.append(record)
+                sums.zero_()
+                logged_steps, images_seen, tick = 0, 0, time.perf_counter()
+            if rt.main and (done % cfg.val_every == 0 or done == cfg.steps):
+                self.metrics.append({"step": done, **self.validate(val_batch)})
+                plot_curves(self.run)
+                tick = time.perf_counter()
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
+                    self._stop_non_finite(done)
+                if rt.main:
+                    save_checkpoint(self.run, self._state(done))
+                barrier(rt)
+        if bar is not None:
+            bar.close()
+        if rt.world > 1:
+            dist.destroy_process_group()
+        return self.metrics.read() if rt.main else []
+
+    def _stop_non_finite(self, step: int) -> None:
+        state = load_checkpoint(self.run)
+        kept = f"the last good checkpoint (step {state['step']}) is kept" if state else "no checkpoint was written yet"
+        raise UserError(f"loss became NaN/Inf by step {step}; {kept}. Lower --lr, enable grad_clip, or check the data")
+
+    @torch.no_grad()
+    def validate(self, batch: Batch) -> dict[str, Any]:
+        """Prediction loss with true / shuffled / no captions, positive patch–word cosines per layer, RankMe."""
+        cfg, rt = self.cfg, self.rt
+        self.model.eval()
+        images, context, targets, text = to_device(batch, rt.device, self.autocast_dtype)
+        out: dict[str, Any] = {}
+        with torch.autocast(rt.device.type, dtype=self.autocast_dtype, enabled=cfg.bf16):
+            true = compute_losses(self.model, self.target, images, context, targets, text, cfg)
+            out["val_loss_predict"] = float(true.predict)
+            swapped = shuffled(text) if text is not None else None
+            out["val_loss_predict_shuffled"] = float(compute_losses(self.model, self.target, images, context, targets, swapped, cfg).predict)
+            out["val_loss_predict_notext"] = float(compute_losses(self.model, self.target, images, context, targets, None, cfg).predict)
+            features = self.target(images)
+        if true.positive_fraction is not None:
+            out["val_positive_cosine"] = [round(float(v), 5) for v in true.positive_fraction]
+        flat = torch.nn.functional.layer_norm(features.float(), features.shape[-1:]).reshape(-1, features.shape[-1])
+        pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(flat))[:4096]).to(flat.device)
+        out["val_rankme"] = effective_rank(flat[pick])
+        self.model.train()
+        return out
+
+
+def train(cfg: TrainConfig, run: Path, progress: bool = True) -> list[dict[str, Any]]:
+    """Run (or resume) training into `run`; returns the metrics lines (rank 0)."""
+    return Trainer(cfg, run, progress).train()

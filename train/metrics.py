@@ -1,0 +1,91 @@
+"""Run metrics: `metrics.jsonl` (one JSON object per logged step), health diagnostics, a PNG of the curves."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.fsutil import atomic_write_bytes
+
+METRICS = "metrics.jsonl"
+CURVES = "curves.png"
+
+
+class MetricsLog:
+    """Appends to `run/metrics.jsonl`; on resume, lines past the checkpoint's step are dropped first."""
+
+    def __init__(self, run: Path) -> None:
+        self.path = run / METRICS
+
+    def truncate_after(self, step: int) -> None:
+        """Drop what a killed run logged after its last checkpoint, so the file reads as one uninterrupted run."""
+        if not self.path.exists():
+            return
+        keep = [line for line in self.read() if line["step"] <= step]
+        atomic_write_bytes(self.path, "".join(json.dumps(line) + "\n" for line in keep).encode())
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def effective_rank(features: torch.Tensor) -> float:
+    """RankMe: exp of the entropy of the normalised singular values of `[n, D]` features (collapse → small)."""
+    s = torch.linalg.svdvals(features.float())
+    p = s / s.sum().clamp_min(1e-12) + 1e-12
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+def plot_curves(run: Path) -> Path:
+    """`run/curves.png`: training losses, and validation loss with true / shuffled / no captions."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = MetricsLog(run).read()
+    train = [r for r in lines if "loss" in r]
+    val = [r for r in lines if "val_loss_predict" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for key in ("loss", "loss_predict", "loss_sparse", "loss_consistency"):
+        pts = [(r["step"], r[key]) for r in train if key in r and math.isfinite(r[key])]
+        if pts and any(v for _, v in pts):
+            axes[0].plot(*zip(*pts), label=key)
+    axes[0].set_yscale("log")
+    axes[0].set_title("training")
+    for key, label in (("val_loss_predict", "true captions"), ("val_loss_predict_shuffled", "shuffled captions"),
+                       ("val_loss_predict_notext", "no text")):
+        pts = [(r["step"], r[key]) for r in val if key in r]
+        if pts:
+            axes[1].plot(*zip(*pts), marker="o", label=label)
+    axes[1].set_title("validation prediction loss")
+    ratio = [(r["step"], r["val_loss_predict"] / r["val_loss_predict_shuffled"]) for r in val if r.get("val_loss_predict_shuffled")]
+    if ratio:
+        axes[2].plot(*zip(*ratio), marker="o", label="true / shuffled")
+    rank = [(r["step"], r["val_rankme"]) for r in val if "val_rankme" in r]
+    if rank:
+        twin = axes[2].twinx()
+        twin.plot(*zip(*rank), color="grey", linestyle="--", label="RankMe (right)")
+        twin.legend(loc="upper right")
+    axes[2].set_title("text reliance and feature rank")
+    for ax in axes:
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left" if ax is axes[2] else "best")
+    fig.tight_layout()
+    out = run / CURVES
+    tmp = run / f".{CURVES}.tmp.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
