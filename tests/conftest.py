@@ -47,6 +47,15 @@ def annotated_cache(tmp_path_factory, synth_dir) -> Path:
     return cache
 
 
+@pytest.fixture(scope="session")
+def annotated_store(tmp_path_factory, annotated_cache, tiny_models) -> Path:
+    """Embeddings (random tiny T5) of every caption of `annotated_cache`, in small chunks and shards."""
+    path = tmp_path_factory.mktemp("store") / "store"
+    tcjepa("embed", "--cache", annotated_cache, "--store", path, "--model", tiny_models / "t5", "--chunk-tokens", "64",
+           "--shard-chunks", "4", "--window", "64", "--no-progress")
+    return path
+
+
 TINY_VLLM_ARGS = {"max_model_len": 1024}
 
 

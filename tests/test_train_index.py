@@ -17,7 +17,6 @@ from pipeline.sources import ImageReader
 from tests.conftest import REPO, tcjepa
 from train.data_index import TrainIndex, build_index
 
-SMALL = ["--chunk-tokens", "64", "--shard-chunks", "4", "--window", "64", "--no-progress"]
 N = 40  # images in the session's synth_dir, 8 captions each
 EXTRA = 10  # images that get one extra caption (and one repeated text) in a second recipe
 
@@ -29,11 +28,8 @@ def _png(colour: tuple[int, int, int]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, annotated_cache, tiny_models):
-    """Embeddings of every caption of `annotated_cache` (built once for the module)."""
-    path = tmp_path_factory.mktemp("store") / "store"
-    tcjepa("embed", "--cache", annotated_cache, "--store", path, "--model", tiny_models / "t5", *SMALL)
-    return path
+def store(annotated_store):
+    return annotated_store
 
 
 @pytest.fixture(scope="module")

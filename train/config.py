@@ -171,6 +171,11 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
             raise UserError(f"config key {name!r}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config key {name!r}: expected a number, got {value!r}")
         return float(value)

@@ -1,0 +1,148 @@
+"""Training batches, schedules, EMA and optimiser groups, in process."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from embedding_cache.reader import EmbeddingReader
+from train.config import TrainConfig
+from train.data import StepBatches, crop_box, split_images
+from train.data_index import build_index
+from train.jepa import build_models, ema_update, param_groups
+from train.schedules import Cosine, Linear, WarmupCosine
+
+
+@pytest.fixture(scope="module")
+def setup(synth_dir, annotated_cache, annotated_store):
+    index = build_index([synth_dir / "images"], annotated_cache, annotated_store, [], progress=False)
+    cfg = TrainConfig(images=[str(synth_dir / "images")], cache=str(annotated_cache), store=str(annotated_store),
+                      model="vit_tiny", patch_size=8, image_size=64, batch_size=8, steps=100, captions_per_image=3,
+                      min_context=4, seed=5)
+    return index, cfg
+
+
+def _same(a, b):
+    for name in ("images", "context", "targets", "lengths"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    # Ranks pad captions to their own longest; compare the real words.
+    for i in range(a.lengths.shape[0]):
+        for n in range(a.lengths.shape[1]):
+            k = int(a.lengths[i, n])
+            assert torch.equal(a.tokens[i, n, :k], b.tokens[i, n, :k])
+
+
+def test_a_step_is_the_same_on_one_or_two_processes(setup):
+    index, cfg = setup
+    ids = np.arange(len(index))
+    whole = StepBatches(index, ids, cfg, (8, 8))[7]
+    halves = [StepBatches(index, ids, cfg, (8, 8), rank=r, world=2)[7] for r in (0, 1)]
+    assert whole.context.shape[0] == 8 and halves[0].context.shape[0] == 4
+    for r, half in enumerate(halves):
+        rows = slice(4 * r, 4 * r + 4)
+        sliced = type(whole)(whole.images[rows], whole.context[rows], whole.targets[rows], whole.tokens[rows],
+                             whole.lengths[rows], 0)
+        _same(half, sliced)
+    again = StepBatches(index, ids, cfg, (8, 8))[7]
+    _same(whole, again)
+    assert not torch.equal(StepBatches(index, ids, cfg, (8, 8))[8].images, whole.images)
+
+
+def test_captions_are_the_images_own_embeddings(setup):
+    index, cfg = setup
+    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
+    batch = data[3]
+    reader = EmbeddingReader(cfg.store)
+    for k, i in enumerate(data.images_of_step(3).tolist()):
+        own = {bytes(key) for key in index.captions_of(i)}
+        assert batch.lengths[k].tolist() == [min(len(reader.get_key(key)), cfg.max_words) for key in _picked(batch, k, reader, own)]
+
+
+def _picked(batch, k, reader, own_keys):
+    """Keys among the image's own captions whose embeddings equal the batch's caption slots, slot by slot."""
+    picked = []
+    for n in range(batch.lengths.shape[1]):
+        words = batch.tokens[k, n, : int(batch.lengths[k, n])].numpy()
+        hits = [key for key in own_keys if np.array_equal(reader.get_key(key)[: len(words)], words)]
+        assert hits, f"caption slot {n} of sample {k} is not one of the image's captions"
+        picked.append(hits[0])
+    assert len(set(picked)) == len(picked), "a caption was picked twice"
+    return picked
+
+
+def test_every_image_is_seen_once_per_epoch(setup):
+    index, cfg = setup
+    train_ids, val_ids = split_images(len(index), 8, cfg.seed)
+    assert not set(train_ids) & set(val_ids) and len(train_ids) + len(val_ids) == len(index)
+    data = StepBatches(index, train_ids, cfg, (8, 8))
+    per_epoch = len(train_ids) // cfg.batch_size  # 32 training images, 8 per step
+    seen = np.concatenate([data.images_of_step(s) for s in range(per_epoch)])
+    assert sorted(seen.tolist()) == sorted(train_ids.tolist())
+
+
+def test_validation_batch_is_fixed_and_uncropped(setup):
+    index, cfg = setup
+    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
+    a, b = data.validation_batch(np.arange(4)), data.validation_batch(np.arange(4))
+    _same(a, b)
+    assert a.lengths.shape == (4, 3) and (a.lengths > 0).all()  # the first N of the 8 captions, always
+
+
+def test_a_changed_image_is_caught(setup, tmp_path):
+    index, cfg = setup
+    folder = tmp_path / "images"
+    shutil.copytree(cfg.images[0], folder)
+    moved = build_index([folder], cfg.cache, cfg.store, [], progress=False, verify_sample=0)
+    victim = folder / moved.refs[0].source_id
+    victim.write_bytes(victim.read_bytes() + b"\0")
+    data = StepBatches(moved, np.array([0]), TrainConfig(**{**cfg.__dict__, "batch_size": 1}), (8, 8))
+    with pytest.raises(RuntimeError, match="changed since the training index was built"):
+        data[0]
+
+
+def test_crop_box_stays_inside_and_respects_scale():
+    rng = np.random.default_rng(0)
+    fractions = []
+    for _ in range(500):
+        w, h = int(rng.integers(100, 150)), int(rng.integers(100, 150))
+        left, top, right, bottom = crop_box(rng, w, h, (0.3, 1.0), (0.75, 4 / 3))
+        assert 0 <= left < right <= w and 0 <= top < bottom <= h
+        fractions.append((right - left) * (bottom - top) / (w * h))
+    assert 0.25 <= min(fractions) and max(fractions) <= 1.0 and 0.5 < np.mean(fractions) < 0.8
+    # An image too elongated for any crop of the allowed aspect: the largest centred crop that fits.
+    assert crop_box(np.random.default_rng(0), 400, 40, (0.9, 1.0), (0.75, 4 / 3)) == (173, 0, 226, 40)
+
+
+def test_schedules_are_functions_of_the_step():
+    lr = WarmupCosine(start=2e-4, peak=1e-3, final=1e-6, warmup=10, total=110)
+    assert lr(0) == 2e-4 and lr(5) == pytest.approx(6e-4) and lr(10) == pytest.approx(1e-3)
+    assert lr(60) == pytest.approx(1e-6 + 0.5 * (1e-3 - 1e-6)) and lr(110) == pytest.approx(1e-6) and lr(500) == pytest.approx(1e-6)
+    wd = Cosine(0.04, 0.4, 100)
+    assert wd(0) == pytest.approx(0.04) and wd(50) == pytest.approx(0.22) and wd(100) == pytest.approx(0.4)
+    ema = Linear(0.996, 1.0, 100)
+    assert ema(0) == 0.996 and ema(25) == pytest.approx(0.997) and ema(100) == 1.0
+
+
+def test_ema_update_and_optimizer_groups():
+    cfg = TrainConfig(model="vit_tiny", depth=1, patch_size=8, image_size=32, predictor_width=48, predictor_depth=1,
+                      conditioning="cross", cache="c", store="s")
+    model, target = build_models(cfg, text_dim=16)
+    assert not any(p.requires_grad for p in target.parameters())
+    for p in model.encoder.parameters():
+        p.data.add_(1.0)
+    before = [p.clone() for p in target.parameters()]
+    ema_update(target, model.encoder, 0.9)
+    for t0, t1, o in zip(before, target.parameters(), model.encoder.parameters()):
+        torch.testing.assert_close(t1, 0.9 * t0 + 0.1 * o)
+    groups = param_groups(model, text_lr_scale=3.0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g in groups:
+        for p in g["params"]:
+            assert g["decay"] == (p.ndim > 1), names[id(p)]
+            assert (g["lr_scale"] == 3.0) == (".cross." in names[id(p)] or ".norm_cross." in names[id(p)]), names[id(p)]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    assert math.isclose(sum(p.numel() for g in groups for p in g["params"]), sum(p.numel() for p in model.parameters()))
