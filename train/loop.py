@@ -21,6 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 import yaml
 
 from pipeline.errors import UserError
@@ -141,29 +147,28 @@ class Trainer:
         self.model.to(self.rt.device)
         self.target.to(self.rt.device)
         self.dataset = StepBatches(self.index, train_ids, cfg, self.model.encoder.grid, self.rt.rank, self.rt.world)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
         self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
         self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
         self.ema = Linear(cfg.ema[0], cfg.ema[1], cfg.steps)
         self.autocast_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         self.metrics = MetricsLog(run)
-        self.start_step = self._resume()
+        state = load_checkpoint(run)
+        if state is not None:
+            self.model.load_state_dict(state["model"])
+            self.target.load_state_dict(state["target"])
+        # The optimizer is made after FSDP has replaced the parameters by their shards.
         self.train_module = self._wrap(self.model)
-
-    def _resume(self) -> int:
-        state = load_checkpoint(self.run)
-        if state is None:
-            return 0
-        self.model.load_state_dict(state["model"])
-        self.target.load_state_dict(state["target"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-        if self.rt.main:
-            self.metrics.truncate_after(step)
-            print(f"resuming {self.run} at step {step}", file=sys.stderr)
-        return step
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
+        self.start_step = 0
+        if state is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            self.start_step = int(state["step"])
+            if self.rt.main:
+                self.metrics.truncate_after(self.start_step)
+                print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
 
     def _wrap(self, model: JEPA) -> torch.nn.Module:
+        """DDP (the target stays unwrapped), or FSDP sharding of both models alike so the EMA is shard-local."""
         module: torch.nn.Module = model
         if self.rt.world > 1:
             if self.cfg.fsdp:
@@ -172,6 +177,9 @@ class Trainer:
                 for block in [*model.encoder.blocks, *model.predictor.blocks]:
                     fully_shard(block)
                 fully_shard(model)
+                for block in self.target.blocks:
+                    fully_shard(block)
+                fully_shard(self.target)
             else:
                 ids = [self.rt.device.index] if self.rt.device.type == "cuda" else None
                 module = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -199,8 +207,14 @@ class Trainer:
         )
 
     def _state(self, step: int) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "target": self.target.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "step": step, "config": to_dict(self.cfg)}
+        """Full (unsharded, CPU) state keyed by parameter names: restorable on any world size, DDP or FSDP.
+
+        A collective under FSDP: every rank calls it, rank 0 writes it.
+        """
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"model": get_model_state_dict(self.model, options=full), "target": get_model_state_dict(self.target, options=full),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full), "step": step,
+                "config": to_dict(self.cfg)}
 
     def _mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.rt.world > 1:
@@ -211,7 +225,7 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         cfg, rt = self.cfg, self.rt
         device_type = rt.device.type
-        val_batch = self.dataset.validation_batch(self.val_ids) if rt.main else None
+        val_batch = self.dataset.validation_batch(self.val_ids)
         sums = torch.zeros(4, device=rt.device)
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
@@ -231,6 +245,8 @@ class Trainer:
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             self.optimizer.step()
+            if self.cfg.fsdp and self.rt.world > 1:
+                self.target.reshard()  # a root FSDP module keeps its forward's full parameters; the EMA works on shards
             ema_update(self.target, self.model.encoder, momentum)
             done = step + 1
             parts = torch.stack([losses.total, losses.predict, losses.sparse, losses.consistency]).detach().float()
@@ -251,15 +267,19 @@ class Trainer:
                     self.metrics.append(record)
                 sums.zero_()
                 logged_steps, images_seen, tick = 0, 0, time.perf_counter()
-            if rt.main and (done % cfg.val_every == 0 or done == cfg.steps):
-                self.metrics.append({"step": done, **self.validate(val_batch)})
-                plot_curves(self.run)
+            if done % cfg.val_every == 0 or done == cfg.steps:
+                # Every rank validates (FSDP's forward is collective); rank 0 writes.
+                record = {"step": done, **self.validate(val_batch)}
+                if rt.main:
+                    self.metrics.append(record)
+                    plot_curves(self.run)
                 tick = time.perf_counter()
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
                     self._stop_non_finite(done)
+                state = self._state(done)
                 if rt.main:
-                    save_checkpoint(self.run, self._state(done))
+                    save_checkpoint(self.run, state)
                 barrier(rt)
         if bar is not None:
             bar.close()
