@@ -48,9 +48,9 @@ def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, vali
 
     `cosines`: per layer `[B, I, N, S]`; `word_mask` `[B, N, S]`; `valid` `[B, N]`.
     """
-    stacked = torch.stack(cosines).float()  # [L, B, I, N, S]
+    stacked = torch.stack(cosines).float()  # [L, B, I, N, S], a fresh tensor: padding words are zeroed in place
     words = word_mask[None, :, None].to(stacked.dtype)
-    rectified = stacked.clamp_min(0) * words
+    rectified = stacked.mul_(words).clamp_min(0)  # = clamp_min(cosine, 0) · words, gradient included
     mean_over_layers = rectified.mean(dim=0, keepdim=True)
     sparse = rectified.sum(dim=-1).mean(dim=0)  # [B, I, N]
     consistency = (rectified - mean_over_layers).abs().sum(dim=-1).mean(dim=0)
@@ -63,8 +63,9 @@ def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, vali
         per_caption = per_token.mean(dim=1)  # [B, N]
         return ((per_caption * weights).sum(dim=1) / per_image * with_text).sum() / denom
 
-    with torch.no_grad():
-        counted = words.expand_as(stacked)
-        positive = ((stacked > 0).to(stacked.dtype) * counted).sum(dim=(1, 2, 3, 4))
-        positive_fraction = positive / counted.sum(dim=(1, 2, 3, 4)).clamp_min(1)
+    with torch.no_grad():  # counted in integers on a bool mask (`stacked` is zero on padding words)
+        per_layer = stacked[0].numel()
+        positive = (stacked > 0).view(len(cosines), per_layer).sum(dim=1, dtype=torch.int32 if per_layer < 2**31 else torch.int64)
+        counted = word_mask.sum() * stacked.shape[2]  # valid words × tokens, the same in every layer
+        positive_fraction = positive.to(stacked.dtype) / counted.clamp_min(1).to(stacked.dtype)
     return TextRegularisers(average(sparse), average(consistency), positive_fraction)

@@ -97,13 +97,16 @@ class TextCrossAttention(nn.Module):
         raw = q @ k.transpose(-1, -2)  # [B, h, Q, N*S]
         # A missing caption has no words; let it attend to its padding (the output is discarded) instead of NaN.
         attend = text.word_mask | ~text.valid[..., None]
-        logits = (raw * dh**-0.5).masked_fill(~attend.view(b, 1, 1, n * s), float("-inf"))
+        # Scale and padding mask in one pass over the scores: bias + scale·raw, the bias -inf on masked words.
+        bias = torch.zeros(b, 1, 1, n * s, dtype=raw.dtype, device=raw.device)
+        bias.masked_fill_(~attend.view(b, 1, 1, n * s), float("-inf"))
+        logits = torch.add(bias, raw, alpha=dh**-0.5)
         probs = logits.view(b, h, nq, n, s).softmax(dim=-1)
         out = probs.transpose(2, 3) @ v  # [B, h, N, Q, dh]
         out = self.proj(out.permute(0, 2, 3, 1, 4).reshape(b, n, nq, d))
         # Sum over heads of per-head dot products = the dot product of the full vectors.
         norms = q_full.float().norm(dim=-1)[:, :, None] * k_full.float().norm(dim=-1)[:, None, :]
-        cosine = raw.float().sum(dim=1) / norms.clamp_min(1e-6)
+        cosine = raw.sum(dim=1, dtype=torch.float32) / norms.clamp_min(1e-6)  # summed in float32, no float copy
         return out, cosine.view(b, nq, n, s)
 
 
@@ -111,6 +114,48 @@ def masked_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Max over dim 1 of `x` `[B, N, ...]` among entries with `keep` `[B, N]` True."""
     shape = keep.shape + (1,) * (x.dim() - 2)
     return x.masked_fill(~keep.view(shape), float("-inf")).amax(dim=1)
+
+
+class _ResidualMax(torch.autograd.Function):
+    """`masked_max(x + update, keep)` with the same values and gradient, at a fraction of the memory traffic.
+
+    Through autograd, the add, the fill and `amax` each make a float tensor of the
+    `[B, N, ...]` size, and `amax`'s backward compares, counts, divides, multiplies
+    by a float copy of the comparison and then undoes the fill. Here the sum is made
+    in one float buffer (filled in place), the tie mask is computed once and kept as
+    bool, and the backward is one `where`: the gradient is `amax`'s, split evenly
+    among ties; a dropped entry is -inf, never the max, so it gets none.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, update: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        total = update.to(torch.promote_types(x.dtype, update.dtype), copy=True)
+        total.add_(x)
+        total.masked_fill_(~keep.view(keep.shape + (1,) * (total.dim() - 2)), float("-inf"))
+        out = total.amax(dim=1)
+        is_max = total == out.unsqueeze(1)
+        count = is_max.sum(dim=1, dtype=torch.uint8 if total.shape[1] < 256 else torch.int32)
+        ctx.save_for_backward(is_max, count)
+        ctx.x_broadcast = x.shape[1] == 1 and total.shape[1] > 1
+        ctx.update_dtype = update.dtype
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        is_max, count = ctx.saved_tensors
+        share = (grad / count).unsqueeze(1)
+        if ctx.x_broadcast:
+            # x's gradient, the sum of the shares over dim 1, is the incoming gradient (exactly so unless 3+ tie).
+            share = share.to(ctx.update_dtype)
+            return grad.unsqueeze(1), torch.where(is_max, share, share.new_zeros(())), None
+        full = torch.where(is_max, share, share.new_zeros(()))
+        return full, full.to(ctx.update_dtype), None
+
+
+def residual_max(x: torch.Tensor, update: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`masked_max(x + update, keep)` for `x` `[B, N, ...]` or `[B, 1, ...]` and `update` `[B, N, ...]`."""
+    return _ResidualMax.apply(x, update, keep)
 
 
 class PredictorBlock(nn.Module):
@@ -139,12 +184,12 @@ class PredictorBlock(nn.Module):
         # An image without captions keeps one "empty caption" (zero update): the unconditioned path.
         pool_keep = valid.clone()
         pool_keep[:, 0] |= ~valid.any(dim=1)
-        conditioned = per_image[:, None] + out  # [B, N, M*T, d]
         if self.pool == "after_mlp":
-            conditioned = conditioned + self.mlp(self.norm2(conditioned))
-            pooled = masked_max(conditioned, pool_keep)
+            # per_image[:, None] + out, [B, N, M*T, d], summed in one float buffer
+            conditioned = out.to(torch.promote_types(out.dtype, per_image.dtype), copy=True).add_(per_image[:, None])
+            pooled = residual_max(conditioned, self.mlp(self.norm2(conditioned)), pool_keep)
         else:
-            pooled = masked_max(conditioned, pool_keep)
+            pooled = residual_max(per_image[:, None], out, pool_keep)
             pooled = pooled + self.mlp(self.norm2(pooled))
         return pooled.reshape(p, t, d), cosine
 

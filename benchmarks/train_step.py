@@ -1,0 +1,490 @@
+"""Training-step time of each conditioning mode next to its FLOPs: does the text conditioner cost only its arithmetic?
+
+One full step, built as the trainer builds it (`build_models`, `compute_losses`,
+AdamW over `param_groups`, `ema_update`), under bf16 autocast, on synthetic
+tensors: random images, multi-block masks from `sample_masks`, and random
+caption token embeddings (d_text 64, mostly 20–40 words, some shorter, zero-padded
+to the batch's longest, float16 → autocast dtype as the loader hands them over).
+The same encoder, masks and captions serve every mode:
+
+  none          plain I-JEPA (no text)
+  sequence      N=8 captions' words appended to every predictor sequence
+  cross1        TC-JEPA, N=1
+  cross8        TC-JEPA, N=8, pool after_mlp (one MLP per caption)
+  cross8_before TC-JEPA, N=8, pool before_mlp (one shared MLP)
+
+FLOPs are counted analytically (2·m·k·n per matmul: patch embed, qkv / proj / MLP,
+attention scores and weighted sums, predictor embed / proj, cross-attention
+q / k / v / proj, scores and weighted sums over N captions); a training step is
+3× the forward of the context encoder and predictor plus 1× the target encoder.
+`torch.utils.flop_counter.FlopCounterMode` counts one step of each mode as a
+cross-check (it sees the real backward, e.g. no input gradient for the patch
+embedding or the caption k / v projections, and counts SDPA's backward as 2.5×).
+
+Each mode runs in its own fresh process (so one mode's peak memory cannot mask
+another's). On the CPU all of them are started together and the driver steps
+them one at a time, one step per mode per round in rotating order, so machine
+noise falls on every mode alike; on CUDA they run one after another (each keeps
+its own memory pool). s/step is the median of a mode's timed steps. Peak
+memory: on CPU the rise of the process's peak RSS (ru_maxrss) over the steps,
+on CUDA `torch.cuda.max_memory_allocated`. Prints progress to stderr and one
+JSON line on stdout.
+
+CPU default (`--preset cpu_tiny`): tiny ViT (192 wide, depth 6, 3 heads, patch 8,
+64×64 images), predictor 192 wide, depth 4, batch 64, one torch thread (see
+PRESETS), about 3 minutes on 2 cores. `--profile MODE` prints torch.profiler's
+top ops for one step of MODE instead. On a GPU (images/s and MFU against
+--peak-tflops, default 989 = H100/H200 bf16 dense):
+  python benchmarks/train_step.py --preset vit_b16 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Mode:
+    conditioning: str
+    captions: int
+    pool: str = "after_mlp"
+
+
+MODES: dict[str, Mode] = {
+    "none": Mode("none", 0),
+    "sequence": Mode("sequence", 8),
+    "cross1": Mode("cross", 1),
+    "cross8": Mode("cross", 8, "after_mlp"),
+    "cross8_before": Mode("cross", 8, "before_mlp"),
+}
+
+PRESETS = {
+    # What the prototype measured on 2 CPU cores: an 8×8 grid, so a smaller context block.
+    # One torch thread: on 2 cores shared with other jobs, two OpenMP threads stall at every barrier
+    # whenever a core is taken, and step times swing several-fold; one thread keeps the modes comparable.
+    "cpu_tiny": dict(model="vit_tiny", width=192, depth=6, heads=3, patch_size=8, image_size=64,
+                     predictor_width=192, predictor_depth=4, batch=64, context_scale=(0.4, 0.6), min_context=10,
+                     device="cpu", steps=4, warmup=1, threads=1),
+    # ViT-B/16 at 224 with the I-JEPA mask defaults; the predictor as `tcjepa train` builds it for vit_base.
+    "vit_b16": dict(model="vit_base", width=None, depth=None, heads=None, patch_size=16, image_size=224,
+                    predictor_width=384, predictor_depth=None, batch=128, context_scale=(0.85, 1.0), min_context=10,
+                    device="cuda", steps=10, warmup=3, threads=0),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu_tiny", help="defaults for everything below")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument("--model", help="encoder size name (vit_tiny … vit_giant)")
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--depth", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--patch-size", type=int)
+    ap.add_argument("--image-size", type=int)
+    ap.add_argument("--predictor-width", type=int)
+    ap.add_argument("--predictor-depth", type=int)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--context-scale", type=float, nargs=2)
+    ap.add_argument("--min-context", type=int)
+    ap.add_argument("--device")
+    ap.add_argument("--steps", type=int, help="timed steps per mode (one per mode per round, rotating order)")
+    ap.add_argument("--warmup", type=int, help="untimed steps first, the first one under FlopCounterMode (they count for peak memory)")
+    ap.add_argument("--text-dim", type=int, default=64)
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead of bf16 autocast")
+    ap.add_argument("--mask-step", type=int, default=1,
+                    help="every step uses the masks sample_masks draws for this step (fixed shapes: exact FLOPs)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU (989: H100/H200 bf16 dense)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--no-flop-counter", dest="flop_counter", action="store_false",
+                    help="skip the FlopCounterMode cross-check step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", metavar="MODE", help="instead: profile one step of MODE (torch.profiler), table to stderr")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.context_scale = tuple(args.context_scale)
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    return args
+
+
+def train_config(args: argparse.Namespace, mode: Mode):
+    from train.config import TrainConfig
+
+    return TrainConfig(model=args.model, width=args.width, depth=args.depth, heads=args.heads, patch_size=args.patch_size,
+                       image_size=args.image_size, predictor_width=args.predictor_width,
+                       predictor_depth=args.predictor_depth, conditioning=mode.conditioning, pool=mode.pool,
+                       captions_per_image=max(mode.captions, 1), batch_size=args.batch, context_scale=args.context_scale,
+                       min_context=args.min_context, bf16=args.bf16, device=args.device, seed=args.seed)
+
+
+def caption_lengths(rng, batch: int, n: int):
+    """Mostly 20–40 words, one caption in six shorter (4–19)."""
+    import numpy as np
+
+    lengths = rng.integers(20, 41, size=(batch, n))
+    short = rng.random((batch, n)) < 1 / 6
+    return np.where(short, rng.integers(4, 20, size=(batch, n)), lengths)
+
+
+# ---- analytic FLOPs --------------------------------------------------------------------------------------------
+
+
+def encoder_forward_flops(tokens: int, width: int, depth: int, mlp_hidden: int, patches: int, patch: int) -> int:
+    """One image: the patch embedding over the whole grid, then `depth` blocks over `tokens` tokens."""
+    embed = 2 * patches * 3 * patch * patch * width
+    block = 2 * tokens * width * (3 * width + width + 2 * mlp_hidden) + 2 * 2 * tokens * tokens * width
+    return embed + depth * block
+
+
+def predictor_forward_flops(cfg, mode: Mode, enc_width: int, lc: int, lt: int, m: int, s: int, text_dim: int,
+                            depth: int, mlp_hidden: int) -> dict[str, int]:
+    """One image's predictor forward by part: embed/proj, self-attention blocks, text conditioner."""
+    w = cfg.predictor_width
+    n = mode.captions
+    parts = {"embed_proj": 2 * lc * enc_width * w + 2 * m * lt * w * enc_width}
+    t = lc + lt
+    if mode.conditioning == "sequence":
+        parts["text_embed"] = 2 * n * s * text_dim * w
+        t += n * s  # padding words are in the sequence too (masked, still computed)
+    linear = 2 * t * w * (3 * w + w)
+    attention = 2 * 2 * t * t * w
+    mlp = 2 * t * w * 2 * mlp_hidden
+    parts["blocks"] = depth * m * (linear + attention + mlp)
+    if mode.conditioning == "cross":
+        q = m * t  # one image's M sequences attend to its captions as one row
+        cross = (2 * q * w * w            # q
+                 + 2 * 2 * n * s * text_dim * w  # k, v
+                 + 2 * 2 * q * n * s * w        # scores and weighted sums, all N captions
+                 + 2 * n * q * w * w)            # proj, per caption
+        extra_mlp = (n - 1) * 2 * q * w * 2 * mlp_hidden if mode.pool == "after_mlp" else 0
+        parts["cross_attention"] = depth * cross
+        parts["per_caption_mlp"] = depth * extra_mlp
+    return parts
+
+
+def analytic_flops(cfg, mode: Mode, encoder, predictor, lc: int, lt: int, m: int, s: int, text_dim: int) -> dict:
+    batch = cfg.batch_size
+    patches = encoder.num_patches
+    enc_hidden = encoder.blocks[0].mlp.fc1.out_features
+    pred_hidden = predictor.blocks[0].mlp.fc1.out_features
+    depth_e, depth_p = len(encoder.blocks), len(predictor.blocks)
+    target = batch * encoder_forward_flops(patches, encoder.width, depth_e, enc_hidden, patches, cfg.patch_size)
+    context = batch * encoder_forward_flops(lc, encoder.width, depth_e, enc_hidden, patches, cfg.patch_size)
+    pred_parts = predictor_forward_flops(cfg, mode, encoder.width, lc, lt, m, s, text_dim, depth_p, pred_hidden)
+    pred = batch * sum(pred_parts.values())
+    return {
+        "step": target + 3 * (context + pred),
+        "forward": {"target_encoder": target, "context_encoder": context,
+                    **{f"predictor_{k}": batch * v for k, v in pred_parts.items()}},
+    }
+
+
+# ---- one mode, in its own process --------------------------------------------------------------------------------
+
+
+def sdpa_cpu_mapping() -> dict:
+    """FlopCounterMode knows the CUDA SDPA kernels but not the CPU flash one; count it with the same formulas."""
+    import torch
+    import torch.utils.flop_counter as fc
+
+    def raw(formula):  # fc's formulas are already shape-wrapped; mark them so the counter does not wrap them twice
+        def count(*args, **kwargs):
+            return formula(*args, **kwargs)
+        count._get_raw = True
+        return count
+
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: raw(fc.sdpa_flop),
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(fc.sdpa_backward_flop)}
+
+
+@dataclass
+class Setup:
+    step: object          # () -> None: one full training step
+    info: dict            # shapes, analytic FLOPs, parameter count
+    cuda: bool
+
+
+def setup(args: argparse.Namespace, name: str) -> Setup:
+    """Models, optimizer and the synthetic batch of one mode; the step exactly as the trainer runs it."""
+    import numpy as np
+    import torch
+
+    from train.jepa import build_models, compute_losses, ema_update, param_groups
+    from train.masks import MaskConfig, sample_masks
+    from train.predictor import TextBatch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mode = MODES[name]
+    cfg = train_config(args, mode)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(args.seed)
+    model, target = build_models(cfg, args.text_dim if mode.conditioning != "none" else None)
+    model.to(device)
+    target.to(device)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
+    for group in optimizer.param_groups:
+        group["weight_decay"] = cfg.weight_decay[0] if group["decay"] else 0.0
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+
+    # The same synthetic batch in every mode: images, masks, and (for text modes) the first N captions of 8.
+    rng = np.random.default_rng(args.seed)
+    grid = model.encoder.grid
+    masks = sample_masks(MaskConfig(cfg.num_targets, cfg.target_scale, cfg.target_aspect, cfg.context_scale,
+                                    cfg.context_aspect, cfg.min_context), grid, args.seed, args.mask_step, cfg.batch_size)
+    images = torch.from_numpy(rng.standard_normal((cfg.batch_size, 3, cfg.image_size, cfg.image_size), dtype=np.float32))
+    lengths8 = caption_lengths(rng, cfg.batch_size, 8)
+    text = None
+    s = 0
+    if mode.conditioning != "none":
+        lengths = lengths8[:, : mode.captions]
+        s = int(lengths.max())
+        tokens = rng.standard_normal((cfg.batch_size, mode.captions, s, args.text_dim)).astype(np.float16)
+        tokens *= (np.arange(s) < lengths[..., None])[..., None]
+        text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64))).to(device, dtype=dtype)
+    images = images.to(device)
+    context = torch.from_numpy(masks.context).to(device)
+    targets = torch.from_numpy(masks.targets).to(device)
+    lc, (m, lt) = context.shape[1], targets.shape[1:]
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=cfg.bf16):
+            losses = compute_losses(model, target, images, context, targets, text, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        losses.total.backward()
+        optimizer.step()
+        ema_update(target, model.encoder, 0.996)
+
+    info = {"lc": lc, "lt": lt, "m": m, "s": s,
+            "flops": analytic_flops(cfg, mode, model.encoder, model.predictor, lc, lt, m, s, args.text_dim),
+            "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads()}
+    return Setup(step, info, cuda)
+
+
+def run_mode(args: argparse.Namespace, name: str) -> None:
+    """The worker: set up one mode, then obey the driver's commands on stdin."""
+    import torch
+
+    job = setup(args, name)
+    step, cuda = job.step, job.cuda
+
+    def timed_step() -> dict:
+        if cuda:
+            torch.cuda.synchronize()
+        start, cpu = time.perf_counter(), time.process_time()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        return {"time": time.perf_counter() - start, "cpu": time.process_time() - cpu}
+
+    def counted_step() -> int:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False, custom_mapping=sdpa_cpu_mapping())
+        with counter:
+            step()
+        return counter.get_total_flops()
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base_cuda = torch.cuda.memory_allocated()
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    reply({"ready": name, **job.info})
+    # Commands from the driver, one a line: "step" (timed), "warmup", "count" (FlopCounterMode), "done".
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "step":
+            reply(timed_step())
+        elif command == "warmup":
+            step()
+            reply({})
+        elif command == "count":
+            reply({"flops_counter": counted_step()})
+        elif command == "done":
+            out = {}
+            if cuda:
+                out["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+                out["peak_increase_mib"] = (torch.cuda.max_memory_allocated() - base_cuda) / 2**20
+            else:
+                out["peak_increase_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
+            reply(out)
+            return
+        else:
+            raise SystemExit(f"unknown command {command!r}")
+
+
+def profile(args: argparse.Namespace, name: str, rows: int = 30) -> None:
+    """One step of `name` under torch.profiler after the warm-up steps: the top ops by self time, to stderr."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    job = setup(args, name)
+    for _ in range(max(args.warmup, 1)):
+        job.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if job.cuda else [])
+    with torch_profile(activities=activities, record_shapes=True) as prof:
+        job.step()
+    key = "self_cuda_time_total" if job.cuda else "self_cpu_time_total"
+    log(prof.key_averages().table(sort_by=key, row_limit=rows))
+    log(prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=rows))
+
+
+def reply(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+class Worker:
+    """One mode in its own process, driven a step at a time."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", name]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def ask(self, command: str | None) -> dict:
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"mode {self.name} died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> dict:
+        out = self.ask("done")
+        self.proc.wait()
+        return out
+
+
+# ---- the driver -------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        run_mode(args, args.worker)
+        return
+    if args.profile:
+        profile(args, args.profile)
+        return
+    modes = args.modes.split(",")
+    started = time.perf_counter()
+    info: dict[str, dict] = {}
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    cpu_times: dict[str, list[float]] = {name: [] for name in modes}
+
+    def drive(group: list[str]) -> None:
+        """Start `group`'s workers together, then run their steps interleaved, rotating the order every round."""
+        workers = {name: Worker(name) for name in group}
+        try:
+            for name, w in workers.items():
+                info[name] = w.ask(None)
+            for i in range(args.warmup):
+                for name, w in workers.items():
+                    if i == 0 and args.flop_counter:
+                        info[name]["flops_counter"] = w.ask("count")["flops_counter"]
+                    else:
+                        w.ask("warmup")
+            log(f"warm: {', '.join(group)} ({time.perf_counter() - started:.0f} s)")
+            for r in range(args.steps):
+                order = group[r % len(group):] + group[: r % len(group)]
+                for name in order:
+                    measured = workers[name].ask("step")
+                    times[name].append(measured["time"])
+                    cpu_times[name].append(measured["cpu"])
+                log(f"step {r + 1}/{args.steps}: " + "  ".join(f"{n} {times[n][-1]:.2f}s" for n in group))
+            for name, w in workers.items():
+                info[name].update(w.close())
+        finally:
+            for w in workers.values():
+                if w.proc.poll() is None:
+                    w.proc.kill()
+
+    if args.device.startswith("cuda"):
+        for name in modes:  # one process at a time: each keeps its own CUDA memory pool
+            drive([name])
+    else:
+        drive(modes)  # all alive at once, stepping in turn: machine noise falls on every mode alike
+
+    first = info[modes[0]]
+    result: dict = {
+        "benchmark": "train_step",
+        "device": args.device,
+        "torch_threads": first["threads"] if not args.device.startswith("cuda") else None,
+        "setting": (f"{args.model} {args.image_size}px/{args.patch_size}, batch {args.batch}, predictor "
+                    f"{args.predictor_width} wide depth {args.predictor_depth or 'default'}, "
+                    f"{'bf16' if args.bf16 else 'fp32'} autocast, d_text {args.text_dim}"),
+        "shapes": {"context_tokens": first["lc"], "target_blocks": first["m"], "target_tokens": first["lt"],
+                   "caption_words_padded": max((info[n]["s"] for n in modes if MODES[n].captions), default=None)},
+        "steps_per_mode": f"{args.steps} timed (interleaved across modes) + {args.warmup} warmup",
+    }
+    per_mode = {}
+    medians, cpu_medians, flops = {}, {}, {}
+    for name in modes:
+        medians[name] = statistics.median(times[name])
+        cpu_medians[name] = statistics.median(cpu_times[name])
+        flops[name] = info[name]["flops"]["step"]
+        entry = {
+            "s_per_step": round(medians[name], 4),
+            "s_per_step_all": [round(t, 3) for t in times[name]],
+            "gflops_per_step": round(flops[name] / 1e9, 2),
+            "images_per_s": round(args.batch / medians[name], 1),
+            "achieved_tflops": round(flops[name] / medians[name] / 1e12, 4),
+        }
+        if "flops_counter" in info[name]:
+            entry["gflops_per_step_flop_counter"] = round(info[name]["flops_counter"] / 1e9, 2)
+        if not args.device.startswith("cuda"):
+            entry["process_cpu_s_per_step"] = round(cpu_medians[name], 4)
+        if args.device.startswith("cuda"):
+            entry["mfu"] = round(flops[name] / medians[name] / (args.peak_tflops * 1e12), 4)
+            entry["peak_mem_mib"] = round(info[name]["peak_mib"])
+        else:
+            entry["peak_rss_increase_mib"] = round(info[name]["peak_increase_mib"])
+        entry["forward_gflops"] = {k: round(v / 1e9, 2) for k, v in info[name]["flops"]["forward"].items()}
+        per_mode[name] = entry
+    result["modes"] = per_mode
+    if "none" in modes:
+        for name in modes:
+            if name == "none":
+                continue
+            time_ratio = medians[name] / medians["none"]
+            flop_ratio = flops[name] / flops["none"]
+            result[f"{name}_vs_none_time"] = round(time_ratio, 3)
+            result[f"{name}_vs_none_flops"] = round(flop_ratio, 3)
+            result[f"{name}_time_ratio_over_flop_ratio"] = round(time_ratio / flop_ratio, 3)
+            if not args.device.startswith("cuda"):
+                # Process CPU time (all threads): less sensitive than wall time to other jobs taking the cores.
+                result[f"{name}_cpu_time_ratio_over_flop_ratio"] = round(cpu_medians[name] / cpu_medians["none"] / flop_ratio, 3)
+        if "cross8" in modes:
+            result["time_ratio_over_flop_ratio"] = result["cross8_time_ratio_over_flop_ratio"]
+            result["goal_met"] = result["time_ratio_over_flop_ratio"] <= 1.2
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result))
+
+if __name__ == "__main__":
+    main()
