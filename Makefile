@@ -33,6 +33,7 @@ bench: venv
 	$(PY) benchmarks/embed.py
 	$(PY) benchmarks/loader.py
 	$(PY) benchmarks/caption.py
+	$(PY) benchmarks/train_step.py
 
 clean-venv:
 	rm -rf $(VENV)
