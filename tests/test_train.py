@@ -128,6 +128,10 @@ def test_fsdp_checkpoint_resumes_on_one_process(tmp_path, synth_dir, annotated_c
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # torchrun's workers may live in their own process groups: kill whatever still trains into `moved`.
+    subprocess.run(["pkill", "-9", "-f", str(moved)], check=False)
+    while subprocess.run(["pgrep", "-f", str(moved)], capture_output=True).returncode == 0:
+        time.sleep(0.1)
     assert torch.load(moved / "checkpoint.pt", weights_only=True)["step"] < 8
     tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, moved, *common), env=env)
     _assert_close_runs(_metrics(reference), _metrics(moved))
@@ -204,6 +208,16 @@ def test_cross_without_cache_and_run_of_another_config_are_refused(tmp_path, syn
     config_file.write_text("steps: [1\n")
     proc = tcjepa("train", synth_dir / "images", "--out", tmp_path / "r2", "--config", config_file, check=False)
     assert proc.returncode == 2 and "not valid YAML" in proc.stderr
+
+
+def test_a_run_in_use_is_refused(tmp_path, synth_dir):
+    from filelock import FileLock
+
+    run = tmp_path / "busy"
+    run.mkdir()
+    with FileLock(str(run / ".lock")):
+        proc = tcjepa("train", synth_dir / "images", "--out", run, "--conditioning", "none", "--steps", "2", *TINY, check=False)
+    assert proc.returncode == 2 and "is in use by another `tcjepa train`" in proc.stderr
 
 
 def test_help_config_lists_every_key():

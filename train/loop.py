@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 import yaml
+from filelock import FileLock, Timeout
 
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_bytes
@@ -79,8 +80,12 @@ def barrier(rt: Runtime) -> None:
         dist.barrier()
 
 
-def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime) -> None:
-    """Create RUN and save the resolved config; refuse a RUN made with a different config."""
+def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime) -> FileLock | None:
+    """Create RUN, lock it (rank 0) and save the resolved config; refuse a RUN made with a different config.
+
+    The lock (an flock, gone with the process even on SIGKILL) stops a second trainer
+    from writing into a run that is still going.
+    """
     saved_path = run / CONFIG
     if saved_path.exists():
         saved = yaml.safe_load(saved_path.read_text()) or {}
@@ -88,12 +93,19 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime) -> None:
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} → {to_dict(cfg)[k]!r}" for k in changed[:4])
             raise UserError(f"{run} holds a run with another config ({details}); use a new --out or the same settings")
-    elif run.exists() and any(run.iterdir()) and rt.main:
+    elif run.exists() and any(p.name != ".lock" for p in run.iterdir()) and rt.main:
         raise UserError(f"--out {run} is a non-empty directory that is not a tcjepa run; choose a new directory")
-    barrier(rt)
+    lock = None
     if rt.main:
         run.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(run / ".lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise UserError(f"{run} is in use by another `tcjepa train` (it holds {run / '.lock'}); wait for it or stop it") from None
         atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+    barrier(rt)
+    return lock
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
@@ -139,7 +151,7 @@ class Trainer:
         self.run = run
         self.progress = progress
         self.rt = start_runtime(cfg)
-        prepare_run(cfg, run, self.rt)
+        self.run_lock = prepare_run(cfg, run, self.rt)
         self.index = load_or_build_index(cfg, run, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -283,6 +295,8 @@ class Trainer:
                 barrier(rt)
         if bar is not None:
             bar.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
         if rt.world > 1:
             dist.destroy_process_group()
         return self.metrics.read() if rt.main else []
