@@ -228,3 +228,13 @@ def test_help_config_lists_every_key():
     out = tcjepa("train", "--help-config").stdout
     for f in fields(TrainConfig):
         assert f.name in out
+
+
+@pytest.mark.slow
+def test_compile_trains(tmp_path, synth_dir):
+    """`compile=true` wraps the trained module in torch.compile (inductor on CPU: about a minute here)."""
+    run = tmp_path / "compiled"
+    out = tcjepa("train", synth_dir / "images", "--out", run, "--conditioning", "none", "--steps", "2", *TINY,
+                 "--set", "compile=true", "--set", "num_workers=0")
+    assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 2
