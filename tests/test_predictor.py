@@ -180,3 +180,26 @@ def test_wiring_none_cannot_use_text():
     true, _, _ = _train_predictor("none")
     # The best a text-blind predictor can do is the mean colour vector: about 7/8 of the unit variance.
     assert true > 0.6, true
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_residual_max_equals_autograd_masked_max(broadcast):
+    """The fused caption pool gives amax's values and gradients, ties and dropped captions included."""
+    from train.predictor import residual_max
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 1 if broadcast else 4, 5, 6, dtype=torch.float64, requires_grad=True)
+    update = torch.randn(3, 4, 5, 6, dtype=torch.float64)
+    update[0, 1] = update[0, 2]  # a tie between two captions
+    if not broadcast:
+        x.data[0, 1] = x.data[0, 2]
+    update.requires_grad_(True)
+    keep = torch.tensor([[True, True, True, False], [False, True, False, False], [True, True, True, True]])
+    reference = (x + update).masked_fill(~keep[:, :, None, None], float("-inf")).amax(dim=1)
+    weights = torch.randn_like(reference)
+    grads_ref = torch.autograd.grad((reference * weights).sum(), (x, update))
+    fused = residual_max(x, update, keep)
+    grads = torch.autograd.grad((fused * weights).sum(), (x, update))
+    torch.testing.assert_close(fused, reference)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got, want)

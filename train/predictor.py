@@ -110,16 +110,10 @@ class TextCrossAttention(nn.Module):
         return out, cosine.view(b, nq, n, s)
 
 
-def masked_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Max over dim 1 of `x` `[B, N, ...]` among entries with `keep` `[B, N]` True."""
-    shape = keep.shape + (1,) * (x.dim() - 2)
-    return x.masked_fill(~keep.view(shape), float("-inf")).amax(dim=1)
-
-
 class _ResidualMax(torch.autograd.Function):
-    """`masked_max(x + update, keep)` with the same values and gradient, at a fraction of the memory traffic.
+    """Max over captions (dim 1) of `x + update` among entries with `keep` True, at a fraction of the memory traffic.
 
-    Through autograd, the add, the fill and `amax` each make a float tensor of the
+    Same values and gradient as `(x + update).masked_fill(~keep, -inf).amax(dim=1)`. Through autograd, the add, the fill and `amax` each make a float tensor of the
     `[B, N, ...]` size, and `amax`'s backward compares, counts, divides, multiplies
     by a float copy of the comparison and then undoes the fill. Here the sum is made
     in one float buffer (filled in place), the tie mask is computed once and kept as
@@ -154,7 +148,7 @@ class _ResidualMax(torch.autograd.Function):
 
 
 def residual_max(x: torch.Tensor, update: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """`masked_max(x + update, keep)` for `x` `[B, N, ...]` or `[B, 1, ...]` and `update` `[B, N, ...]`."""
+    """Max of `x + update` over dim 1 where `keep` `[B, N]`; `x` `[B, N, ...]` or `[B, 1, ...]`, `update` `[B, N, ...]`."""
     return _ResidualMax.apply(x, update, keep)
 
 
