@@ -173,9 +173,9 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
     if hint is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
             try:
-                value = float(value)
+                return float(value)
             except ValueError:
-                pass
+                raise UserError(f"config key {name!r}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"config key {name!r}: expected a number, got {value!r}")
         return float(value)
