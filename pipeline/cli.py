@@ -241,14 +241,69 @@ def train(
         typer.echo(json.dumps({"run": str(out), **last[-1]}))
 
 
+@app.command("eval")
+def eval_(
+    run: Annotated[Path, typer.Argument(help="Run directory of `tcjepa train` (its checkpoint's EMA target encoder is probed).")],
+    images: Annotated[list[Path], typer.Argument(help="Image sources holding the labelled images (folders, tar shards, Parquet, HF datasets).")],
+    labels: Annotated[Path, typer.Option(help='JSONL lines {"image": ..., "label": ...}; optional "cells" + "cell_size" (dense probe) and "split" (train/val/test).')],
+    probe: Annotated[Optional[list[str]], typer.Option(help="linear, knn, dense or attentive (repeatable). Default: all that the labels allow.")] = None,
+    image_root: Annotated[Optional[Path], typer.Option(help="Folder the labels' image paths are relative to (default: the labels file's folder).")] = None,
+    test_fraction: Annotated[float, typer.Option(help="Share of labelled images held out for test (without a split in the labels).")] = 0.2,
+    val_fraction: Annotated[float, typer.Option(help="Share of the rest used to pick each probe's hyper-parameter.")] = 0.2,
+    seed: Annotated[int, typer.Option(help="Seed of the split and of the probes.")] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N, for feature extraction and the attentive probe.")] = "auto",
+    batch_size: Annotated[int, typer.Option(help="Images per feature-extraction batch.")] = 64,
+    workers: Annotated[int, typer.Option(help="Image-decoding worker processes.")] = 2,
+    report: Annotated[Optional[Path], typer.Option(help="Where to write the JSON report (default RUN/eval/<labels name>.json).")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar while extracting features.")] = True,
+) -> None:
+    """Probe a run's frozen features: linear, k-NN, dense per-patch and attentive; features are cached in RUN/features."""
+    from train.evaluate import PROBES, EvalConfig, evaluate, one_line
+
+    probes = tuple(probe) if probe else None
+    cfg = EvalConfig(run=run, images=images, labels=labels, image_root=image_root, test_fraction=test_fraction,
+                     val_fraction=val_fraction, seed=seed, device=device, batch_size=batch_size, workers=workers,
+                     report=report, progress=progress, probes=probes or PROBES)
+    result = evaluate(cfg, default_probes=probes is None)
+    typer.echo(one_line(result))
+    typer.echo(f"report: {result['report']}", err=True)
+
+
+@app.command()
+def export(
+    run: Annotated[Path, typer.Argument(help="Run directory of `tcjepa train`.")],
+    out: Annotated[Path, typer.Option(help="Directory for model.safetensors and config.json.")],
+) -> None:
+    """Export the run's target encoder as safetensors with timm names (class-token-free, average-pooled ViT)."""
+    from train.export import export_run
+
+    config = export_run(run, out)
+    typer.echo(json.dumps({"out": str(out), "step": config["step"], "timm": config["timm"]}))
+
+
+@app.command()
+def viz(
+    run: Annotated[Path, typer.Argument(help="Run directory of a `--conditioning cross` training run.")],
+    image: Annotated[Path, typer.Option(help="Image file to look at.")],
+    captions: Annotated[list[str], typer.Option(help="A caption of the image (repeatable).")],
+    text_model: Annotated[Path, typer.Option(help="The T5 directory given to `tcjepa embed` for the run's store (checked against its recipe).")],
+    out: Annotated[Path, typer.Option(help="PNG to write.")],
+    top: Annotated[int, typer.Option(help="How many words to draw heat maps for (highest peak patch–word cosine first).")] = 8,
+) -> None:
+    """Draw patch–word cosine heat maps and per-patch prediction error with the captions, their words shuffled, and no text."""
+    from train.viz import render
+
+    typer.echo(json.dumps(render(run, image, captions, text_model, out, top=top)))
+
+
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Directory for the demo's data, models, cache, store and summary.")] = Path("demo-out"),
-    n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = 400,
-    t5_steps: Annotated[int, typer.Option(help="Span-corruption steps for the tiny T5.")] = 1500,
-    seed: Annotated[int, typer.Option(help="Seed for data and models.")] = 0,
+    n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = 600,
+    t5_steps: Annotated[int, typer.Option(help="Span-corruption steps for the tiny T5.")] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed for data, models, training and probes.")] = 0,
 ) -> None:
-    """Run the pipeline on built-in synthetic data on the CPU (resumes if run again)."""
+    """Run the whole pipeline on built-in synthetic data on the CPU: caption, embed, train none and cross, eval, compare (resumes if run again)."""
     from pipeline.demo import run_demo
 
     summary = run_demo(out, n_images=n_images, t5_steps=t5_steps, seed=seed)

@@ -1,0 +1,131 @@
+"""Probe labels: JSONL lines `{"image": ..., "label": ...}`, optionally with a per-cell map.
+
+`image` is a path relative to the labels file's folder (or `--image-root`), or a
+source id as `tcjepa` lists it (a tar member `shard.tar/member.png`, a table row
+`name::7`). `label` is any string or integer. For the dense probe a line may add
+`"cells": [[...], ...]` (rows of integer classes, negative = unlabelled) and
+`"cell_size"` (cell side in pixels of the original image), as `tcjepa synth` writes,
+and `"split": "train" | "val" | "test"` to use a dataset's own split instead of a
+random one (then every line must have it).
+
+Per-patch labels follow the run's patch grid: each patch takes the class of the
+cell under its centre, after the whole image is resized to the run's size (which
+is how features are extracted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.errors import UserError
+from pipeline.sources import ImageRef
+
+
+@dataclass
+class Labels:
+    image_index: np.ndarray         # int64 [m]: index into the image list of each labelled image
+    classes: list[str]              # image-level class names; label ids index into it
+    label: np.ndarray               # int64 [m]
+    cells: list[np.ndarray | None]  # per labelled image: int [rows, cols] cell classes, or None
+    cell_size: list[int]            # per labelled image: cell side in original pixels (0 without cells)
+    split: list[str] | None         # per labelled image: "train" | "val" | "test", when the file gives splits
+    unmatched: int                  # label lines whose image is not among the images given
+
+    @property
+    def has_cells(self) -> bool:
+        return any(c is not None for c in self.cells)
+
+
+def _line_error(path: Path, number: int, why: str) -> UserError:
+    return UserError(f"--labels {path}, line {number}: {why}")
+
+
+def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None) -> Labels:
+    """Labels matched to `refs` by resolved file path or by source id; lines for other images are counted, not used."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--labels {path}: no such file")
+    root = Path(image_root) if image_root is not None else path.parent
+    by_path = {os.path.realpath(r.path): i for i, r in enumerate(refs) if r.kind == "file"}
+    by_id = {r.source_id: i for i, r in enumerate(refs)}
+    index: list[int] = []
+    raw: list[str] = []
+    cells: list[np.ndarray | None] = []
+    cell_size: list[int] = []
+    split: list[str | None] = []
+    seen: set[int] = set()
+    unmatched = 0
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise _line_error(path, number, f"not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("image"), str) or "label" not in row:
+                raise _line_error(path, number, 'expected {"image": "...", "label": ...}')
+            if not isinstance(row["label"], (str, int)) or isinstance(row["label"], bool):
+                raise _line_error(path, number, f"label must be a string or an integer, got {row['label']!r}")
+            i = by_path.get(os.path.realpath(root / row["image"]), by_id.get(row["image"]))
+            if i is None:
+                unmatched += 1
+                continue
+            if i in seen:
+                raise _line_error(path, number, f"{row['image']} is labelled twice")
+            seen.add(i)
+            index.append(i)
+            raw.append(str(row["label"]))
+            grid, size = _cells(row, path, number)
+            cells.append(grid)
+            cell_size.append(size)
+            if row.get("split") not in (None, "train", "val", "test"):
+                raise _line_error(path, number, f"split must be train, val or test, got {row['split']!r}")
+            split.append(row.get("split"))
+    if not index:
+        raise UserError(f"--labels {path}: none of its {unmatched} images is among the images given; "
+                        "image paths are read relative to the labels file (or --image-root)")
+    if any(s is not None for s in split) and any(s is None for s in split):
+        raise UserError(f"--labels {path}: some lines give a split and others do not; give it on every line or none")
+    classes = sorted(set(raw))
+    ids = {c: k for k, c in enumerate(classes)}
+    return Labels(np.array(index, dtype=np.int64), classes, np.array([ids[r] for r in raw], dtype=np.int64),
+                  cells, cell_size, split if split and split[0] is not None else None, unmatched)
+
+
+def _cells(row: dict, path: Path, number: int) -> tuple[np.ndarray | None, int]:
+    if "cells" not in row:
+        return None, 0
+    try:
+        grid = np.array(row["cells"], dtype=np.int64)
+    except (TypeError, ValueError):
+        grid = np.empty(0)
+    if grid.ndim != 2 or grid.size == 0:
+        raise _line_error(path, number, "cells must be a non-empty list of equal-length rows of integers")
+    size = row.get("cell_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise _line_error(path, number, f"cells need a positive integer cell_size (pixels), got {size!r}")
+    return grid, size
+
+
+def patch_labels(cells: np.ndarray, cell_size: int, original: tuple[int, int], grid: tuple[int, int]) -> np.ndarray:
+    """int `[gh * gw]` class of the cell under each patch centre (row-major); -1 outside the map.
+
+    `original` is the image's (width, height) in pixels, `grid` the run's patch grid (rows, cols).
+    """
+    width, height = original
+    gh, gw = grid
+    ys = (np.arange(gh) + 0.5) * height / gh
+    xs = (np.arange(gw) + 0.5) * width / gw
+    rows = np.floor(ys / cell_size).astype(np.int64)
+    cols = np.floor(xs / cell_size).astype(np.int64)
+    out = np.full((gh, gw), -1, dtype=np.int64)
+    inside_r = rows < cells.shape[0]
+    inside_c = cols < cells.shape[1]
+    out[np.ix_(inside_r, inside_c)] = cells[np.ix_(rows[inside_r], cols[inside_c])]
+    return out.reshape(-1)
