@@ -301,12 +301,13 @@ def demo(
     out: Annotated[Path, typer.Option(help="Directory for the demo's data, models, cache, store and summary.")] = Path("demo-out"),
     n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = 600,
     t5_steps: Annotated[int, typer.Option(help="Span-corruption steps for the tiny T5.")] = 1000,
+    train_steps: Annotated[int, typer.Option(help="Training steps of each of the two runs (none, cross).")] = 300,
     seed: Annotated[int, typer.Option(help="Seed for data, models, training and probes.")] = 0,
 ) -> None:
     """Run the whole pipeline on built-in synthetic data on the CPU: caption, embed, train none and cross, eval, compare (resumes if run again)."""
     from pipeline.demo import run_demo
 
-    summary = run_demo(out, n_images=n_images, t5_steps=t5_steps, seed=seed)
+    summary = run_demo(out, n_images=n_images, t5_steps=t5_steps, train_steps=train_steps, seed=seed)
     typer.echo(json.dumps(summary))
 
 
