@@ -11,7 +11,7 @@ Variants (the demo's training configuration, `pipeline.demo.DEMO_TRAIN`, same st
 Each (variant, seed) is a real `tcjepa train` run in its own process, then `tcjepa eval`
 (linear, k-NN and dense probes on the synth labels; `--attentive` adds that probe).
 The data, the T5 trained on the scene captions and the store are built once in --work,
-and finished runs are reused, so an interrupted script resumes.
+and finished runs and their probe reports are reused, so an interrupted script resumes.
 
 Prints a Markdown table (mean ± standard deviation over seeds) and one final JSON line
 with every figure. `--readme README.md` rewrites the table between the
@@ -67,10 +67,13 @@ def run_one(work: Path, variant: str, seed: int, steps: int, attentive: bool) ->
     t0 = time.perf_counter()
     _cli("train", work / "data" / "images", *text, "--out", run, "--config", config, "--no-progress")
     print(f"  {variant} seed {seed}: trained in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    probes = ["--probe", "linear", "--probe", "knn", "--probe", "dense"] + (["--probe", "attentive"] if attentive else [])
-    _cli("eval", run, work / "data" / "images", "--labels", work / "data" / "labels.jsonl", *probes, "--seed", seed,
-         "--no-progress", "--report", run / "eval" / "ablation.json")
-    report = json.loads((run / "eval" / "ablation.json").read_text())["probes"]
+    names = ["linear", "knn", "dense"] + (["attentive"] if attentive else [])
+    report_path = run / "eval" / "ablation.json"
+    done = json.loads(report_path.read_text()) if report_path.exists() else None
+    if done is None or done["step"] != steps or set(done["probes"]) != set(names):
+        _cli("eval", run, work / "data" / "images", "--labels", work / "data" / "labels.jsonl",
+             *[x for name in names for x in ("--probe", name)], "--seed", seed, "--no-progress", "--report", report_path)
+    report = json.loads(report_path.read_text())["probes"]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = [m for m in metrics if "val_loss_predict" in m][-1]
     speed = [m["images_per_s"] for m in metrics if "images_per_s" in m]

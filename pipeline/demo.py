@@ -1,9 +1,9 @@
 """`tcjepa demo`: the whole pipeline on built-in synthetic data, on a laptop CPU, with no arguments.
 
-synth → tiny-models → caption (the tiny random VLM through vLLM, to show the real
-path runs; its captions are junk by construction and stay in their own recipe) →
-import the scenes' true captions → embed → train `none` and `cross` (same seed,
-same steps) → eval both → a summary table and plots. Each step is a real command
+synth → tiny-models → import the scenes' true captions → embed → caption (the tiny
+random VLM through vLLM, to show the real path runs; its captions are junk by
+construction and stay in their own recipe, which is not embedded) → train `none`
+and `cross` (same seed, same steps) → eval both → a summary table and plots. Each step is a real command
 run in this process and is skipped (or resumed) when its output is already there.
 
 The training configuration is sized for ~10 minutes on 2 cores and printed at the

@@ -175,7 +175,11 @@ def extract_features(run: Path, refs: list[ImageRef], with_patches: bool = False
     meta: dict[str, Any] = {"run": str(run), "step": trained.step, "images": n, "decoded": int((sizes[:, 0] > 0).sum()),
                             "image_size": cfg.image_size, "grid": list(grid), "width": dim, "patches": with_patches}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    if directory.exists():  # a pooled-only extraction, now superseded by one with patches
+    finished = _load(directory, with_patches, trained.step, grid)
+    if finished is not None:  # another process finished the same extraction first
+        shutil.rmtree(tmp)
+        return finished
+    if directory.exists():  # a pooled-only extraction, superseded by this one with patches
         shutil.rmtree(directory)
     os.replace(tmp, directory)
     features = _load(directory, with_patches, trained.step, grid)
