@@ -146,3 +146,17 @@ def test_ema_update_and_optimizer_groups():
             assert (g["lr_scale"] == 3.0) == (".cross." in names[id(p)] or ".norm_cross." in names[id(p)]), names[id(p)]
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     assert math.isclose(sum(p.numel() for g in groups for p in g["params"]), sum(p.numel() for p in model.parameters()))
+
+
+def test_an_image_gone_since_the_index_was_built_is_replaced_and_counted(setup, tmp_path):
+    index, cfg = setup
+    folder = tmp_path / "images"
+    shutil.copytree(cfg.images[0], folder)
+    moved = build_index([folder], cfg.cache, cfg.store, [], progress=False, verify_sample=0)
+    gone = folder / moved.refs[0].source_id
+    gone.unlink()
+    one = TrainConfig(**{**cfg.__dict__, "batch_size": 1})
+    data = StepBatches(moved, np.array([0]), one, (8, 8))
+    assert data[0].replaced == 1
+    # Replaced by the next usable image: image 1's pixels stand in for image 0's.
+    assert torch.equal(data.validation_batch(np.array([0])).images, data.validation_batch(np.array([1])).images)

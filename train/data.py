@@ -85,7 +85,7 @@ class Batch:
     targets: torch.Tensor         # int64 [b, M, Lt]
     tokens: torch.Tensor | None   # float16 [b, N, S, d_text]
     lengths: torch.Tensor | None  # int64 [b, N]; 0 = no caption
-    replaced: int                 # images that failed to decode and were replaced by another
+    replaced: int                 # images that could not be read or decoded and were replaced by another
 
     def pin_memory(self) -> Batch:
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
@@ -174,20 +174,24 @@ class StepBatches(torch.utils.data.Dataset):
                      tokens, lengths, replaced)
 
     def _image(self, i: int, rng: np.random.Generator | None) -> tuple[np.ndarray, bool]:
-        """`[3, H, W]` uint8 pixels of image i; an undecodable image is replaced by the next decodable one."""
+        """`[3, H, W]` uint8 pixels of image i; an image that is gone, unreadable or undecodable is replaced by
+        the next usable one (counted in `Batch.replaced`, logged as `images_replaced`)."""
         if self._images is None:
             self._images = ImageReader()
         n = len(self.index.refs)
         for attempt in range(n):
             j = (i + attempt) % n
-            data = self._images.read(self.index.refs[j])
+            try:
+                data = self._images.read(self.index.refs[j])
+            except OSError:
+                continue
             if hashlib.sha256(data).hexdigest() != self.index.sha256[j]:
                 raise RuntimeError(f"image {self.index.refs[j].source_id} changed since the training index was built; "
                                    "delete the run's index.parquet to rebuild it")
             im, _ = decode(data, self.policy)
             if im is not None:
                 return self._transform(im, rng), attempt > 0
-        raise RuntimeError("no image of the training set can be decoded")
+        raise RuntimeError("no image of the training set can be read and decoded")
 
     def _transform(self, im: Image.Image, rng: np.random.Generator | None) -> np.ndarray:
         size = (self.cfg.image_size, self.cfg.image_size)

@@ -239,6 +239,7 @@ class Trainer:
         device_type = rt.device.type
         val_batch = self.dataset.validation_batch(self.val_ids)
         sums = torch.zeros(4, device=rt.device)
+        replaced = torch.zeros((), device=rt.device)
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
         bar = None
@@ -265,19 +266,23 @@ class Trainer:
             sums += parts
             logged_steps += 1
             images_seen += cfg.batch_size
+            replaced += batch.replaced
             if bar is not None:
                 bar.update(1)
             if done % cfg.log_every == 0 or done == cfg.steps:
                 means = self._mean_across_ranks(sums / logged_steps).tolist()
+                if rt.world > 1:
+                    dist.all_reduce(replaced, op=dist.ReduceOp.SUM)
                 if not all(math.isfinite(v) for v in means):
                     self._stop_non_finite(done)
                 elapsed = time.perf_counter() - tick
                 record = {"step": done, "loss": means[0], "loss_predict": means[1], "loss_sparse": means[2],
                           "loss_consistency": means[3], "lr": self.lr(step), "wd": self.wd(step), "ema": momentum,
-                          "images_per_s": images_seen / elapsed}
+                          "images_per_s": images_seen / elapsed, "images_replaced": int(replaced)}
                 if rt.main:
                     self.metrics.append(record)
                 sums.zero_()
+                replaced.zero_()
                 logged_steps, images_seen, tick = 0, 0, time.perf_counter()
             if done % cfg.val_every == 0 or done == cfg.steps:
                 # Every rank validates (FSDP's forward is collective); rank 0 writes.
