@@ -92,14 +92,19 @@ def test_validation_batch_is_fixed_and_uncropped(setup):
     assert a.lengths.shape == (4, 3) and (a.lengths > 0).all()  # the first N of the 8 captions, always
 
 
-def test_a_changed_image_is_caught(setup, tmp_path):
-    index, cfg = setup
+def _copied_images(cfg: TrainConfig, tmp_path):
+    """The images copied to a new folder, their index, and a one-image-batch config."""
     folder = tmp_path / "images"
     shutil.copytree(cfg.images[0], folder)
     moved = build_index([folder], cfg.cache, cfg.store, [], progress=False, verify_sample=0)
+    return folder, moved, TrainConfig(**{**cfg.__dict__, "batch_size": 1})
+
+
+def test_a_changed_image_is_caught(setup, tmp_path):
+    folder, moved, one = _copied_images(setup[1], tmp_path)
     victim = folder / moved.refs[0].source_id
     victim.write_bytes(victim.read_bytes() + b"\0")
-    data = StepBatches(moved, np.array([0]), TrainConfig(**{**cfg.__dict__, "batch_size": 1}), (8, 8))
+    data = StepBatches(moved, np.array([0]), one, (8, 8))
     with pytest.raises(RuntimeError, match="changed since the training index was built"):
         data[0]
 
@@ -149,13 +154,8 @@ def test_ema_update_and_optimizer_groups():
 
 
 def test_an_image_gone_since_the_index_was_built_is_replaced_and_counted(setup, tmp_path):
-    index, cfg = setup
-    folder = tmp_path / "images"
-    shutil.copytree(cfg.images[0], folder)
-    moved = build_index([folder], cfg.cache, cfg.store, [], progress=False, verify_sample=0)
-    gone = folder / moved.refs[0].source_id
-    gone.unlink()
-    one = TrainConfig(**{**cfg.__dict__, "batch_size": 1})
+    folder, moved, one = _copied_images(setup[1], tmp_path)
+    (folder / moved.refs[0].source_id).unlink()
     data = StepBatches(moved, np.array([0]), one, (8, 8))
     assert data[0].replaced == 1
     # Replaced by the next usable image: image 1's pixels stand in for image 0's.
