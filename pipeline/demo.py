@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import UserError
+
 DEMO_IMAGES = 600
 DEMO_T5_STEPS = 1000
 DEMO_VLM_IMAGES = 32
@@ -52,6 +54,9 @@ def prepare_scenes(out: Path, n_images: int, t5_steps: int, seed: int, timings: 
     t = _step(f"synth: {n_images} scenes with 8 captions each -> {data}")
     if not (data / "classes.json").exists():
         generate(data, n_images, seed=seed)
+    have = sum(1 for _ in (data / "images").glob("*.png"))
+    if have != n_images:
+        raise UserError(f"{out} holds a demo of {have} scenes, not {n_images}; use another --out or --n-images {have}")
     timings["synth_s"] = time.perf_counter() - t
 
     models = out / "models"
@@ -61,6 +66,10 @@ def prepare_scenes(out: Path, n_images: int, t5_steps: int, seed: int, timings: 
         stats = build_tiny_models(models, t5_corpus=data / "captions.jsonl", t5_steps=t5_steps, seed=seed)
         stats_file.write_text(json.dumps(stats))
     timings["tiny_models_s"] = time.perf_counter() - t
+    stats = json.loads(stats_file.read_text())
+    if stats["t5_training"]["steps"] != t5_steps:
+        raise UserError(f"{models} holds a T5 trained {stats['t5_training']['steps']} steps, not {t5_steps}; "
+                        f"use another --out or --t5-steps {stats['t5_training']['steps']}")
 
     t = _step("caption: import the scene captions (what the scene graph says) into the cache")
     cache = CaptionCache.open_or_create(out / "cache")
@@ -72,7 +81,7 @@ def prepare_scenes(out: Path, n_images: int, t5_steps: int, seed: int, timings: 
                                    device="cpu", progress=False))
     print(f"[demo]   {report.summary(dry_run=False)}")
     timings["embed_s"] = time.perf_counter() - t
-    return json.loads(stats_file.read_text())
+    return stats
 
 
 def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:

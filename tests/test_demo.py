@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -33,3 +34,10 @@ def test_demo_runs_every_stage_and_summarises_both_runs(tmp_path):
     again = tcjepa(*args, timeout=900)  # every stage finds its output and skips or resumes
     assert "captioned 0 images" in again.stdout
     assert json.loads(again.stdout.strip().splitlines()[-1])["results"] == summary["results"]
+
+
+def test_demo_refuses_an_out_dir_made_with_other_sizes(tmp_path, synth_dir):
+    out = tmp_path / "demo"
+    shutil.copytree(synth_dir, out / "data")  # 40 scenes
+    done = tcjepa("demo", "--out", out, "--n-images", 50, check=False)
+    assert done.returncode == 2 and "holds a demo of 40 scenes, not 50" in done.stderr
