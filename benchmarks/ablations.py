@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipeline.demo import DEMO_TRAIN, SCENE_RECIPE, prepare_scenes  # noqa: E402
+from pipeline.demo import DEMO_TRAIN, SCENE_RECIPE, prepare_scenes, run_figures  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"conditioning": "none"},
@@ -73,18 +73,9 @@ def run_one(work: Path, variant: str, seed: int, steps: int, attentive: bool) ->
     if done is None or done["step"] != steps or set(done["probes"]) != set(names):
         _cli("eval", run, work / "data" / "images", "--labels", work / "data" / "labels.jsonl",
              *[x for name in names for x in ("--probe", name)], "--seed", seed, "--no-progress", "--report", report_path)
-    report = json.loads(report_path.read_text())["probes"]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    val = [m for m in metrics if "val_loss_predict" in m][-1]
-    speed = [m["images_per_s"] for m in metrics if "images_per_s" in m]
-    speed = speed[1:] or speed
-    out = {"linear": report["linear"]["metrics"]["top1"], "knn": report["knn"]["metrics"]["top1"],
-           "dense_accuracy": report["dense"]["metrics"]["patch_accuracy"], "dense_miou": report["dense"]["metrics"]["miou"],
-           "val_true": val["val_loss_predict"], "ratio": val["val_loss_predict"] / val["val_loss_predict_shuffled"],
-           "step_s": DEMO_TRAIN["batch_size"] / statistics.mean(speed)}
-    if attentive:
-        out["attentive"] = report["attentive"]["metrics"]["top1"]
-    return out
+    figures = run_figures(metrics, json.loads(report_path.read_text()))
+    return {**figures, "step_s": DEMO_TRAIN["batch_size"] / figures["images_per_s"]}
 
 
 def summarise(results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, list[float]]]:

@@ -20,7 +20,7 @@ def test_demo_runs_every_stage_and_summarises_both_runs(tmp_path):
     assert [r["mode"] for r in summary["results"]] == ["none", "cross"]
     assert set(summary["recipes"]) == {"tiny-vlm", "synthetic-scenes"}
     for row in summary["results"]:
-        assert 0 <= row["linear_top1"] <= 1 and 0 <= row["dense_miou"] <= 1 and row["images_per_s"] > 0
+        assert 0 <= row["linear"] <= 1 and 0 <= row["dense_miou"] <= 1 and row["images_per_s"] > 0
     none, cross = summary["results"]
     assert none["val_true"] == none["val_shuffled"] == none["val_notext"]  # `none` cannot read captions
     assert cross["val_true"] != cross["val_notext"]

@@ -129,6 +129,9 @@ def test_labels_match_by_path_or_source_id_and_refuse_bad_lines(tmp_path, synth_
         (tmp_path / "bad.jsonl").write_text(bad + "\n")
         with pytest.raises(Exception, match=message):
             read_labels(tmp_path / "bad.jsonl", refs, image_root=synth_dir)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"image": "images/000001.png", "label": "\xff"}\n')
+    with pytest.raises(Exception, match="not UTF-8"):
+        read_labels(tmp_path / "bad.jsonl", refs, image_root=synth_dir)
 
 
 # --- the commands on a trained run -------------------------------------------------------

@@ -34,12 +34,12 @@ def save_checkpoint(run: Path, state: dict[str, Any]) -> Path:
 
 
 def load_checkpoint(run: Path) -> dict[str, Any] | None:
-    """The run's checkpoint (on CPU), or None when it has none yet."""
+    """The run's checkpoint (on CPU, memory-mapped: only the tensors used are read), or None when it has none yet."""
     path = run / CHECKPOINT
     if not path.exists():
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for a damaged file
         raise UserError(f"{path} cannot be read ({str(exc).splitlines()[0][:120]}); move it away to start over, "
                         "or restore a good copy") from None

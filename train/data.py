@@ -92,6 +92,11 @@ class Batch:
         return Batch(pin(self.images), pin(self.context), pin(self.targets), pin(self.tokens), pin(self.lengths), self.replaced)
 
 
+def image_policy(image_size: int) -> ImagePolicy:
+    """Decoding limits for images trained or evaluated at `image_size`: generous, but no decompression bombs."""
+    return ImagePolicy(max_pixels=max(1024 * 1024, 4 * image_size**2))
+
+
 def normalise(images: torch.Tensor) -> torch.Tensor:
     """uint8 `[b, 3, H, W]` → float, ImageNet mean/std (done on the device: 4× less to copy)."""
     mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
@@ -114,7 +119,7 @@ class StepBatches(torch.utils.data.Dataset):
         self.rows = slice(rank * self.local, (rank + 1) * self.local)
         self.masks = mask_config(cfg)
         self.text = cfg.conditioning != "none" and cfg.store is not None
-        self.policy = ImagePolicy(max_pixels=max(1024 * 1024, 4 * cfg.image_size**2))
+        self.policy = image_policy(cfg.image_size)
         self.caption_rows = self._locate_captions() if self.text else None
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None

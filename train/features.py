@@ -29,14 +29,26 @@ from PIL import Image
 from tqdm import tqdm
 
 from pipeline.errors import UserError
-from pipeline.images import ImagePolicy, decode
+from pipeline.images import decode
 from pipeline.sources import ImageReader, ImageRef
 from train.checkpoint import load_checkpoint
 from train.config import TrainConfig, apply
-from train.data import normalise
+from train.data import image_policy, normalise
 from train.vit import VisionTransformer, build_vit
 
 FEATURES_DIR = "features"
+
+
+@dataclass
+class TrainedRun:
+    state: dict[str, Any]  # the checkpoint (memory-mapped tensors): model, target, optimizer, step, config
+    config: TrainConfig
+    step: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        side = self.config.image_size // self.config.patch_size
+        return side, side
 
 
 @dataclass
@@ -46,18 +58,34 @@ class TrainedEncoder:
     step: int
 
 
-def load_trained_encoder(run: Path) -> TrainedEncoder:
-    """The target encoder of `run`'s checkpoint, with the run's config."""
+def load_run(run: Path) -> TrainedRun:
+    """`run`'s checkpoint and config; a one-line error when there is no trained run there."""
     run = Path(run)
     if not run.is_dir():
         raise UserError(f"{run}: no such run directory")
     state = load_checkpoint(run)
     if state is None:
         raise UserError(f"{run} has no checkpoint.pt yet; train it first (tcjepa train ... --out {run})")
-    cfg = apply(TrainConfig(), state["config"], f"{run}/checkpoint.pt")
+    return TrainedRun(state, apply(TrainConfig(), state["config"], f"{run}/checkpoint.pt"), int(state["step"]))
+
+
+def target_encoder(trained: TrainedRun) -> VisionTransformer:
+    """The run's EMA target encoder, in eval mode, without gradients."""
+    cfg = trained.config
     encoder = build_vit(cfg.model, cfg.image_size, cfg.patch_size, cfg.width, cfg.depth, cfg.heads)
-    encoder.load_state_dict(state["target"])
-    return TrainedEncoder(encoder.eval().requires_grad_(False), cfg, int(state["step"]))
+    encoder.load_state_dict(trained.state["target"])
+    return encoder.eval().requires_grad_(False)
+
+
+def load_trained_encoder(run: Path) -> TrainedEncoder:
+    """The target encoder of `run`'s checkpoint, with the run's config."""
+    trained = load_run(run)
+    return TrainedEncoder(target_encoder(trained), trained.config, trained.step)
+
+
+def resize_whole(im: Image.Image, size: int) -> np.ndarray:
+    """uint8 `[size, size, 3]`: the whole image resized (bicubic, no crop), as features are extracted."""
+    return np.asarray(im.resize((size, size), Image.Resampling.BICUBIC), dtype=np.uint8)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -68,12 +96,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 class ResizedImages(torch.utils.data.Dataset):
-    """Image i as uint8 `[3, S, S]` (the whole image resized, bicubic) and whether it decoded."""
+    """Image i as uint8 `[3, S, S]` (the whole image resized, bicubic) and its original (width, height)."""
 
     def __init__(self, refs: list[ImageRef], image_size: int) -> None:
         self.refs = refs
         self.size = image_size
-        self.policy = ImagePolicy(max_pixels=max(1024 * 1024, 4 * image_size**2))
+        self.policy = image_policy(image_size)
         self.reader = ImageReader()
 
     def __len__(self) -> int:
@@ -88,7 +116,7 @@ class ResizedImages(torch.utils.data.Dataset):
         im, _ = decode(data, self.policy)
         if im is None:
             return torch.zeros(3, self.size, self.size, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)
-        pixels = np.asarray(im.resize((self.size, self.size), Image.Resampling.BICUBIC), dtype=np.uint8)
+        pixels = resize_whole(im, self.size)
         return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), torch.tensor(im.size)
 
 
@@ -136,16 +164,15 @@ def _load(directory: Path, with_patches: bool, step: int, grid: tuple[int, int])
 def extract_features(run: Path, refs: list[ImageRef], with_patches: bool = False, device: str = "auto",
                      batch_size: int = 64, workers: int = 2, progress: bool = True) -> Features:
     """Target-encoder features of `refs`, from the cache when it has them, else extracted and cached."""
-    trained = load_trained_encoder(run)
-    cfg = trained.config
-    grid = trained.encoder.grid
+    trained = load_run(run)
+    cfg, grid = trained.config, trained.grid
     directory = Path(run) / FEATURES_DIR / cache_key(trained.step, cfg.image_size, refs)
     cached = _load(directory, with_patches, trained.step, grid)
     if cached is not None:
         return cached
 
     dev = resolve_device(device)
-    encoder = trained.encoder.to(dev)
+    encoder = target_encoder(trained).to(dev)
     n, dim = len(refs), encoder.width
     tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -60,33 +60,36 @@ def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None
     split: list[str | None] = []
     seen: set[int] = set()
     unmatched = 0
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _line_error(path, number, f"not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("image"), str) or "label" not in row:
-                raise _line_error(path, number, 'expected {"image": "...", "label": ...}')
-            if not isinstance(row["label"], (str, int)) or isinstance(row["label"], bool):
-                raise _line_error(path, number, f"label must be a string or an integer, got {row['label']!r}")
-            i = by_path.get(os.path.realpath(root / row["image"]), by_id.get(row["image"]))
-            if i is None:
-                unmatched += 1
-                continue
-            if i in seen:
-                raise _line_error(path, number, f"{row['image']} is labelled twice")
-            seen.add(i)
-            index.append(i)
-            raw.append(str(row["label"]))
-            grid, size = _cells(row, path, number)
-            cells.append(grid)
-            cell_size.append(size)
-            if row.get("split") not in (None, "train", "val", "test"):
-                raise _line_error(path, number, f"split must be train, val or test, got {row['split']!r}")
-            split.append(row.get("split"))
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--labels {path}: not UTF-8 text (byte {exc.start}); labels are JSONL") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise _line_error(path, number, f"not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("image"), str) or "label" not in row:
+            raise _line_error(path, number, 'expected {"image": "...", "label": ...}')
+        if not isinstance(row["label"], (str, int)) or isinstance(row["label"], bool):
+            raise _line_error(path, number, f"label must be a string or an integer, got {row['label']!r}")
+        i = by_path.get(os.path.realpath(root / row["image"]), by_id.get(row["image"]))
+        if i is None:
+            unmatched += 1
+            continue
+        if i in seen:
+            raise _line_error(path, number, f"{row['image']} is labelled twice")
+        seen.add(i)
+        index.append(i)
+        raw.append(str(row["label"]))
+        grid, size = _cells(row, path, number)
+        cells.append(grid)
+        cell_size.append(size)
+        if row.get("split") not in (None, "train", "val", "test"):
+            raise _line_error(path, number, f"split must be train, val or test, got {row['split']!r}")
+        split.append(row.get("split"))
     if not index:
         raise UserError(f"--labels {path}: none of its {unmatched} images is among the images given; "
                         "image paths are read relative to the labels file (or --image-root)")

@@ -113,7 +113,8 @@ class TextCrossAttention(nn.Module):
 class _ResidualMax(torch.autograd.Function):
     """Max over captions (dim 1) of `x + update` among entries with `keep` True, at a fraction of the memory traffic.
 
-    Same values and gradient as `(x + update).masked_fill(~keep, -inf).amax(dim=1)`. Through autograd, the add, the fill and `amax` each make a float tensor of the
+    Same values and gradient as `(x + update).masked_fill(~keep, -inf).amax(dim=1)`.
+    Through autograd, the add, the fill and `amax` each make a float tensor of the
     `[B, N, ...]` size, and `amax`'s backward compares, counts, divides, multiplies
     by a float copy of the comparison and then undoes the fill. Here the sum is made
     in one float buffer (filled in place), the tie mask is computed once and kept as

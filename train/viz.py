@@ -20,13 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.errors import UserError
-from pipeline.images import ImagePolicy, decode
-from train.checkpoint import load_checkpoint
-from train.config import TrainConfig, apply
-from train.data import mask_config, normalise
+from pipeline.images import decode
+from train.config import TrainConfig
+from train.data import image_policy, mask_config, normalise
+from train.features import load_run, resize_whole
 from train.jepa import build_models
 from train.losses import target_features
 from train.masks import sample_masks
@@ -44,9 +43,9 @@ class EncodedCaptions:
     word_of_token: list[np.ndarray]  # per caption, int [S_i]: index of each token's word (-1: EOS)
 
 
-def encode_captions(captions: list[str], text_model: Path, store: Path) -> EncodedCaptions:
-    """T5 token embeddings of `captions`, made exactly as `tcjepa embed` made the store's."""
-    from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer
+def encode_captions(groups: list[list[str]], text_model: Path, store: Path) -> list[EncodedCaptions]:
+    """T5 token embeddings of each group of captions, made exactly as `tcjepa embed` made the store's (one model load)."""
+    from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
     from embedding_cache.store import EmbeddingStore
     from pipeline.recipes import recipe_hash
 
@@ -57,27 +56,24 @@ def encode_captions(captions: list[str], text_model: Path, store: Path) -> Encod
                         "pass the same T5 directory given to `tcjepa embed`")
     tokenizer = load_tokenizer(str(text_model))
     encoder = T5Encoder.load(str(text_model), "cpu", recipe["compute_dtype"])
-    ids, words, word_of_token = [], [], []
-    for text in captions:
-        split = text.split()
-        text = " ".join(split)  # single spaces, so word i starts at starts[i]
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        starts = np.cumsum([0] + [len(w) + 1 for w in split[:-1]])
-        # Each token belongs to the word that holds its last character.
-        owner = [int(np.searchsorted(starts, max(e - 1, 0), side="right") - 1) for _, e in enc["offset_mapping"]]
-        limit = recipe["max_length"] - (1 if recipe["eos"] else 0)
-        row = list(enc["input_ids"][:limit]) + ([tokenizer.eos_token_id] if recipe["eos"] else [])
-        owner = owner[:limit] + ([-1] if recipe["eos"] else [])
-        ids.append(row)
-        words.append(split)
-        word_of_token.append(np.array(owner))
-    arrays = encoder.encode(ids)
-    longest = max(len(a) for a in arrays)
-    tokens = torch.zeros(1, len(arrays), longest, arrays[0].shape[1])
-    for i, a in enumerate(arrays):
-        tokens[0, i, : len(a)] = torch.from_numpy(a.astype(np.float32))
-    lengths = torch.tensor([[len(a) for a in arrays]])
-    return EncodedCaptions(tokens, lengths, words, word_of_token)
+    out = []
+    for captions in groups:
+        words = [text.split() for text in captions]
+        texts = [" ".join(w) for w in words]  # single spaces, so word i starts at starts[i]
+        ids, _ = tokenize(tokenizer, texts, recipe["max_length"], recipe["eos"])
+        word_of_token = []
+        for text, split, row in zip(texts, words, ids):
+            offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            starts = np.cumsum([0] + [len(w) + 1 for w in split[:-1]])
+            # Each token belongs to the word that holds its last character; the EOS (if any) to none.
+            owner = [int(np.searchsorted(starts, max(e - 1, 0), side="right") - 1) for _, e in offsets]
+            word_of_token.append(np.array((owner + [-1] * len(row))[: len(row)]))
+        arrays = encoder.encode(ids)
+        tokens = torch.zeros(1, len(arrays), max(len(a) for a in arrays), arrays[0].shape[1])
+        for i, a in enumerate(arrays):
+            tokens[0, i, : len(a)] = torch.from_numpy(a.astype(np.float32))
+        out.append(EncodedCaptions(tokens, torch.tensor([[len(a) for a in arrays]]), words, word_of_token))
+    return out
 
 
 def _shuffle_words(captions: list[str], seed: int) -> list[str]:
@@ -91,12 +87,10 @@ def load_image(path: Path, size: int) -> tuple[np.ndarray, torch.Tensor]:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise UserError(f"--image {path}: cannot be read ({exc.strerror or exc})") from None
-    im, why = decode(data, ImagePolicy(max_pixels=max(1024 * 1024, 4 * size**2)))
+    im, why = decode(data, image_policy(size))
     if im is None:
         raise UserError(f"--image {path}: not a usable image ({why})")
-    from PIL import Image
-
-    pixels = np.asarray(im.resize((size, size), Image.Resampling.BICUBIC), dtype=np.uint8)
+    pixels = resize_whole(im, size)
     return pixels, normalise(torch.from_numpy(pixels.transpose(2, 0, 1).copy())[None])
 
 
@@ -153,16 +147,13 @@ def render(run: Path, image_path: Path, captions: list[str], text_model: Path, o
 
     if not captions:
         raise UserError("--captions: give at least one caption")
-    state = load_checkpoint(Path(run))
-    if state is None:
-        raise UserError(f"{run} has no checkpoint.pt yet; train it first")
-    cfg = apply(TrainConfig(), state["config"], f"{run}/checkpoint.pt")
+    trained = load_run(run)
+    state, cfg = trained.state, trained.config
     if cfg.conditioning != "cross":
         raise UserError(f"{run} was trained with --conditioning {cfg.conditioning}; viz needs a cross-mode run (it shows the cross-attention)")
     if cfg.store is None:
         raise UserError(f"{run}'s config names no embedding store")
-    enc = encode_captions(captions, text_model, Path(cfg.store))
-    shuffled = encode_captions(_shuffle_words(captions, cfg.seed), text_model, Path(cfg.store))
+    enc, shuffled = encode_captions([captions, _shuffle_words(captions, cfg.seed)], text_model, Path(cfg.store))
     model, target = build_models(cfg, enc.tokens.shape[-1])
     model.load_state_dict(state["model"])
     target.load_state_dict(state["target"])
