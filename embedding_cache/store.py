@@ -7,6 +7,8 @@ Layout (readable by plain ``zarr``)::
     segments/<id>/tokens           float16 [segment_tokens, d_model], flat, uncompressed, sharded
     segments/<id>/offsets          int64 [n + 1]: caption i is tokens[offsets[i]:offsets[i+1]]
     segments/<id>/keys             uint8 [n, 32]: sha256 of the caption's UTF-8 text
+                                   (segment attributes: captions, tokens, encoder_hash, and
+                                   sha256 of each array's row-major bytes, for `store verify`)
     .staging/<id>/                 a segment being written (not part of the store)
     .lock                          held while the segment list changes
 
@@ -18,6 +20,7 @@ Only listed segments exist for readers; a key lives in exactly one segment.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -60,6 +63,11 @@ class TokenLayout:
         chunk = 1 << max(int(np.log2(max(chunk_bytes // row, 1))), 0)
         shards = max(shard_bytes // (chunk * row), 1)
         return cls(chunk, 1 << int(np.log2(shards)))
+
+
+def array_sha256(array: np.ndarray) -> str:
+    """sha256 of an array's row-major little-endian bytes: a checksum independent of zarr's file layout."""
+    return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))).hexdigest()
 
 
 def _attrs(group: Any) -> dict[str, Any]:
@@ -245,6 +253,7 @@ class SegmentWriter:
         self._written_rows = 0
         self._lengths: list[int] = []
         self._keys: list[bytes] = []
+        self._tokens_sha256 = hashlib.sha256()
         self._finished = False
 
     def append(self, key: bytes, tokens: np.ndarray) -> None:
@@ -271,6 +280,7 @@ class SegmentWriter:
         start = self._written_rows
         self._tokens.resize((start + n_write, self.store.d_model))
         self._tokens[start : start + n_write] = buf[:n_write]
+        self._tokens_sha256.update(np.ascontiguousarray(buf[:n_write], dtype="<f2"))
         self._written_rows += n_write
         rest = buf[n_write:]
         self._pending = [rest] if len(rest) else []
@@ -286,11 +296,13 @@ class SegmentWriter:
         np.cumsum(self._lengths, out=offsets[1:])
         n = len(self._lengths)
         chunk_rows = max(min(n, 1 << 20), 1)
+        keys = self.keys_array()
         self._group.create_array("offsets", data=offsets, chunks=(chunk_rows + 1,), compressors=None)
-        self._group.create_array("keys", data=self.keys_array(), chunks=(chunk_rows, KEY_BYTES), compressors=None)
+        self._group.create_array("keys", data=keys, chunks=(chunk_rows, KEY_BYTES), compressors=None)
         self.attrs.update(attrs)
+        checksums = {"tokens": self._tokens_sha256.hexdigest(), "offsets": array_sha256(offsets), "keys": array_sha256(keys)}
         self._group.attrs.update({"captions": n, "tokens": int(offsets[-1]), "encoder_hash": self.store.encoder_hash,
-                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.attrs})
+                                  "sha256": checksums, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.attrs})
         for dirpath, _, files in os.walk(self.staging):
             for name in files:
                 with open(os.path.join(dirpath, name), "rb") as f:
@@ -312,3 +324,7 @@ class SegmentWriter:
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+        try:
+            self.staging.parent.rmdir()  # only when no other writer is staging
+        except OSError:
+            pass

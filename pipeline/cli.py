@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.errors import UserError
+from pipeline.errors import DataProblem, UserError, os_error_line
 
 app = typer.Typer(
     name="tcjepa",
@@ -135,6 +135,17 @@ def cache_info(
         typer.echo(f"  recipe {r['hash'][:12]}  {r['kind']:<12} {r['name'] or '-':<24} {r['images']:>9} images {r['captions']:>10} captions")
 
 
+@cache_app.command("verify")
+def cache_verify(
+    cache: Annotated[Path, typer.Argument(help="Caption cache directory.")],
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Check manifests, per-shard sha256, schema, recipes and caption-key uniqueness; exit 1 with the first problem."""
+    from captioning.verify import verify_cache
+
+    typer.echo(verify_cache(cache, progress=progress).summary())
+
+
 @store_app.command("info")
 def store_info(
     store: Annotated[Path, typer.Argument(help="Embedding store directory.")],
@@ -144,6 +155,23 @@ def store_info(
 
     s = EmbeddingStore(store)
     typer.echo(json.dumps({"encoder_hash": s.encoder_hash, "encoder": s.encoder, "d_model": s.d_model, **s.stats()}))
+
+
+@store_app.command("verify")
+def store_verify(
+    store: Annotated[Path, typer.Argument(help="Embedding store directory.")],
+    deep: Annotated[bool, typer.Option(help="Also re-encode a sample of captions with the recorded encoder and compare (needs --cache).")] = False,
+    cache: Annotated[Optional[Path], typer.Option(help="--deep: the caption cache the store was embedded from (for the texts).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="--deep: the T5 encoder (checked against the store's recipe); default: the recorded hub id.")] = None,
+    sample: Annotated[int, typer.Option(help="--deep: captions to re-encode.")] = 64,
+    seed: Annotated[int, typer.Option(help="--deep: seed of the sample.")] = 0,
+    device: Annotated[str, typer.Option(help="--deep: device for the encoder (auto, cpu, cuda, cuda:N).")] = "auto",
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Check segments, offsets, recorded sha256, finiteness and key uniqueness; exit 1 with the first problem."""
+    from embedding_cache.verify import verify_store
+
+    typer.echo(verify_store(store, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress).summary())
 
 
 @app.command()
@@ -312,9 +340,17 @@ def demo(
 
 
 def main() -> None:
-    """Console-script entry point: run the app, turning `UserError` into one line and exit status 2."""
+    """Console-script entry point: `UserError` and I/O failures become one `error:` line (exit 2), `DataProblem` one `problem:` line (exit 1)."""
     try:
         app(prog_name="tcjepa")
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except DataProblem as exc:
+        typer.echo(f"problem: {exc}", err=True)
+        sys.exit(1)
+    except OSError as exc:
+        if exc.errno is None:
+            raise
+        typer.echo(f"error: {os_error_line(exc)}", err=True)
         sys.exit(2)

@@ -72,3 +72,13 @@ def first_occurrence(keys: np.ndarray) -> np.ndarray:
     keep = np.zeros(len(digests), dtype=bool)
     keep[first] = True
     return keep
+
+
+def first_repeat(keys: np.ndarray) -> tuple[int, int] | None:
+    """Positions of two equal digests (the first pair in sorted order), or None when all differ."""
+    digests = as_digests(keys)
+    order = np.argsort(digests, kind="stable")
+    same = np.flatnonzero(digests[order][1:] == digests[order][:-1])
+    if not len(same):
+        return None
+    return int(order[same[0]]), int(order[same[0] + 1])

@@ -1,4 +1,8 @@
-"""The one exception type that reaches users as a one-line message."""
+"""The exception types that reach users as one line, and the line an I/O failure gets."""
+
+from __future__ import annotations
+
+import errno
 
 
 class UserError(Exception):
@@ -7,3 +11,23 @@ class UserError(Exception):
     The CLI prints ``error: <message>`` on one line and exits with status 2; the
     message must say what is wrong and what to do about it.
     """
+
+
+class DataProblem(Exception):
+    """`verify` found a cache or store inconsistent: the CLI prints ``problem: <message>`` and exits with status 1."""
+
+
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+NO_WRITE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for a failed read or write: what failed, where, and what to do; writers publish only whole files."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    reason = exc.strerror or str(exc)
+    if exc.errno in NO_SPACE:
+        return (f"cannot write{where}: {reason}; free space (or raise the file size limit) and rerun: "
+                "nothing half-written was published, and the rerun resumes")
+    if exc.errno in NO_WRITE:
+        return f"cannot write{where}: {reason}; make the destination writable or choose another, then rerun"
+    return f"{reason}{where}"

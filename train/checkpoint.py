@@ -20,15 +20,45 @@ from pipeline.fsutil import fsync_dir
 CHECKPOINT = "checkpoint.pt"
 
 
+class _WriteErrorKeeper:
+    """Passes writes to a file and keeps the OSError (e.g. disk full) that torch.save reports as a bare RuntimeError."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save_checkpoint(run: Path, state: dict[str, Any]) -> Path:
     """Write `run/checkpoint.pt` via a temporary file, fsync and rename: a crash leaves the previous one intact."""
     final = run / CHECKPOINT
     tmp = run / f".{CHECKPOINT}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    for stale in run.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed while saving
+        stale.unlink(missing_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            writer = _WriteErrorKeeper(f)
+            try:
+                torch.save(state, writer)
+            except RuntimeError:
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(run)
     return final
 

@@ -176,8 +176,9 @@ class Trainer:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
             self.start_step = int(state["step"])
             if self.rt.main:
-                self.metrics.truncate_after(self.start_step)
                 print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
+        if self.rt.main:  # what a stopped run logged after its last checkpoint (or before its first) is redone
+            self.metrics.truncate_after(self.start_step)
 
     def _wrap(self, model: JEPA) -> torch.nn.Module:
         """DDP (the target stays unwrapped), or FSDP sharding of both models alike so the EMA is shard-local."""

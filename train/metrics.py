@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_bytes
 
 METRICS = "metrics.jsonl"
@@ -34,9 +35,18 @@ class MetricsLog:
             f.flush()
 
     def read(self) -> list[dict[str, Any]]:
+        """Every logged record; a last line cut short (killed, or disk full, while appending) is left out."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
+        records = []
+        for i, line in enumerate(lines):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                if i < len(lines) - 1:
+                    raise UserError(f"{self.path} line {i + 1} is not JSON; the run's log was edited or damaged") from None
+        return records
 
 
 def effective_rank(features: torch.Tensor) -> float:

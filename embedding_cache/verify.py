@@ -1,0 +1,183 @@
+"""`tcjepa store verify`: prove an embedding store is whole before weeks of training read it.
+
+Checks, stopping at the first problem: the root's encoder hash matches its recipe;
+every listed segment exists, was written for this encoder, and has offsets that
+start at 0, grow by at least one token per caption and end at its token count;
+its tokens, offsets and keys hash to the sha256 recorded when it was written; all
+token values are finite; and every caption key is stored once in the whole store.
+`--deep` also re-encodes a sample of captions (texts from a caption cache) with
+the recorded encoder and compares them with the stored vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embedding_cache.store import KEY_BYTES, EmbeddingStore, array_sha256
+from pipeline.digests import first_repeat
+from pipeline.errors import DataProblem, UserError
+from pipeline.recipes import recipe_hash
+
+READ_ROWS = 1 << 18
+DEEP_MIN_COSINE = 0.99
+
+
+@dataclass
+class StoreVerifyReport:
+    segments: int = 0
+    captions: int = 0
+    tokens: int = 0
+    bytes_hashed: int = 0
+    deep_compared: int = 0
+    deep_min_cosine: float | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        deep = ""
+        if self.deep_compared:
+            deep = f"; deep: {self.deep_compared} captions re-encoded, lowest token cosine {self.deep_min_cosine:.4f}"
+        notes = "".join(f"; note: {n}" for n in self.notes)
+        return (f"ok: {self.segments} segments, {self.captions} captions, {self.tokens} tokens, "
+                f"{self.bytes_hashed / 2**20:.1f} MiB hashed in {self.seconds:.1f} s{deep}{notes}")
+
+
+def _segment_problem(store: EmbeddingStore, segment: str, what: str) -> DataProblem:
+    return DataProblem(f"{store.segment_path(segment)}: {what}")
+
+
+def _verify_segment(store: EmbeddingStore, segment: str, report: StoreVerifyReport, bar: Any) -> np.ndarray:
+    """Check one segment; returns its keys."""
+    import zarr
+
+    path = store.segment_path(segment)
+    if not (path / "zarr.json").is_file():
+        raise _segment_problem(store, segment, "listed in the store's zarr.json but missing on disk")
+    try:
+        group = zarr.open_group(str(path), mode="r", zarr_format=3)
+        attrs = dict(group.attrs)
+        tokens = zarr.open_array(str(path / "tokens"), mode="r")
+        offsets = zarr.open_array(str(path / "offsets"), mode="r")[:]
+        keys = zarr.open_array(str(path / "keys"), mode="r")[:]
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise _segment_problem(store, segment, f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if attrs.get("encoder_hash") != store.encoder_hash:
+        raise _segment_problem(store, segment, f"written for encoder {str(attrs.get('encoder_hash'))[:12]}, the store's is {store.encoder_hash[:12]}")
+    n, n_tokens = int(attrs.get("captions", -1)), int(attrs.get("tokens", -1))
+    if offsets.dtype != np.int64 or offsets.shape != (n + 1,):
+        raise _segment_problem(store, segment, f"offsets are {offsets.dtype}{list(offsets.shape)}, expected int64[{n + 1}] for {n} captions")
+    if offsets[0] != 0 or (np.diff(offsets) < 1).any() or offsets[-1] != n_tokens:
+        bad = "do not start at 0" if offsets[0] != 0 else ("do not end at the token count" if offsets[-1] != n_tokens else
+                                                           f"do not grow at caption {int(np.flatnonzero(np.diff(offsets) < 1)[0])}")
+        raise _segment_problem(store, segment, f"offsets {bad}")
+    if keys.dtype != np.uint8 or keys.shape != (n, KEY_BYTES):
+        raise _segment_problem(store, segment, f"keys are {keys.dtype}{list(keys.shape)}, expected uint8[{n}, {KEY_BYTES}]")
+    if tokens.dtype != np.float16 or tokens.shape != (n_tokens, store.d_model):
+        raise _segment_problem(store, segment, f"tokens are {tokens.dtype}{list(tokens.shape)}, expected float16[{n_tokens}, {store.d_model}]")
+    recorded = attrs.get("sha256")
+    if not isinstance(recorded, dict):
+        raise _segment_problem(store, segment, "records no checksums (written by an older tcjepa); re-embed into a new store to verify it")
+    digest = hashlib.sha256()
+    for start in range(0, n_tokens, READ_ROWS):
+        block = tokens[start : start + READ_ROWS]
+        if not np.isfinite(block).all():
+            row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+            caption = int(np.searchsorted(offsets, row, side="right")) - 1
+            raise _segment_problem(store, segment, f"non-finite value in token row {row} (caption {caption}, key {keys[caption].tobytes().hex()[:16]})")
+        digest.update(np.ascontiguousarray(block, dtype="<f2"))
+        bar.update(len(block))
+    for name, actual in (("tokens", digest.hexdigest()), ("offsets", array_sha256(offsets)), ("keys", array_sha256(keys))):
+        if recorded.get(name) != actual:
+            raise _segment_problem(store, segment, f"{name} do not match the sha256 recorded when the segment was written (changed or corrupted on disk)")
+    report.segments += 1
+    report.captions += n
+    report.tokens += n_tokens
+    report.bytes_hashed += n_tokens * store.d_model * 2 + offsets.nbytes + keys.nbytes
+    return keys
+
+
+def _deep_check(store: EmbeddingStore, all_keys: np.ndarray, cache: Path, model: str | None, sample: int, seed: int,
+                device: str, report: StoreVerifyReport) -> None:
+    """Re-encode `sample` stored captions found in `cache` and compare token by token."""
+    from captioning.cache import CaptionCache
+    from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
+    from embedding_cache.reader import EmbeddingReader
+
+    enc = store.encoder
+    model = model or enc.get("model")
+    if not model or ("weights_sha256" in enc and not Path(model).is_dir()):
+        raise UserError(f"--deep: the store's encoder is a local model ({enc.get('model')!r}); pass its directory with --model")
+    recipe, _ = encoder_recipe(model, int(enc["max_length"]), bool(enc["eos"]), str(enc["compute_dtype"]))
+    if recipe_hash(recipe) != store.encoder_hash:
+        raise UserError(f"--model {model} is not the encoder this store was written with (recipe {recipe_hash(recipe)[:12]} vs {store.encoder_hash[:12]})")
+    table = CaptionCache(cache).read_captions(columns=["text", "text_sha256"])
+    texts = dict(zip(table.column("text_sha256").to_pylist(), table.column("text").to_pylist()))
+    stored = [k.tobytes().hex() for k in all_keys]
+    known = [h for h in stored if h in texts]
+    if not known:
+        raise UserError(f"--deep: none of the store's captions are in --cache {cache}; pass the cache the store was embedded from")
+    rng = np.random.default_rng(seed)
+    chosen = [known[i] for i in sorted(rng.choice(len(known), size=min(sample, len(known)), replace=False))]
+    tokenizer = load_tokenizer(model)
+    ids, _ = tokenize(tokenizer, [texts[h] for h in chosen], int(enc["max_length"]), bool(enc["eos"]))
+    encoder = T5Encoder.load(model, device, str(enc["compute_dtype"]))
+    reader = EmbeddingReader(store.path)
+    lowest = 1.0
+    for h, x in zip(chosen, ids):
+        fresh = encoder.encode([x])[0].astype(np.float32)
+        kept = reader.get_key(bytes.fromhex(h)).astype(np.float32)
+        if fresh.shape != kept.shape:
+            raise DataProblem(f"caption {h[:16]} ({texts[h][:40]!r}): stored {kept.shape[0]} tokens, re-encoding gives {fresh.shape[0]}")
+        cos = (fresh * kept).sum(1) / np.maximum(np.linalg.norm(fresh, axis=1) * np.linalg.norm(kept, axis=1), 1e-12)
+        lowest = min(lowest, float(cos.min()))
+        if cos.min() < DEEP_MIN_COSINE:
+            raise DataProblem(f"caption {h[:16]} ({texts[h][:40]!r}): stored vectors differ from re-encoded ones "
+                              f"(token {int(cos.argmin())} cosine {float(cos.min()):.3f} < {DEEP_MIN_COSINE})")
+    report.deep_compared = len(chosen)
+    report.deep_min_cosine = lowest
+
+
+def verify_store(path: Path, deep: bool = False, cache: Path | None = None, model: str | None = None, sample: int = 64,
+                 seed: int = 0, device: str = "auto", progress: bool = True) -> StoreVerifyReport:
+    """Check `path` end to end; raises DataProblem at the first inconsistency."""
+    from tqdm import tqdm
+
+    if deep and cache is None:
+        raise UserError("--deep needs --cache DIR: the caption texts to re-encode come from the caption cache")
+    if sample < 1:
+        raise UserError(f"--sample must be at least 1 (got {sample})")
+    started = time.perf_counter()
+    store = EmbeddingStore(path)
+    if recipe_hash(store.encoder) != store.encoder_hash:
+        raise DataProblem(f"{path}/zarr.json: encoder_hash does not match the recorded encoder recipe (edited by hand?)")
+    report = StoreVerifyReport()
+    segments = store.segment_ids()
+    if len(set(segments)) != len(segments):
+        raise DataProblem(f"{path}/zarr.json lists a segment twice")
+    unlisted = [p.name for p in (path / "segments").iterdir() if p.is_dir() and p.name not in set(segments)]
+    if unlisted:
+        report.notes.append(f"{len(unlisted)} unlisted segment directories (unpublished; the next writer removes them)")
+    all_keys, owners = [], []
+    with tqdm(unit="token", unit_scale=True, disable=not progress, dynamic_ncols=True, desc="verify") as bar:
+        for i, segment in enumerate(segments):
+            keys = _verify_segment(store, segment, report, bar)
+            all_keys.append(keys)
+            owners.append(np.full(len(keys), i))
+    keys = np.concatenate(all_keys) if all_keys else np.zeros((0, KEY_BYTES), np.uint8)
+    repeat = first_repeat(keys)
+    if repeat is not None:
+        owner = np.concatenate(owners)
+        key, a, b = keys[repeat[0]].tobytes(), int(owner[repeat[0]]), int(owner[repeat[1]])
+        where = f"segment {segments[a]}" + (" (twice)" if a == b else f" and segment {segments[b]}")
+        raise DataProblem(f"{path}: caption key {key.hex()[:16]} is stored more than once ({where})")
+    if deep:
+        assert cache is not None
+        _deep_check(store, keys, cache, model, sample, seed, device, report)
+    report.seconds = time.perf_counter() - started
+    return report
