@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,6 +210,18 @@ def test_cross_without_cache_and_run_of_another_config_are_refused(tmp_path, syn
     config_file.write_text("steps: [1\n")
     proc = tcjepa("train", synth_dir / "images", "--out", tmp_path / "r2", "--config", config_file, check=False)
     assert proc.returncode == 2 and "not valid YAML" in proc.stderr
+
+
+def test_a_run_continued_on_another_encoders_store_is_refused(tmp_path, synth_dir, annotated_cache, annotated_store, reference_run):
+    """The store path is in the config, but a store rebuilt in place with another T5 is caught by the encoder record."""
+    record = json.loads((reference_run / "text_encoder.json").read_text())
+    assert record["encoder_hash"] == json.loads(tcjepa("store", "info", annotated_store).stdout)["encoder_hash"]
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    (run / "text_encoder.json").write_text(json.dumps({**record, "encoder_hash": "0" * 64}))
+    proc = tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "12", "--set", "log_every=1",
+                               "--set", "val_every=4", "--set", "checkpoint_every=4"), check=False)
+    assert proc.returncode == 2 and "was trained on embeddings of encoder 000000000000" in proc.stderr, proc.stderr[-1500:]
 
 
 def test_a_run_in_use_is_refused(tmp_path, synth_dir):

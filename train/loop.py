@@ -10,6 +10,7 @@ No text model is imported anywhere on this path.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import sys
@@ -43,6 +44,7 @@ from train.schedules import Cosine, Linear, WarmupCosine
 
 CONFIG = "config.yaml"
 INDEX = "index.parquet"
+TEXT_ENCODER = "text_encoder.json"
 
 
 @dataclass
@@ -104,8 +106,25 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime) -> FileLock | None:
         except Timeout:
             raise UserError(f"{run} is in use by another `tcjepa train` (it holds {run / '.lock'}); wait for it or stop it") from None
         atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+        if cfg.conditioning != "none":
+            check_text_encoder(cfg, run)
     barrier(rt)
     return lock
+
+
+def check_text_encoder(cfg: TrainConfig, run: Path) -> None:
+    """Record the store's encoder in RUN, and refuse to continue on vectors of another one (a store rebuilt in place)."""
+    from embedding_cache.store import EmbeddingStore
+
+    store = EmbeddingStore(cfg.store)
+    record = run / TEXT_ENCODER
+    if record.exists():
+        trained_on = json.loads(record.read_text())["encoder_hash"]
+        if trained_on != store.encoder_hash:
+            raise UserError(f"{run} was trained on embeddings of encoder {trained_on[:12]}, but --store {cfg.store} now holds "
+                            f"encoder {store.encoder_hash[:12]}'s; use a new --out, or the store the run started with")
+        return
+    atomic_write_bytes(record, json.dumps({"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.d_model}).encode())
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
