@@ -34,6 +34,7 @@ bench: venv
 	$(PY) benchmarks/loader.py
 	$(PY) benchmarks/caption.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/faults.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -33,19 +33,22 @@ from pipeline import synth  # noqa: E402
 WIDTH = 32  # 4 rows + 4 columns + 8 colours + 5 shapes = 21 one-hot slots, padded
 
 
-def object_tokens(cells: np.ndarray) -> np.ndarray:
-    """float16 `[objects, WIDTH]`: per non-empty cell, one-hot row, column, colour and shape."""
+def object_tokens(cells: np.ndarray, bound: bool = True) -> np.ndarray:
+    """float16 tokens of a scene's objects: bound, one token per object, one-hot row, column, colour and shape together
+    (`[objects, WIDTH]`); unbound, four tokens per object, one attribute each (`[4 × objects, WIDTH]`), a perfect bag of words."""
     rows = []
     shapes = len(synth.SHAPES)
     for r, c in zip(*np.nonzero(cells > 0)):
         colour, shape = divmod(int(cells[r, c]) - 1, shapes)
-        v = np.zeros(WIDTH, dtype=np.float16)
-        v[[r, 4 + c, 8 + colour, 16 + shape]] = 1
-        rows.append(v)
+        slots = [r, 4 + c, 8 + colour, 16 + shape]
+        for group in ([slots] if bound else [[s] for s in slots]):
+            v = np.zeros(WIDTH, dtype=np.float16)
+            v[group] = 1
+            rows.append(v)
     return np.stack(rows) if rows else np.zeros((1, WIDTH), dtype=np.float16)
 
 
-def build_oracle_store(synth_dir: Path, cache: Path, out: Path) -> int:
+def build_oracle_store(synth_dir: Path, cache: Path, out: Path, bound: bool = True) -> int:
     """Write the oracle store; returns how many captions it holds."""
     grid = json.loads((synth_dir / "labels.jsonl").read_text().splitlines()[0])["cells"]
     if len(grid) > 4 or len(grid[0]) > 4:
@@ -55,7 +58,7 @@ def build_oracle_store(synth_dir: Path, cache: Path, out: Path) -> int:
         row = json.loads(line)
         cells_of[hashlib.sha256((synth_dir / row["image"]).read_bytes()).hexdigest()] = np.array(row["cells"])
     table = CaptionCache.open_or_create(cache).read_captions(columns=["image_sha256", "text_sha256"])
-    store = EmbeddingStore.open_or_create(out, {"kind": "oracle-one-hot-objects", "width": WIDTH}, WIDTH)
+    store = EmbeddingStore.open_or_create(out, {"kind": "oracle-one-hot-objects", "width": WIDTH, "bound": bound}, WIDTH)
     writer = store.new_segment(TokenLayout.for_bytes(WIDTH))
     seen: set[bytes] = set()
     for image, key in zip(table.column("image_sha256").to_pylist(), table.column("text_sha256").to_pylist()):
@@ -63,7 +66,7 @@ def build_oracle_store(synth_dir: Path, cache: Path, out: Path) -> int:
         if key in seen or image not in cells_of:
             continue
         seen.add(key)
-        writer.append(key, object_tokens(cells_of[image]))
+        writer.append(key, object_tokens(cells_of[image], bound))
     writer.finish()
     store.publish(writer)
     return len(seen)
@@ -90,14 +93,15 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=None, help="A real store of the same captions, to train on side by side.")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "cpu_synth_cross.yaml", help="Training config.")
     parser.add_argument("--work", type=Path, required=True, help="Directory for the oracle store and the runs.")
+    parser.add_argument("--unbound", action="store_true", help="One token per attribute instead of per object: a perfect bag of words.")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="Extra `--set key=value` for both runs.")
     args = parser.parse_args()
 
-    oracle = args.work / "oracle-store"
+    oracle = args.work / ("oracle-store-unbound" if args.unbound else "oracle-store")
     if not oracle.exists():
-        print(f"oracle store: {build_oracle_store(args.synth, args.cache, oracle)} captions", file=sys.stderr)
+        print(f"oracle store: {build_oracle_store(args.synth, args.cache, oracle, bound=not args.unbound)} captions", file=sys.stderr)
     extra = [x for kv in args.sets for x in ("--set", kv)]
-    result = {"oracle": train(args.synth, args.cache, oracle, args.config, args.work / "run-oracle", extra)}
+    result = {"oracle": train(args.synth, args.cache, oracle, args.config, args.work / ("run-oracle-unbound" if args.unbound else "run-oracle"), extra)}
     if args.store is not None:
         result["store"] = train(args.synth, args.cache, args.store, args.config, args.work / "run-store", extra)
     for name, curve in result.items():

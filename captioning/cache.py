@@ -43,6 +43,7 @@ from pipeline.recipes import canonical_json, recipe_hash, sha256_file, text_key
 FORMAT = "tcjepa-caption-cache"
 VERSION = 1
 LOCK_TIMEOUT_S = 600.0
+SUBDIRS = ("recipes", "captions", "failures", "manifests", "tmp")
 
 CAPTION_SCHEMA = pa.schema(
     [
@@ -153,9 +154,10 @@ class CaptionCache:
         if root.exists() and not root.is_dir():
             raise UserError(f"--cache {root} exists and is not a directory")
         if not (root / "CACHE.json").exists():
-            if root.exists() and any(p for p in root.iterdir() if p.name != ".lock"):
+            # Another process may be creating the same cache: only what a creator makes is tolerated here.
+            if root.exists() and any(p.name not in (".lock", *SUBDIRS) for p in root.iterdir()):
                 raise UserError(f"--cache {root} is a non-empty directory that is not a caption cache; choose an empty or new directory")
-            for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
+            for sub in SUBDIRS:
                 (root / sub).mkdir(parents=True, exist_ok=True)
             with FileLock(str(root / ".lock"), timeout=LOCK_TIMEOUT_S):
                 if not (root / "CACHE.json").exists():

@@ -101,7 +101,8 @@ class EmbeddingStore:
 
         path = Path(path)
         if not (path / "zarr.json").exists():
-            if path.exists() and (not path.is_dir() or any(p for p in path.iterdir() if p.name != ".lock")):
+            # Another process may be creating the same store: only what a creator makes is tolerated here.
+            if path.exists() and (not path.is_dir() or any(p.name not in (".lock", STAGING, "segments") for p in path.iterdir())):
                 raise UserError(f"--store {path} exists and is not an embedding store; choose a new or empty directory")
             path.mkdir(parents=True, exist_ok=True)
             with FileLock(str(path / ".lock"), timeout=LOCK_TIMEOUT_S):
