@@ -48,17 +48,18 @@ class StoreVerifyReport:
                 f"{self.bytes_hashed / 2**20:.1f} MiB hashed in {self.seconds:.1f} s{deep}{notes}")
 
 
-def _segment_problem(store: EmbeddingStore, segment: str, what: str) -> DataProblem:
-    return DataProblem(f"{store.segment_path(segment)}: {what}")
-
-
-def _verify_segment(store: EmbeddingStore, segment: str, report: StoreVerifyReport, bar: Any) -> np.ndarray:
-    """Check one segment; returns its keys."""
+def verify_segment(store: EmbeddingStore, segment: str, path: Path | None = None, report: StoreVerifyReport | None = None,
+                   bar: Any = None) -> np.ndarray:
+    """Check one segment (at `path`, by default its place in the store); returns its keys, raises DataProblem."""
     import zarr
 
-    path = store.segment_path(segment)
+    path = store.segment_path(segment) if path is None else path
+
+    def problem(what: str) -> DataProblem:
+        return DataProblem(f"{path}: {what}")
+
     if not (path / "zarr.json").is_file():
-        raise _segment_problem(store, segment, "listed in the store's zarr.json but missing on disk")
+        raise problem("listed in the store's zarr.json but missing on disk")
     try:
         group = zarr.open_group(str(path), mode="r", zarr_format=3)
         attrs = dict(group.attrs)
@@ -66,39 +67,41 @@ def _verify_segment(store: EmbeddingStore, segment: str, report: StoreVerifyRepo
         offsets = zarr.open_array(str(path / "offsets"), mode="r")[:]
         keys = zarr.open_array(str(path / "keys"), mode="r")[:]
     except (FileNotFoundError, KeyError, ValueError) as exc:
-        raise _segment_problem(store, segment, f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise problem(f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     if attrs.get("encoder_hash") != store.encoder_hash:
-        raise _segment_problem(store, segment, f"written for encoder {str(attrs.get('encoder_hash'))[:12]}, the store's is {store.encoder_hash[:12]}")
+        raise problem(f"written for encoder {str(attrs.get('encoder_hash'))[:12]}, the store's is {store.encoder_hash[:12]}")
     n, n_tokens = int(attrs.get("captions", -1)), int(attrs.get("tokens", -1))
     if offsets.dtype != np.int64 or offsets.shape != (n + 1,):
-        raise _segment_problem(store, segment, f"offsets are {offsets.dtype}{list(offsets.shape)}, expected int64[{n + 1}] for {n} captions")
+        raise problem(f"offsets are {offsets.dtype}{list(offsets.shape)}, expected int64[{n + 1}] for {n} captions")
     if offsets[0] != 0 or (np.diff(offsets) < 1).any() or offsets[-1] != n_tokens:
         bad = "do not start at 0" if offsets[0] != 0 else ("do not end at the token count" if offsets[-1] != n_tokens else
                                                            f"do not grow at caption {int(np.flatnonzero(np.diff(offsets) < 1)[0])}")
-        raise _segment_problem(store, segment, f"offsets {bad}")
+        raise problem(f"offsets {bad}")
     if keys.dtype != np.uint8 or keys.shape != (n, KEY_BYTES):
-        raise _segment_problem(store, segment, f"keys are {keys.dtype}{list(keys.shape)}, expected uint8[{n}, {KEY_BYTES}]")
+        raise problem(f"keys are {keys.dtype}{list(keys.shape)}, expected uint8[{n}, {KEY_BYTES}]")
     if tokens.dtype != np.float16 or tokens.shape != (n_tokens, store.d_model):
-        raise _segment_problem(store, segment, f"tokens are {tokens.dtype}{list(tokens.shape)}, expected float16[{n_tokens}, {store.d_model}]")
+        raise problem(f"tokens are {tokens.dtype}{list(tokens.shape)}, expected float16[{n_tokens}, {store.d_model}]")
     recorded = attrs.get("sha256")
     if not isinstance(recorded, dict):
-        raise _segment_problem(store, segment, "records no checksums (written by an older tcjepa); re-embed into a new store to verify it")
+        raise problem("records no checksums (written by an older tcjepa); re-embed into a new store to verify it")
     digest = hashlib.sha256()
     for start in range(0, n_tokens, READ_ROWS):
         block = tokens[start : start + READ_ROWS]
         if not np.isfinite(block).all():
             row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
             caption = int(np.searchsorted(offsets, row, side="right")) - 1
-            raise _segment_problem(store, segment, f"non-finite value in token row {row} (caption {caption}, key {keys[caption].tobytes().hex()[:16]})")
+            raise problem(f"non-finite value in token row {row} (caption {caption}, key {keys[caption].tobytes().hex()[:16]})")
         digest.update(np.ascontiguousarray(block, dtype="<f2"))
-        bar.update(len(block))
+        if bar is not None:
+            bar.update(len(block))
     for name, actual in (("tokens", digest.hexdigest()), ("offsets", array_sha256(offsets)), ("keys", array_sha256(keys))):
         if recorded.get(name) != actual:
-            raise _segment_problem(store, segment, f"{name} do not match the sha256 recorded when the segment was written (changed or corrupted on disk)")
-    report.segments += 1
-    report.captions += n
-    report.tokens += n_tokens
-    report.bytes_hashed += n_tokens * store.d_model * 2 + offsets.nbytes + keys.nbytes
+            raise problem(f"{name} do not match the sha256 recorded when the segment was written (changed or corrupted on disk)")
+    if report is not None:
+        report.segments += 1
+        report.captions += n
+        report.tokens += n_tokens
+        report.bytes_hashed += n_tokens * store.d_model * 2 + offsets.nbytes + keys.nbytes
     return keys
 
 
@@ -166,7 +169,7 @@ def verify_store(path: Path, deep: bool = False, cache: Path | None = None, mode
     all_keys, owners = [], []
     with tqdm(unit="token", unit_scale=True, disable=not progress, dynamic_ncols=True, desc="verify") as bar:
         for i, segment in enumerate(segments):
-            keys = _verify_segment(store, segment, report, bar)
+            keys = verify_segment(store, segment, report=report, bar=bar)
             all_keys.append(keys)
             owners.append(np.full(len(keys), i))
     keys = np.concatenate(all_keys) if all_keys else np.zeros((0, KEY_BYTES), np.uint8)

@@ -65,7 +65,7 @@ def parse_engine_args(pairs: list[str]) -> dict[str, object]:
 @app.command()
 def caption(
     images: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), Parquet files, HF datasets directories, tar shards or image files.")] = None,
-    cache: Annotated[Path, typer.Option(help="Caption cache directory (created if missing).")] = ...,
+    cache: Annotated[str, typer.Option(help="Caption cache directory (created if missing; a local directory: upload it when finished).")] = ...,
     model: Annotated[Optional[str], typer.Option(help="Vision-language chat model: a local directory or a hub id.")] = None,
     captions_per_image: Annotated[int, typer.Option(help="N captions per image, spread over the prompts (K prompts × n samples).")] = 8,
     prompts: Annotated[Optional[Path], typer.Option(help="Prompt templates: .json/.yaml list of strings or {id, text}, or one per line (default: dense, spatial, objects, setting).")] = None,
@@ -89,13 +89,16 @@ def caption(
 ) -> None:
     """Write N captions per image with a VLM into the caption cache, or import existing captions."""
     from captioning.cache import CaptionCache
+    from pipeline.remote import refuse_remote_writes
 
+    refuse_remote_writes(cache, "--cache")
+    cache_dir = Path(cache)
     if annotations is not None:
         from captioning.annotations import import_annotations
 
         if images:
             raise UserError("give either IMAGES (to caption with a model) or --annotations (to import captions), not both")
-        report = import_annotations(CaptionCache.open_or_create(cache), annotations, image_root, recipe_name)
+        report = import_annotations(CaptionCache.open_or_create(cache_dir), annotations, image_root, recipe_name)
         typer.echo(report.summary())
         if report.captions_added + report.captions_already_cached == 0:
             raise UserError(f"--annotations {annotations}: no usable caption (skipped: {dict(report.skipped)})")
@@ -107,7 +110,7 @@ def caption(
     from pipeline.images import ImagePolicy
 
     cfg = CaptionConfig(
-        inputs=images, cache=cache, model=model, captions_per_image=captions_per_image, prompts_file=prompts,
+        inputs=images, cache=cache_dir, model=model, captions_per_image=captions_per_image, prompts_file=prompts,
         recipe_name=recipe_name, seed=seed, shard=shard, backend=backend, engine_args=parse_engine_args(vllm_arg or []),
         sampling=SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p),
         image_policy=ImagePolicy(max_pixels=max_pixels), image_column=image_column, chunk_images=chunk_images,
@@ -176,8 +179,8 @@ def store_verify(
 
 @app.command()
 def embed(
-    cache: Annotated[Path, typer.Option(help="Caption cache to read captions from.")],
-    store: Annotated[Path, typer.Option(help="Zarr v3 embedding store to append to (created if missing).")],
+    cache: Annotated[str, typer.Option(help="Caption cache to read captions from: a directory or an fsspec URL (s3://..., mirrored locally).")],
+    store: Annotated[str, typer.Option(help="Zarr v3 embedding store to append to (created if missing; a local directory).")],
     model: Annotated[str, typer.Option(help="T5 encoder: a local directory or a hub id (T5EncoderModel + tokenizer).")],
     recipe: Annotated[Optional[list[str]], typer.Option(help="Caption recipe(s) to encode, by hash prefix or name (repeatable); required when the cache holds several.")] = None,
     token_budget: Annotated[int, typer.Option(help="Max padded tokens (batch size × longest caption) per encoder batch.")] = 16384,
@@ -195,7 +198,10 @@ def embed(
     """Encode every caption not yet in the store with T5 and append them as a new segment."""
     from embedding_cache.job import EmbedConfig, run_embed
 
-    cfg = EmbedConfig(cache=cache, store=store, model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
+    from pipeline.remote import is_remote, mirror_cache, refuse_remote_writes
+
+    refuse_remote_writes(store, "--store")
+    cfg = EmbedConfig(cache=mirror_cache(cache) if is_remote(cache) else Path(cache), store=Path(store), model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
                       eos=eos, compute_dtype=dtype, device=device, window=window, segment_mb=segment_mb,
                       chunk_tokens=chunk_tokens, shard_chunks=shard_chunks, dry_run=dry_run, progress=progress)
     report = run_embed(cfg)
@@ -218,8 +224,8 @@ def _help_config(value: bool) -> None:
 def train(
     images: Annotated[Optional[list[Path]], typer.Argument(help="Image sources, as for `tcjepa caption` (the same ones the cache was made from).")] = None,
     out: Annotated[Path, typer.Option(help="Run directory: config.yaml, index.parquet, checkpoint.pt, metrics.jsonl, curves.png. Resumes if it holds a checkpoint.")] = ...,
-    cache: Annotated[Optional[Path], typer.Option(help="Caption cache (not needed with --conditioning none).")] = None,
-    store: Annotated[Optional[Path], typer.Option(help="Embedding store made by `tcjepa embed` from the cache.")] = None,
+    cache: Annotated[Optional[str], typer.Option(help="Caption cache: a directory or an fsspec URL such as s3://bucket/cache (mirrored locally; not needed with --conditioning none).")] = None,
+    store: Annotated[Optional[str], typer.Option(help="Embedding store made by `tcjepa embed` from the cache: a directory or an fsspec URL (mirrored locally).")] = None,
     recipe: Annotated[Optional[list[str]], typer.Option(help="Caption recipe(s) to train on, by name or hash prefix (repeatable); required when the cache holds several.")] = None,
     config: Annotated[Optional[Path], typer.Option(help="YAML file of config keys (see --help-config); flags and --set override it.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config key: key=value (repeatable), e.g. --set ema=[0.996,1.0].")] = None,
@@ -250,7 +256,7 @@ def train(
         cfg = apply(cfg, load_yaml(saved), str(saved))
     if config is not None:
         cfg = apply(cfg, load_yaml(config), str(config))
-    flags = {"images": [str(p) for p in images] if images else None, "cache": cache and str(cache), "store": store and str(store),
+    flags = {"images": [str(p) for p in images] if images else None, "cache": cache, "store": store,
              "recipes": recipe, "model": model, "patch_size": patch_size, "image_size": image_size, "batch_size": batch_size,
              "steps": steps, "conditioning": conditioning, "pool": pool, "captions_per_image": captions_per_image,
              "lambda_sparse": lambda_sparse, "beta_consistency": beta_consistency, "lr": lr, "min_coverage": min_coverage,

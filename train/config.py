@@ -28,6 +28,7 @@ class TrainConfig:
     images: list[str] = field(default_factory=list)
     cache: str | None = None
     store: str | None = None
+    mirror: str | None = None
     recipes: list[str] = field(default_factory=list)
     image_column: str | None = None
     min_coverage: float = 0.95
@@ -88,6 +89,7 @@ FIELD_HELP: dict[str, str] = {
     "images": "image sources (folders, .parquet, HF datasets dirs, .tar shards), as for `tcjepa caption`",
     "cache": "caption cache directory (needed unless conditioning is none)",
     "store": "embedding store made by `tcjepa embed` from that cache",
+    "mirror": "local directory for copies of a cache or store given as an fsspec URL (s3://...); default ~/.cache/tcjepa/mirror",
     "recipes": "caption recipes to train on (names or hash prefixes); required when the cache holds several",
     "image_column": "image column of Parquet / HF datasets sources",
     "min_coverage": "stop unless at least this fraction of images has ≥1 caption (0 disables)",
@@ -140,7 +142,7 @@ FIELD_HELP: dict[str, str] = {
 }
 
 # Options that change neither the data nor the maths: a resumed run may change them.
-RUNTIME_ONLY = {"num_workers", "device", "compile", "log_every", "val_every", "checkpoint_every", "images", "cache", "store"}
+RUNTIME_ONLY = {"num_workers", "device", "compile", "log_every", "val_every", "checkpoint_every", "images", "cache", "store", "mirror"}
 
 
 def _check_type(name: str, value: Any, hint: Any) -> Any:

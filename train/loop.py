@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ def barrier(rt: Runtime) -> None:
         dist.barrier()
 
 
-def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime) -> FileLock | None:
+def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None) -> FileLock | None:
     """Create RUN, lock it (rank 0) and save the resolved config; refuse a RUN made with a different config.
 
     The lock (an flock, gone with the process even on SIGKILL) stops a second trainer
@@ -106,25 +106,40 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime) -> FileLock | None:
         except Timeout:
             raise UserError(f"{run} is in use by another `tcjepa train` (it holds {run / '.lock'}); wait for it or stop it") from None
         atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
-        if cfg.conditioning != "none":
-            check_text_encoder(cfg, run)
+        if store_dir is not None:
+            check_text_encoder(store_dir, cfg.store, run)
     barrier(rt)
     return lock
 
 
-def check_text_encoder(cfg: TrainConfig, run: Path) -> None:
+def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
     """Record the store's encoder in RUN, and refuse to continue on vectors of another one (a store rebuilt in place)."""
     from embedding_cache.store import EmbeddingStore
 
-    store = EmbeddingStore(cfg.store)
+    store = EmbeddingStore(store_dir)
     record = run / TEXT_ENCODER
     if record.exists():
         trained_on = json.loads(record.read_text())["encoder_hash"]
         if trained_on != store.encoder_hash:
-            raise UserError(f"{run} was trained on embeddings of encoder {trained_on[:12]}, but --store {cfg.store} now holds "
+            raise UserError(f"{run} was trained on embeddings of encoder {trained_on[:12]}, but --store {given} now holds "
                             f"encoder {store.encoder_hash[:12]}'s; use a new --out, or the store the run started with")
         return
     atomic_write_bytes(record, json.dumps({"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.d_model}).encode())
+
+
+def with_local_inputs(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
+    """The config with a remote (fsspec URL) cache and store replaced by local mirrors, made once per node before any reading."""
+    from pipeline.remote import is_remote, mirror_cache, mirror_path, mirror_store
+
+    remote = {k: v for k, v in (("cache", cfg.cache), ("store", cfg.store)) if is_remote(v)}
+    if not remote:
+        return cfg
+    mirror = Path(cfg.mirror) if cfg.mirror else None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for key, url in remote.items():
+            (mirror_cache if key == "cache" else mirror_store)(url, mirror)
+    barrier(rt)
+    return replace(cfg, **{key: str(mirror_path(url, mirror)) for key, url in remote.items()})
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
@@ -166,11 +181,12 @@ def shuffled(text: TextBatch) -> TextBatch:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run: Path, progress: bool = True) -> None:
         validate(cfg)
-        self.cfg = cfg
         self.run = run
         self.progress = progress
         self.rt = start_runtime(cfg)
-        self.run_lock = prepare_run(cfg, run, self.rt)
+        local = with_local_inputs(cfg, self.rt)
+        self.run_lock = prepare_run(cfg, run, self.rt, Path(local.store) if local.conditioning != "none" else None)
+        self.cfg = cfg = local
         self.index = load_or_build_index(cfg, run, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)
