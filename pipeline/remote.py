@@ -112,8 +112,9 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
     root_meta = fs.cat_file(f"{root}/zarr.json")
     segments = json.loads(root_meta)["attributes"]["tcjepa"]["segments"]
     (local / "segments").mkdir(parents=True, exist_ok=True)
-    if not (local / "zarr.json").exists():  # readers need the root to open the copy; the listing is refreshed last
-        atomic_write_bytes(local / "zarr.json", root_meta)
+    # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
+    # new segments only, and the old ones left here are no longer read).
+    atomic_write_bytes(local / "zarr.json", root_meta)
     _fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
     fetched = 0
     for segment in segments:
@@ -129,7 +130,6 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
         verify_segment(store, segment, staging)
         staging.rename(final)
         fetched += 1
-    atomic_write_bytes(local / "zarr.json", root_meta)
     shutil.rmtree(local / ".staging", ignore_errors=True)
     print(f"mirror: {url} -> {local}: {fetched} new of {len(segments)} segments", file=sys.stderr)
     return local
