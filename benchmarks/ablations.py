@@ -42,6 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cross": {"conditioning": "cross"},
     "no_reg": {"conditioning": "cross", "lambda_sparse": 0.0, "beta_consistency": 0.0},
     "n1": {"conditioning": "cross", "captions_per_image": 1},
+    "n8": {"conditioning": "cross", "captions_per_image": 8},
     "sequence": {"conditioning": "sequence"},
 }
 BEGIN, END = "<!-- ablations:begin -->", "<!-- ablations:end -->"

@@ -140,13 +140,14 @@ def cache_info(
 
 @cache_app.command("verify")
 def cache_verify(
-    cache: Annotated[Path, typer.Argument(help="Caption cache directory.")],
+    cache: Annotated[str, typer.Argument(help="Caption cache: a directory, or an fsspec URL (s3://...: mirrored locally, then checked).")],
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Check manifests, per-shard sha256, schema, recipes and caption-key uniqueness; exit 1 with the first problem."""
     from captioning.verify import verify_cache
+    from pipeline.remote import is_remote, mirror_cache
 
-    typer.echo(verify_cache(cache, progress=progress).summary())
+    typer.echo(verify_cache(mirror_cache(cache) if is_remote(cache) else Path(cache), progress=progress).summary())
 
 
 @store_app.command("info")
@@ -162,7 +163,7 @@ def store_info(
 
 @store_app.command("verify")
 def store_verify(
-    store: Annotated[Path, typer.Argument(help="Embedding store directory.")],
+    store: Annotated[str, typer.Argument(help="Embedding store: a directory, or an fsspec URL (s3://...: mirrored locally, then checked).")],
     deep: Annotated[bool, typer.Option(help="Also re-encode a sample of captions with the recorded encoder and compare (needs --cache).")] = False,
     cache: Annotated[Optional[Path], typer.Option(help="--deep: the caption cache the store was embedded from (for the texts).")] = None,
     model: Annotated[Optional[str], typer.Option(help="--deep: the T5 encoder (checked against the store's recipe); default: the recorded hub id.")] = None,
@@ -173,8 +174,9 @@ def store_verify(
 ) -> None:
     """Check segments, offsets, recorded sha256, finiteness and key uniqueness; exit 1 with the first problem."""
     from embedding_cache.verify import verify_store
+    from pipeline.remote import is_remote, mirror_store
 
-    typer.echo(verify_store(store, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress).summary())
+    typer.echo(verify_store(mirror_store(store) if is_remote(store) else Path(store), deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress).summary())
 
 
 @app.command()

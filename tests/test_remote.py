@@ -61,6 +61,9 @@ def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(tmp_path, s
     assert saved["store"] == f"s3://{BUCKET}/store", "the run records where its data lives, not the mirror"
     assert mirror_store(f"s3://{BUCKET}/store", tmp_path / "mirror") == mirror_path(f"s3://{BUCKET}/store", tmp_path / "mirror")
     assert tcjepa("store", "verify", mirror_path(f"s3://{BUCKET}/store", tmp_path / "mirror"), "--no-progress").stdout.startswith("ok: ")
+    env = {**env, "HOME": str(tmp_path / "home")}  # the default mirror lives under ~/.cache
+    assert tcjepa("cache", "verify", f"s3://{BUCKET}/cache", "--no-progress", env=env).stdout.startswith("ok: 1 recipes, 1 shards, 320 captions")
+    assert tcjepa("store", "verify", f"s3://{BUCKET}/store", "--no-progress", env=env).stdout.startswith("ok: 1 segments, 320 captions")
 
 
 def test_damaged_remote_files_are_never_used(tmp_path, s3):
