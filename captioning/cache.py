@@ -99,6 +99,11 @@ class CacheInfo:
     recipes: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _made_by_a_creator(name: str) -> bool:
+    """Entries that creating a cache makes before CACHE.json appears (its temporary included)."""
+    return name in (".lock", *SUBDIRS) or (name.startswith(".CACHE.json.") and name.endswith(".tmp"))
+
+
 def caption_row(
     image_sha256: str,
     source_id: str,
@@ -155,7 +160,7 @@ class CaptionCache:
             raise UserError(f"--cache {root} exists and is not a directory")
         if not (root / "CACHE.json").exists():
             # Another process may be creating the same cache: only what a creator makes is tolerated here.
-            if root.exists() and any(p.name not in (".lock", *SUBDIRS) for p in root.iterdir()):
+            if root.exists() and any(not _made_by_a_creator(p.name) for p in root.iterdir()):
                 raise UserError(f"--cache {root} is a non-empty directory that is not a caption cache; choose an empty or new directory")
             for sub in SUBDIRS:
                 (root / sub).mkdir(parents=True, exist_ok=True)

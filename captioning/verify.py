@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from filelock import FileLock
 
-from captioning.cache import CAPTION_KEY, CAPTION_SCHEMA, FAILURE_SCHEMA, CaptionCache, _row_digests
+from captioning.cache import CAPTION_KEY, CAPTION_SCHEMA, FAILURE_SCHEMA, LOCK_TIMEOUT_S, CaptionCache, _row_digests
 from pipeline.digests import as_digests, first_repeat
 from pipeline.errors import DataProblem
 from pipeline.recipes import recipe_hash, sha256_file, text_key
@@ -100,6 +101,11 @@ def _verify_shard(root: Path, shard: str, known: set[str], report: CacheVerifyRe
         files = manifest["files"]
     except (ValueError, KeyError, TypeError):
         raise DataProblem(f"{manifest_path}: not a shard manifest") from None
+    if manifest.get("shard") != shard or not isinstance(files, dict):
+        raise DataProblem(f"{manifest_path}: records shard {manifest.get('shard')!r}, not {shard!r}")
+    for kind, entry in files.items():
+        if not isinstance(entry, dict) or entry.get("path") != f"{kind}/{shard}.parquet":
+            raise DataProblem(f"{manifest_path}: its {kind} entry does not name {kind}/{shard}.parquet")
     captions = _verify_file(root, shard, "captions", files.get("captions"), CAPTION_SCHEMA, report)
     if captions is None:
         raise DataProblem(f"{manifest_path}: records no captions file")
@@ -123,6 +129,26 @@ def _verify_shard(root: Path, shard: str, known: set[str], report: CacheVerifyRe
     return as_digests(_row_digests(captions, CAPTION_KEY))
 
 
+def _snapshot(cache: CaptionCache) -> tuple[list[str], set[str]]:
+    """Shard ids and manifest ids, listed under the writers' lock so a commit in progress is not seen half-done.
+
+    Published shards are immutable, so checking them afterwards needs no lock. A cache that
+    cannot be locked (a read-only copy) has no writers, and is listed as it is.
+    """
+    def listing() -> tuple[list[str], set[str]]:
+        return cache.shard_ids(), {p.stem for p in (cache.root / "manifests").glob("*.json")}
+
+    try:
+        lock = FileLock(str(cache.root / ".lock"), timeout=LOCK_TIMEOUT_S)
+        lock.acquire()
+    except OSError:
+        return listing()
+    try:
+        return listing()
+    finally:
+        lock.release()
+
+
 def verify_cache(root: Path, progress: bool = True) -> CacheVerifyReport:
     """Check the cache at `root`; raises DataProblem at the first inconsistency."""
     from tqdm import tqdm
@@ -132,8 +158,8 @@ def verify_cache(root: Path, progress: bool = True) -> CacheVerifyReport:
     report = CacheVerifyReport()
     known = _verify_recipes(cache.root)
     report.recipes = len(known)
-    shards = cache.shard_ids()
-    orphans = sorted({p.stem for p in (cache.root / "manifests").glob("*.json")} - set(shards))
+    shards, manifests = _snapshot(cache)
+    orphans = sorted(manifests - set(shards))
     if orphans:
         raise DataProblem(f"manifests/{orphans[0]}.json records a shard whose captions file is missing (deleted or lost?)")
     digests, owners = [], []

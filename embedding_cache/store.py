@@ -70,6 +70,17 @@ def array_sha256(array: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))).hexdigest()
 
 
+def _creator_leftovers_only(path: Path) -> bool:
+    """True when `path` holds nothing but what creating a store leaves: the lock, staging, an empty `segments` group."""
+    for entry in path.iterdir():
+        if entry.name in (".lock", STAGING):
+            continue
+        if entry.name == "segments" and entry.is_dir() and all(p.name == "zarr.json" for p in entry.iterdir()):
+            continue
+        return False
+    return True
+
+
 def _attrs(group: Any) -> dict[str, Any]:
     return dict(group.attrs.get("tcjepa", {}))
 
@@ -102,11 +113,13 @@ class EmbeddingStore:
         path = Path(path)
         if not (path / "zarr.json").exists():
             # Another process may be creating the same store: only what a creator makes is tolerated here.
-            if path.exists() and (not path.is_dir() or any(p.name not in (".lock", STAGING, "segments") for p in path.iterdir())):
+            if path.exists() and (not path.is_dir() or not _creator_leftovers_only(path)):
                 raise UserError(f"--store {path} exists and is not an embedding store; choose a new or empty directory")
             path.mkdir(parents=True, exist_ok=True)
             with FileLock(str(path / ".lock"), timeout=LOCK_TIMEOUT_S):
                 if not (path / "zarr.json").exists():
+                    if (path / "segments").exists():  # a creator killed between its two renames
+                        shutil.rmtree(path / "segments")
                     staging = path / STAGING / f"root-{uuid.uuid4().hex}"
                     root = zarr.open_group(str(staging), mode="w", zarr_format=3)
                     root.create_group("segments")
@@ -212,9 +225,10 @@ class EmbeddingStore:
             self._indexed.add(source.segment_id)
             if source is not writer:
                 writer.discard()
-        staging = self.path / STAGING
-        if staging.is_dir() and not any(staging.iterdir()):
-            staging.rmdir()
+        try:
+            (self.path / STAGING).rmdir()  # only when no other writer is staging
+        except OSError:
+            pass
         return PublishResult(source.segment_id, source.captions, source.tokens, int(duplicate.sum()))
 
 

@@ -144,10 +144,16 @@ def cache_verify(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Check manifests, per-shard sha256, schema, recipes and caption-key uniqueness; exit 1 with the first problem."""
+    import tempfile
+
     from captioning.verify import verify_cache
     from pipeline.remote import is_remote, mirror_cache
 
-    typer.echo(verify_cache(mirror_cache(cache) if is_remote(cache) else Path(cache), progress=progress).summary())
+    if not is_remote(cache):
+        typer.echo(verify_cache(Path(cache), progress=progress).summary())
+        return
+    with tempfile.TemporaryDirectory() as fresh:  # every remote file fetched and checked again, none trusted from a mirror
+        typer.echo(verify_cache(mirror_cache(cache, Path(fresh)), progress=progress).summary())
 
 
 @store_app.command("info")
@@ -173,10 +179,14 @@ def store_verify(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Check segments, offsets, recorded sha256, finiteness and key uniqueness; exit 1 with the first problem."""
+    import tempfile
+
     from embedding_cache.verify import verify_store
     from pipeline.remote import is_remote, mirror_store
 
-    typer.echo(verify_store(mirror_store(store) if is_remote(store) else Path(store), deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress).summary())
+    with tempfile.TemporaryDirectory() as fresh:  # a remote store: every file fetched and checked again
+        path = mirror_store(store, Path(fresh)) if is_remote(store) else Path(store)
+        typer.echo(verify_store(path, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress).summary())
 
 
 @app.command()

@@ -29,5 +29,5 @@ def os_error_line(exc: OSError) -> str:
         return (f"cannot write{where}: {reason}; free space (or raise the file size limit) and rerun: "
                 "nothing half-written was published, and the rerun resumes")
     if exc.errno in NO_WRITE:
-        return f"cannot write{where}: {reason}; make the destination writable or choose another, then rerun"
+        return f"cannot access{where}: {reason}; make the destination writable (or the input readable), then rerun"
     return f"{reason}{where}"

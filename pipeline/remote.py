@@ -4,10 +4,11 @@ The trainer memory-maps store shards and re-reads cache shards; both are immutab
 published, so a remote cache or store is copied once, file by file, into a local mirror,
 and each copied file is checked against the checksum recorded when it was written (the
 cache's per-shard manifests, the store's per-segment sha256). A later call fetches only
-what was published since; a file arrives under a temporary name and is renamed when
-whole, so a killed mirror resumes. Credentials and endpoints come from fsspec's usual
-configuration (for S3: the AWS environment variables, e.g. ``AWS_ENDPOINT_URL`` for an
-S3-compatible server).
+what was published since. One process at a time updates a mirror (a file lock); a file
+arrives under a temporary name and is renamed when whole, and a shard or segment counts
+as mirrored only once all of it is there, so a killed mirror resumes. Credentials and
+endpoints come from fsspec's usual configuration (for S3: the AWS environment variables,
+e.g. ``AWS_ENDPOINT_URL`` for an S3-compatible server).
 """
 
 from __future__ import annotations
@@ -17,26 +18,41 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from pipeline.errors import UserError
+from filelock import FileLock
+
+from pipeline.errors import DataProblem, UserError
 from pipeline.fsutil import atomic_write_bytes
 from pipeline.recipes import sha256_file
 
 DEFAULT_MIRROR = Path.home() / ".cache" / "tcjepa" / "mirror"
+T = TypeVar("T")
 
 
 def is_remote(location: str | Path | None) -> bool:
-    """A URL with a scheme other than file://; plain paths are local."""
-    return isinstance(location, str) and "://" in location and not location.startswith("file://")
+    """A URL (scheme://...); plain paths are local."""
+    return isinstance(location, str) and "://" in location
 
 
 def refuse_remote_writes(location: str | Path, option: str) -> None:
     """Writers publish with a file lock and renames, which object storage lacks: refuse in one line."""
     if is_remote(str(location)):
-        raise UserError(f"{option} {location}: writing to object storage is not supported; write to a local directory and upload "
-                        f"the finished tree (e.g. `aws s3 sync`); readers such as `tcjepa train` take the URL")
+        raise UserError(f"{option} {location}: writing to object storage is not supported; give a local directory (a plain path) "
+                        f"and upload the finished tree (e.g. `aws s3 sync`); readers such as `tcjepa train` take the URL")
+
+
+def _remote_call(url: str, call: Callable[[], T]) -> T:
+    """Run one fsspec call; any failure of the remote side (credentials, network, permissions) becomes one line."""
+    try:
+        return call()
+    except (UserError, DataProblem):
+        raise
+    except Exception as exc:  # s3fs, botocore and aiohttp raise many unrelated types
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise UserError(f"{url}: {type(exc).__name__}: {detail[:200]}") from None
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
@@ -62,74 +78,105 @@ def _fetch(fs: Any, remote: str, local: Path, sha256: str | None = None) -> None
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
     try:
-        fs.get_file(remote, str(tmp))
-    except FileNotFoundError:
-        raise UserError(f"{remote}: listed but missing on the remote side; run `tcjepa cache verify` / `store verify` where it was written") from None
-    if sha256 is not None and sha256_file(tmp) != sha256:
-        tmp.unlink()
-        raise UserError(f"{remote}: does not match the sha256 recorded when it was written (changed or damaged); not used")
-    os.replace(tmp, local)
+        try:
+            fs.get_file(remote, str(tmp))
+        except FileNotFoundError:
+            raise DataProblem(f"{remote}: listed but missing on the remote side") from None
+        except Exception as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            raise UserError(f"{remote}: cannot fetch ({type(exc).__name__}: {detail[:200]})") from None
+        if sha256 is not None and sha256_file(tmp) != sha256:
+            raise DataProblem(f"{remote}: does not match the sha256 recorded when it was written (changed or damaged); not used")
+        os.replace(tmp, local)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _json(url: str, raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise DataProblem(f"{url}: not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise DataProblem(f"{url}: not a JSON object")
+    return doc
 
 
 def mirror_cache(url: str, mirror: Path | None = None) -> Path:
     """A local copy of the caption cache at `url`, brought up to date; each shard checked against its manifest."""
     fs, root = _filesystem(url)
     local = mirror_path(url, mirror)
-    if not fs.exists(f"{root}/CACHE.json"):
-        raise UserError(f"{url} is not a caption cache (no CACHE.json)")
-    for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
-        (local / sub).mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(local / "CACHE.json", fs.cat_file(f"{root}/CACHE.json"))
-    for path in fs.glob(f"{root}/recipes/*.json"):
-        _fetch(fs, path, local / "recipes" / Path(path).name)
-    manifests = sorted(fs.glob(f"{root}/manifests/*.json"))
-    fetched = 0
-    for path in manifests:
-        raw = fs.cat_file(path)
-        doc = json.loads(raw)
-        shard = doc["shard"]
-        if (local / "captions" / f"{shard}.parquet").exists():
-            continue
-        for kind in ("failures", "captions"):  # captions last: a shard is there once its captions file is
-            entry = doc["files"].get(kind)
-            if entry is not None:
+    local.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(local / ".mirror.lock")):
+        if not _remote_call(url, lambda: fs.exists(f"{root}/CACHE.json")):
+            raise UserError(f"{url} is not a caption cache (no CACHE.json)")
+        for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
+            (local / sub).mkdir(exist_ok=True)
+        atomic_write_bytes(local / "CACHE.json", _remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json")))
+        for path in _remote_call(url, lambda: fs.glob(f"{root}/recipes/*.json")):
+            _fetch(fs, path, local / "recipes" / Path(path).name)
+        manifests = sorted(_remote_call(url, lambda: fs.glob(f"{root}/manifests/*.json")))
+        fetched = 0
+        for path in manifests:
+            stem = Path(path).stem
+            if (local / "manifests" / f"{stem}.json").exists():  # written last: the shard is all here
+                continue
+            raw = _remote_call(url, lambda: fs.cat_file(path))
+            doc = _json(path, raw)
+            files = doc.get("files") if doc.get("shard") == stem else None
+            if not isinstance(files, dict) or "captions" not in files:
+                raise DataProblem(f"{path}: not the manifest of shard {stem}")
+            for kind in ("failures", "captions"):
+                entry = files.get(kind)
+                if entry is None:
+                    continue
+                if not isinstance(entry, dict) or entry.get("path") != f"{kind}/{stem}.parquet" or "sha256" not in entry:
+                    raise DataProblem(f"{path}: its {kind} entry does not name {kind}/{stem}.parquet with a sha256")
                 _fetch(fs, f"{root}/{entry['path']}", local / entry["path"], entry["sha256"])
-        atomic_write_bytes(local / "manifests" / Path(path).name, raw)
-        fetched += 1
+            atomic_write_bytes(local / "manifests" / f"{stem}.json", raw)
+            fetched += 1
     print(f"mirror: {url} -> {local}: {fetched} new of {len(manifests)} shards", file=sys.stderr)
     return local
 
 
 def mirror_store(url: str, mirror: Path | None = None) -> Path:
     """A local copy of the embedding store at `url`: the segments its root lists, each checked against its sha256."""
-    from embedding_cache.store import EmbeddingStore
+    from embedding_cache.store import STAGING, EmbeddingStore
     from embedding_cache.verify import verify_segment
 
     fs, root = _filesystem(url)
     local = mirror_path(url, mirror)
-    if not fs.exists(f"{root}/zarr.json"):
-        raise UserError(f"{url} is not an embedding store (no zarr.json)")
-    root_meta = fs.cat_file(f"{root}/zarr.json")
-    segments = json.loads(root_meta)["attributes"]["tcjepa"]["segments"]
-    (local / "segments").mkdir(parents=True, exist_ok=True)
-    # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
-    # new segments only, and the old ones left here are no longer read).
-    atomic_write_bytes(local / "zarr.json", root_meta)
-    _fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
-    fetched = 0
-    for segment in segments:
-        final = local / "segments" / segment
-        if final.exists():
-            continue
-        staging = local / ".staging" / segment
-        shutil.rmtree(staging, ignore_errors=True)
-        prefix = f"{root}/segments/{segment}/"
-        for path in fs.find(prefix):
-            _fetch(fs, path, staging / path[len(prefix):])
+    local.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(local / ".mirror.lock")):
+        if not _remote_call(url, lambda: fs.exists(f"{root}/zarr.json")):
+            raise UserError(f"{url} is not an embedding store (no zarr.json)")
+        root_meta = _remote_call(url, lambda: fs.cat_file(f"{root}/zarr.json"))
+        meta = _json(f"{url}/zarr.json", root_meta).get("attributes", {}).get("tcjepa", {})
+        segments = meta.get("segments")
+        if not isinstance(segments, list) or not all(isinstance(s, str) and s and "/" not in s and s not in (".", "..") for s in segments):
+            raise DataProblem(f"{url}/zarr.json: not a tcjepa embedding store root (no valid segment list)")
+        (local / "segments").mkdir(exist_ok=True)
+        # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
+        # new segments only, and the old ones left here are no longer read).
+        atomic_write_bytes(local / "zarr.json", root_meta)
+        _fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
         store = EmbeddingStore(local)
-        verify_segment(store, segment, staging)
-        staging.rename(final)
-        fetched += 1
-    shutil.rmtree(local / ".staging", ignore_errors=True)
+        fetched = 0
+        for segment in segments:
+            final = local / "segments" / segment
+            if final.exists():  # renamed in only once fetched whole and checked
+                continue
+            staging = local / STAGING / segment
+            shutil.rmtree(staging, ignore_errors=True)
+            prefix = f"{root}/segments/{segment}/"
+            for path in _remote_call(url, lambda: fs.find(prefix)):
+                relative = path[len(prefix):]
+                if ".." in Path(relative).parts or Path(relative).is_absolute():
+                    raise DataProblem(f"{path}: a file name that leaves its segment; not used")
+                _fetch(fs, path, staging / relative)
+            verify_segment(store, segment, staging)
+            staging.rename(final)
+            fetched += 1
+        shutil.rmtree(local / STAGING, ignore_errors=True)
     print(f"mirror: {url} -> {local}: {fetched} new of {len(segments)} segments", file=sys.stderr)
     return local

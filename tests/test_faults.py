@@ -118,12 +118,12 @@ def test_read_only_destinations_fail_in_one_line_and_change_nothing(tmp_path, sy
                              for i in range(3)))
     before = {"cache": _tree(cache), "store": _tree(store)}
     with _read_only(cache), _read_only(store), _read_only(locked):
-        _assert_one_line_error(_cli("caption", "--cache", cache, "--annotations", other), "cannot write", "writable")
+        _assert_one_line_error(_cli("caption", "--cache", cache, "--annotations", other), "cannot access", "writable")
         complete = _cli("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--no-progress")
         assert complete.returncode == 0 and "encoded 0 captions" in complete.stdout, "a complete store is only read"
         _assert_one_line_error(_cli("embed", "--cache", annotated_cache, "--store", locked / "new", "--model", tiny_models / "t5"),
-                               "cannot write")
+                               "cannot access", "writable")
         _assert_one_line_error(_cli("train", synth_dir / "images", "--cache", annotated_cache, "--store", annotated_store,
-                                    "--out", locked / "run", *TINY, "--steps", "2"), "cannot write")
+                                    "--out", locked / "run", *TINY, "--steps", "2"), "cannot access", "writable")
     assert {"cache": _tree(cache), "store": _tree(store)} == before
     assert not any(locked.iterdir())

@@ -117,6 +117,19 @@ def test_torchrun_two_processes_match_one(tmp_path, synth_dir, annotated_cache, 
     _assert_close_runs(_metrics(single), _metrics(double))
 
 
+def test_a_failure_on_rank_0_stops_every_rank_with_its_message(tmp_path, synth_dir, annotated_cache, annotated_store):
+    """Only rank 0 claims RUN; its refusal must reach rank 1 too, not leave it in a barrier until the timeout."""
+    run = tmp_path / "not-a-run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline",
+           *map(str, _train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "2"))]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and "is a non-empty directory that is not a tcjepa run" in proc.stderr
+    assert "another process of this run failed" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_fsdp_checkpoint_resumes_on_one_process(tmp_path, synth_dir, annotated_cache, annotated_store):
     """A run killed under torchrun (2 processes, FSDP) continues on 1 process as if it had never stopped."""
     common = ["--steps", "8", "--set", "log_every=1", "--set", "val_every=4", "--set", "checkpoint_every=2", "--set", "fsdp=true", "--set", "bf16=false"]

@@ -81,6 +81,12 @@ def test_cache_verify_finds_a_caption_stored_twice(cache):
     twin = "99999999999999999999-elsewhere-1-00000000"
     shutil.copy(cache / "captions" / f"{shard}.parquet", cache / "captions" / f"{twin}.parquet")
     shutil.copy(cache / "manifests" / f"{shard}.json", cache / "manifests" / f"{twin}.json")
+    with pytest.raises(DataProblem, match=f"records shard '{shard}', not '{twin}'"):
+        verify_cache(cache, progress=False)
+    doc = json.loads((cache / "manifests" / f"{twin}.json").read_text())
+    doc["shard"] = twin
+    doc["files"]["captions"]["path"] = f"captions/{twin}.parquet"
+    (cache / "manifests" / f"{twin}.json").write_bytes(canonical_json(doc))
     with pytest.raises(DataProblem, match="occurs twice"):
         verify_cache(cache, progress=False)
 

@@ -15,9 +15,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 import yaml
 from filelock import FileLock, Timeout
 
-from pipeline.errors import UserError
+from pipeline.errors import DataProblem, UserError
 from pipeline.fsutil import atomic_write_bytes
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.config import TrainConfig, differences, to_dict, validate
@@ -45,6 +46,7 @@ from train.schedules import Cosine, Linear, WarmupCosine
 CONFIG = "config.yaml"
 INDEX = "index.parquet"
 TEXT_ENCODER = "text_encoder.json"
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,6 +84,30 @@ def barrier(rt: Runtime) -> None:
         dist.barrier()
 
 
+def agreed(rt: Runtime, step: Callable[[], T], on: bool) -> T | None:
+    """Run `step` where `on`, then every process learns whether all succeeded (a barrier too).
+
+    A failure on one rank (a bad --out, a damaged remote file) then stops every rank with
+    its message, instead of leaving the others waiting in a barrier until the timeout.
+    """
+    result, error = None, None
+    if on:
+        try:
+            result = step()
+        except (UserError, DataProblem, OSError) as exc:
+            error = exc
+    ok = error is None
+    if rt.world > 1:
+        flag = torch.tensor([int(ok)], device=rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+    if error is not None:
+        raise error
+    if not ok:
+        raise UserError("another process of this run failed (its message is above); stopping")
+    return result
+
+
 def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None) -> FileLock | None:
     """Create RUN, lock it (rank 0) and save the resolved config; refuse a RUN made with a different config.
 
@@ -95,10 +121,10 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} → {to_dict(cfg)[k]!r}" for k in changed[:4])
             raise UserError(f"{run} holds a run with another config ({details}); use a new --out or the same settings")
-    elif run.exists() and any(p.name != ".lock" for p in run.iterdir()) and rt.main:
-        raise UserError(f"--out {run} is a non-empty directory that is not a tcjepa run; choose a new directory")
-    lock = None
-    if rt.main:
+
+    def claim() -> FileLock:
+        if not saved_path.exists() and run.exists() and any(p.name != ".lock" for p in run.iterdir()):
+            raise UserError(f"--out {run} is a non-empty directory that is not a tcjepa run; choose a new directory")
         run.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(run / ".lock"))
         try:
@@ -108,8 +134,9 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
         atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
         if store_dir is not None:
             check_text_encoder(store_dir, cfg.store, run)
-    barrier(rt)
-    return lock
+        return lock
+
+    return agreed(rt, claim, on=rt.main)
 
 
 def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
@@ -135,23 +162,30 @@ def with_local_inputs(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
     if not remote:
         return cfg
     mirror = Path(cfg.mirror) if cfg.mirror else None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+
+    def fetch() -> None:
         for key, url in remote.items():
             (mirror_cache if key == "cache" else mirror_store)(url, mirror)
-    barrier(rt)
+
+    # Rank 0 first (it builds the index); then one process per other node. The remote only grows, so every node
+    # then holds at least what rank 0 saw.
+    agreed(rt, fetch, on=rt.rank == 0)
+    agreed(rt, fetch, on=rt.rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0)
     return replace(cfg, **{key: str(mirror_path(url, mirror)) for key, url in remote.items()})
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
     """The image ↔ caption ↔ store join, built once by rank 0 and saved beside the run."""
     path = run / INDEX
-    if rt.main and not path.exists():
+
+    def build() -> None:
         cache = Path(cfg.cache) if cfg.conditioning != "none" else None
         store = Path(cfg.store) if cfg.conditioning != "none" else None
         index = build_index([Path(p) for p in cfg.images], cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column)
         print(index.coverage_line(), file=sys.stderr)
         index.save(path)
-    barrier(rt)
+
+    agreed(rt, build, on=rt.main and not path.exists())
     return TrainIndex.load(path)
 
 
