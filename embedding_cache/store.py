@@ -20,6 +20,7 @@ Only listed segments exist for readers; a key lives in exactly one segment.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -196,6 +197,11 @@ class EmbeddingStore:
             if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and not pid_alive(int(parts[-2])):
                 shutil.rmtree(entry, ignore_errors=True)
 
+    def drop_empty_staging(self) -> None:
+        """Remove `.staging` once no writer uses it; another writer staging (or one that just removed it) is not an error."""
+        with contextlib.suppress(OSError):
+            (self.path / STAGING).rmdir()
+
     def publish(self, writer: SegmentWriter) -> PublishResult:
         """Make a finished staging segment part of the store; duplicates of published keys are dropped."""
         import zarr
@@ -225,10 +231,7 @@ class EmbeddingStore:
             self._indexed.add(source.segment_id)
             if source is not writer:
                 writer.discard()
-        try:
-            (self.path / STAGING).rmdir()  # only when no other writer is staging
-        except OSError:
-            pass
+        self.drop_empty_staging()
         return PublishResult(source.segment_id, source.captions, source.tokens, int(duplicate.sum()))
 
 
@@ -339,7 +342,4 @@ class SegmentWriter:
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
-        try:
-            self.staging.parent.rmdir()  # only when no other writer is staging
-        except OSError:
-            pass
+        self.store.drop_empty_staging()

@@ -65,6 +65,14 @@ def _filesystem(url: str) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
+def _remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
+    """The file system and root of `url`, refusing a URL whose root lacks `marker`."""
+    fs, root = _filesystem(url)
+    if not _remote_call(url, lambda: fs.exists(f"{root}/{marker}")):
+        raise UserError(f"{url} is not {what} (no {marker})")
+    return fs, root
+
+
 def mirror_path(url: str, mirror: Path | None = None) -> Path:
     """Where `url` is (or will be) mirrored: one directory per URL under `mirror`."""
     base = Path(mirror) if mirror is not None else DEFAULT_MIRROR
@@ -104,12 +112,10 @@ def _json(url: str, raw: bytes) -> dict[str, Any]:
 
 def mirror_cache(url: str, mirror: Path | None = None) -> Path:
     """A local copy of the caption cache at `url`, brought up to date; each shard checked against its manifest."""
-    fs, root = _filesystem(url)
+    fs, root = _remote_root(url, "CACHE.json", "a caption cache")
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
     with FileLock(str(local / ".mirror.lock")):
-        if not _remote_call(url, lambda: fs.exists(f"{root}/CACHE.json")):
-            raise UserError(f"{url} is not a caption cache (no CACHE.json)")
         for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
             (local / sub).mkdir(exist_ok=True)
         atomic_write_bytes(local / "CACHE.json", _remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json")))
@@ -144,12 +150,10 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
     from embedding_cache.store import STAGING, EmbeddingStore
     from embedding_cache.verify import verify_segment
 
-    fs, root = _filesystem(url)
+    fs, root = _remote_root(url, "zarr.json", "an embedding store")
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
     with FileLock(str(local / ".mirror.lock")):
-        if not _remote_call(url, lambda: fs.exists(f"{root}/zarr.json")):
-            raise UserError(f"{url} is not an embedding store (no zarr.json)")
         root_meta = _remote_call(url, lambda: fs.cat_file(f"{root}/zarr.json"))
         meta = _json(f"{url}/zarr.json", root_meta).get("attributes", {}).get("tcjepa", {})
         segments = meta.get("segments")
