@@ -15,6 +15,8 @@ name and renames it into `captions/`: whoever writes, `captions/*.parquet` holds
 each caption exactly once, so ``datasets.load_dataset("parquet", ...)`` reads the
 cache as it is. The shard files are the truth; a manifest missing after a crash
 is rebuilt by the next writer.
+On object storage (no lock, no rename) `captioning.remote_cache` publishes the
+same shards through a log of conditional puts instead.
 """
 
 from __future__ import annotations
@@ -293,65 +295,96 @@ class CaptionCache:
                 self._write_manifest(shard)
 
     def _write_manifest(self, shard: str) -> None:
-        files = {}
-        recipes: dict[str, int] = {}
-        for kind in ("captions", "failures"):
-            path = self.root / kind / f"{shard}.parquet"
-            if not path.exists():
-                continue
-            meta = pq.read_metadata(path)
-            files[kind] = {"path": f"{kind}/{shard}.parquet", "rows": meta.num_rows, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-            if kind == "captions":
-                table = pq.read_table(path, columns=["recipe", "image_sha256"])
-                for row in table.group_by("recipe").aggregate([("image_sha256", "count")]).to_pylist():
-                    recipes[row["recipe"]] = row["image_sha256_count"]
-        doc = {"shard": shard, "files": files, "recipes": recipes, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        published = {kind: self.root / kind / f"{shard}.parquet" for kind in ("captions", "failures")}
+        doc = manifest_doc(shard, {k: p for k, p in published.items() if p.exists()})
         atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
+
+    def _new_rows(self, batch: RowBatch) -> tuple[pa.Table, pa.Table, np.ndarray, np.ndarray]:
+        """The batch's rows not in the cache yet (call under the lock), and their digests."""
+        self._refresh_index()
+        new = ~self._caption_index.contains(batch.cap_digests)
+        new_f = ~self._failure_index.contains(batch.fail_digests)
+        return batch.captions.filter(pa.array(new)), batch.failures.filter(pa.array(new_f)), batch.cap_digests[new], batch.fail_digests[new_f]
+
+    def _stage(self, shard: str, captions: pa.Table, failures: pa.Table) -> dict[str, Path]:
+        """Write a shard's files under `tmp/`, flushed; returns them by kind (no failures file when there are none)."""
+        staged = {}
+        for kind, table in (("captions", captions), ("failures", failures)):
+            if kind == "failures" and table.num_rows == 0:
+                continue
+            tmp = self.root / "tmp" / f"{kind}-{shard}.parquet"
+            pq.write_table(table, tmp, compression="zstd")
+            fsync_file(tmp)
+            staged[kind] = tmp
+        return staged
+
+    def _publish_staged(self, shard: str, staged: dict[str, Path], cap_digests: np.ndarray, fail_digests: np.ndarray) -> None:
+        """Rename a staged shard into place, failures first: a shard id is "published" once its captions file exists."""
+        for kind in ("failures", "captions"):
+            if kind in staged:
+                final = self.root / kind / f"{shard}.parquet"
+                os.rename(staged[kind], final)
+                fsync_dir(final.parent)
+        self._caption_index.add(cap_digests)
+        self._failure_index.add(fail_digests)
+        self._indexed_shards.add(shard)
 
     def commit(self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None) -> CommitResult:
         """Publish new captions (and failure records) as one shard; rows already in the cache are dropped.
 
         Either the whole shard becomes visible or nothing does.
         """
+        batch = RowBatch.of(captions, failures, set(self.recipes()))
+        with self._lock():
+            self._clean_and_repair()
+            cap_table, fail_table, cap_digests, fail_digests = self._new_rows(batch)
+            if cap_table.num_rows == 0 and fail_table.num_rows == 0:
+                return CommitResult(None, 0, batch.offered, 0)
+            shard = new_shard_id()
+            self._publish_staged(shard, self._stage(shard, cap_table, fail_table), cap_digests, fail_digests)
+            self._write_manifest(shard)
+        return CommitResult(shard, cap_table.num_rows, batch.offered - cap_table.num_rows, fail_table.num_rows)
+
+
+def new_shard_id() -> str:
+    """Unique across hosts and processes, and sorted by creation time."""
+    return f"{time.time_ns():020d}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def manifest_doc(shard: str, files: dict[str, Path]) -> dict[str, Any]:
+    """A shard's manifest: rows, bytes and sha256 of each of its files (by kind), and its captions per recipe."""
+    entries = {}
+    recipes: dict[str, int] = {}
+    for kind, path in files.items():
+        meta = pq.read_metadata(path)
+        entries[kind] = {"path": f"{kind}/{shard}.parquet", "rows": meta.num_rows, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        if kind == "captions":
+            table = pq.read_table(path, columns=["recipe", "image_sha256"])
+            for row in table.group_by("recipe").aggregate([("image_sha256", "count")]).to_pylist():
+                recipes[row["recipe"]] = row["image_sha256_count"]
+    return {"shard": shard, "files": entries, "recipes": recipes, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+@dataclass
+class RowBatch:
+    """Rows offered to a commit: cast to the schemas, recipes checked, duplicates within the batch dropped."""
+
+    captions: pa.Table
+    failures: pa.Table
+    cap_digests: np.ndarray
+    fail_digests: np.ndarray
+    offered: int
+
+    @classmethod
+    def of(cls, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None, known_recipes: set[str]) -> RowBatch:
         cap_table = captions if isinstance(captions, pa.Table) else pa.Table.from_pylist(captions, schema=CAPTION_SCHEMA)
         fail_table = failures if isinstance(failures, pa.Table) else pa.Table.from_pylist(failures or [], schema=FAILURE_SCHEMA)
-        cap_table = cap_table.cast(CAPTION_SCHEMA)
-        fail_table = fail_table.cast(FAILURE_SCHEMA)
-        known = set(self.recipes())
-        unknown = (set(cap_table.column("recipe").to_pylist()) | set(fail_table.column("recipe").to_pylist())) - known
+        cap_table, fail_table = cap_table.cast(CAPTION_SCHEMA), fail_table.cast(FAILURE_SCHEMA)
+        unknown = (set(cap_table.column("recipe").to_pylist()) | set(fail_table.column("recipe").to_pylist())) - known_recipes
         if unknown:
             raise ValueError(f"rows refer to recipes not stored in the cache: {sorted(unknown)}")
         cap_digests = _row_digests(cap_table, CAPTION_KEY)
         keep = first_occurrence(cap_digests)
-        cap_table, cap_digests = cap_table.filter(pa.array(keep)), cap_digests[keep]
         fail_digests = _row_digests(fail_table, FAILURE_KEY)
         keep_f = first_occurrence(fail_digests)
-        fail_table, fail_digests = fail_table.filter(pa.array(keep_f)), fail_digests[keep_f]
-        offered = cap_table.num_rows
-
-        with self._lock():
-            self._clean_and_repair()
-            self._refresh_index()
-            new = ~self._caption_index.contains(cap_digests)
-            new_f = ~self._failure_index.contains(fail_digests)
-            cap_table, fail_table = cap_table.filter(pa.array(new)), fail_table.filter(pa.array(new_f))
-            if cap_table.num_rows == 0 and fail_table.num_rows == 0:
-                return CommitResult(None, 0, offered, 0)
-            shard = f"{time.time_ns():020d}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            staged = []
-            for kind, table in (("captions", cap_table), ("failures", fail_table)):
-                if kind == "failures" and table.num_rows == 0:
-                    continue
-                tmp = self.root / "tmp" / f"{kind}-{shard}.parquet"
-                pq.write_table(table, tmp, compression="zstd")
-                fsync_file(tmp)
-                staged.append((tmp, self.root / kind / f"{shard}.parquet"))
-            # Failures first: a shard id is "published" once its captions file exists.
-            for tmp, final in reversed(staged):
-                os.rename(tmp, final)
-                fsync_dir(final.parent)
-            self._write_manifest(shard)
-            self._caption_index.add(cap_digests[new])
-            self._failure_index.add(fail_digests[new_f])
-            self._indexed_shards.add(shard)
-        return CommitResult(shard, cap_table.num_rows, offered - cap_table.num_rows, fail_table.num_rows)
+        return cls(cap_table.filter(pa.array(keep)), fail_table.filter(pa.array(keep_f)), cap_digests[keep], fail_digests[keep_f], int(keep.sum()))

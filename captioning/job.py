@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from captioning.cache import CaptionCache, caption_row
+from captioning.cache import caption_row
+from captioning.remote_cache import open_cache_for_writing
 from captioning.engines import CaptionEngine, CaptionRequest, SamplingConfig
 from captioning.prompts import Prompt, load_prompts, samples_per_prompt
 from pipeline.errors import UserError
@@ -37,7 +38,7 @@ SEED_POLICY = "request seed = int(sha256('{seed}:{image_sha256}:{prompt_id}')[:8
 @dataclass
 class CaptionConfig:
     inputs: list[Path]
-    cache: Path
+    cache: str | Path  # a directory or an s3:// URL
     model: str
     captions_per_image: int = 8
     prompts_file: Path | None = None
@@ -54,6 +55,7 @@ class CaptionConfig:
     device: str = "auto"
     trust_remote_code: bool = False
     dry_run: bool = False
+    mirror: Path | None = None  # where an s3:// cache is mirrored (default ~/.cache/tcjepa/mirror)
 
 
 @dataclass
@@ -174,7 +176,7 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
     prompts = load_prompts(cfg.prompts_file)
     counts = samples_per_prompt(cfg.captions_per_image, len(prompts))
     entries = iter_images(cfg.inputs, cfg.image_column)
-    cache = CaptionCache.open_or_create(cfg.cache)
+    cache = open_cache_for_writing(cfg.cache, cfg.mirror)
     name, version, template = engine_identity(cfg)
     if engine is not None and (engine.name != name or engine.engine_args != cfg.engine_args):
         raise ValueError(f"the engine given ({engine.name}, {engine.engine_args}) does not match the config ({cfg.backend}, {cfg.engine_args})")

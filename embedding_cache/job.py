@@ -19,14 +19,15 @@ import pyarrow.compute as pc
 
 from captioning.cache import CaptionCache
 from embedding_cache.encode import NonFiniteEmbedding, T5Encoder, encoder_recipe, load_tokenizer, plan_batches, tokenize
-from embedding_cache.store import EmbeddingStore, SegmentWriter, TokenLayout
+from embedding_cache.remote_store import open_existing_store, open_store_for_writing
+from embedding_cache.store import SegmentWriter, TokenLayout
 from pipeline.errors import UserError
 
 
 @dataclass
 class EmbedConfig:
     cache: Path
-    store: Path
+    store: str | Path  # a directory or an s3:// URL
     model: str
     recipes: list[str] = field(default_factory=list)
     token_budget: int = 16384
@@ -40,6 +41,7 @@ class EmbedConfig:
     shard_chunks: int | None = None
     dry_run: bool = False
     progress: bool = True
+    mirror: Path | None = None  # where an s3:// store's keys are mirrored (default ~/.cache/tcjepa/mirror)
 
 
 @dataclass
@@ -93,12 +95,8 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     texts, keys, n_rows = _texts_to_encode(cache, recipes)
     report = EmbedReport(captions_selected=n_rows, unique_texts=len(texts))
 
-    store: EmbeddingStore | None = None
-    if not cfg.dry_run:
-        store = EmbeddingStore.open_or_create(cfg.store, recipe, d_model)
-    elif (cfg.store / "zarr.json").exists():  # a dry run creates nothing, but refuses a mismatched store all the same
-        store = EmbeddingStore(cfg.store)
-        store.check_encoder(recipe)
+    # A dry run creates nothing, but refuses a mismatched store all the same.
+    store = open_existing_store(cfg.store, recipe, cfg.mirror) if cfg.dry_run else open_store_for_writing(cfg.store, recipe, d_model, cfg.mirror)
     todo = np.arange(len(texts)) if store is None else np.flatnonzero(~store.published().contains(keys))
     report.already_stored = len(texts) - len(todo)
 

@@ -16,6 +16,8 @@ A writer fills a staging segment, then, under the lock, drops captions that
 another writer published meanwhile, renames the directory into ``segments/`` and
 adds its id to the root's segment list (zarr writes ``zarr.json`` atomically).
 Only listed segments exist for readers; a key lives in exactly one segment.
+On object storage `embedding_cache.remote_store` publishes segments through a log
+of conditional puts instead of the lock.
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ def _creator_leftovers_only(path: Path) -> bool:
     return True
 
 
+def write_empty_root(directory: Path, encoder: dict[str, Any], d_model: int) -> None:
+    """A store root with no segments in `directory`: its `zarr.json` and the empty `segments` group."""
+    import zarr
+
+    root = zarr.open_group(str(directory), mode="w", zarr_format=3)
+    root.create_group("segments")
+    root.attrs["tcjepa"] = {"format": FORMAT, "version": VERSION, "encoder": encoder, "encoder_hash": recipe_hash(encoder), "d_model": d_model, "segments": []}
+
+
 def _attrs(group: Any) -> dict[str, Any]:
     return dict(group.attrs.get("tcjepa", {}))
 
@@ -109,8 +120,6 @@ class EmbeddingStore:
     @classmethod
     def open_or_create(cls, path: str | Path, encoder: dict[str, Any], d_model: int) -> EmbeddingStore:
         """Open `path`, refusing a store made with another encoder recipe, or create it."""
-        import zarr
-
         path = Path(path)
         if not (path / "zarr.json").exists():
             # Another process may be creating the same store: only what a creator makes is tolerated here.
@@ -122,9 +131,7 @@ class EmbeddingStore:
                     if (path / "segments").exists():  # a creator killed between its two renames
                         shutil.rmtree(path / "segments")
                     staging = path / STAGING / f"root-{uuid.uuid4().hex}"
-                    root = zarr.open_group(str(staging), mode="w", zarr_format=3)
-                    root.create_group("segments")
-                    root.attrs["tcjepa"] = {"format": FORMAT, "version": VERSION, "encoder": encoder, "encoder_hash": recipe_hash(encoder), "d_model": d_model, "segments": []}
+                    write_empty_root(staging, encoder, d_model)
                     os.rename(staging / "segments", path / "segments")
                     os.rename(staging / "zarr.json", path / "zarr.json")
                     shutil.rmtree(staging)

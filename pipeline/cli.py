@@ -65,7 +65,7 @@ def parse_engine_args(pairs: list[str]) -> dict[str, object]:
 @app.command()
 def caption(
     images: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), Parquet files, HF datasets directories, tar shards or image files.")] = None,
-    cache: Annotated[str, typer.Option(help="Caption cache directory (created if missing; a local directory: upload it when finished).")] = ...,
+    cache: Annotated[str, typer.Option(help="Caption cache (created if missing): a directory, or an s3:// URL that several hosts may write at once.")] = ...,
     model: Annotated[Optional[str], typer.Option(help="Vision-language chat model: a local directory or a hub id.")] = None,
     captions_per_image: Annotated[int, typer.Option(help="N captions per image, spread over the prompts (K prompts × n samples).")] = 8,
     prompts: Annotated[Optional[Path], typer.Option(help="Prompt templates: .json/.yaml list of strings or {id, text}, or one per line (default: dense, spatial, objects, setting).")] = None,
@@ -86,19 +86,16 @@ def caption(
     dry_run: Annotated[bool, typer.Option(help="Only count the images that would be captioned.")] = False,
     annotations: Annotated[Optional[Path], typer.Option(help="Instead: import existing captions, our JSONL ({'image', 'captions'}) or COCO captions JSON.")] = None,
     image_root: Annotated[Optional[Path], typer.Option(help="With --annotations: where the file's image paths point (default: its directory).")] = None,
+    mirror: Annotated[Optional[Path], typer.Option(help="Local mirror directory of an s3:// --cache (default: ~/.cache/tcjepa/mirror).")] = None,
 ) -> None:
     """Write N captions per image with a VLM into the caption cache, or import existing captions."""
-    from captioning.cache import CaptionCache
-    from pipeline.remote import refuse_remote_writes
-
-    refuse_remote_writes(cache, "--cache")
-    cache_dir = Path(cache)
     if annotations is not None:
         from captioning.annotations import import_annotations
+        from captioning.remote_cache import open_cache_for_writing
 
         if images:
             raise UserError("give either IMAGES (to caption with a model) or --annotations (to import captions), not both")
-        report = import_annotations(CaptionCache.open_or_create(cache_dir), annotations, image_root, recipe_name)
+        report = import_annotations(open_cache_for_writing(cache, mirror), annotations, image_root, recipe_name)
         typer.echo(report.summary())
         if report.captions_added + report.captions_already_cached == 0:
             raise UserError(f"--annotations {annotations}: no usable caption (skipped: {dict(report.skipped)})")
@@ -110,11 +107,12 @@ def caption(
     from pipeline.images import ImagePolicy
 
     cfg = CaptionConfig(
-        inputs=images, cache=cache_dir, model=model, captions_per_image=captions_per_image, prompts_file=prompts,
+        inputs=images, cache=cache, model=model, captions_per_image=captions_per_image, prompts_file=prompts,
         recipe_name=recipe_name, seed=seed, shard=shard, backend=backend, engine_args=parse_engine_args(vllm_arg or []),
         sampling=SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p),
         image_policy=ImagePolicy(max_pixels=max_pixels), image_column=image_column, chunk_images=chunk_images,
         decode_workers=decode_workers, device=device, trust_remote_code=trust_remote_code, dry_run=dry_run,
+        mirror=mirror,
     )
     typer.echo(run_caption(cfg).summary(dry_run))
 
@@ -192,7 +190,7 @@ def store_verify(
 @app.command()
 def embed(
     cache: Annotated[str, typer.Option(help="Caption cache to read captions from: a directory or an fsspec URL (s3://..., mirrored locally).")],
-    store: Annotated[str, typer.Option(help="Zarr v3 embedding store to append to (created if missing; a local directory).")],
+    store: Annotated[str, typer.Option(help="Zarr v3 embedding store to append to (created if missing): a directory, or an s3:// URL that several hosts may write at once.")],
     model: Annotated[str, typer.Option(help="T5 encoder: a local directory or a hub id (T5EncoderModel + tokenizer).")],
     recipe: Annotated[Optional[list[str]], typer.Option(help="Caption recipe(s) to encode, by hash prefix or name (repeatable); required when the cache holds several.")] = None,
     token_budget: Annotated[int, typer.Option(help="Max padded tokens (batch size × longest caption) per encoder batch.")] = 16384,
@@ -206,14 +204,14 @@ def embed(
     shard_chunks: Annotated[Optional[int], typer.Option(help="Inner chunks per shard file (default: ~1 GiB shards).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Only count the captions, tokens and bytes that would be added.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar with tokens/s.")] = True,
+    mirror: Annotated[Optional[Path], typer.Option(help="Local mirror directory of an s3:// --cache or --store (default: ~/.cache/tcjepa/mirror).")] = None,
 ) -> None:
     """Encode every caption not yet in the store with T5 and append them as a new segment."""
     from embedding_cache.job import EmbedConfig, run_embed
 
-    from pipeline.remote import is_remote, mirror_cache, refuse_remote_writes
+    from pipeline.remote import is_remote, mirror_cache
 
-    refuse_remote_writes(store, "--store")
-    cfg = EmbedConfig(cache=mirror_cache(cache) if is_remote(cache) else Path(cache), store=Path(store), model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
+    cfg = EmbedConfig(cache=mirror_cache(cache, mirror) if is_remote(cache) else Path(cache), store=store if is_remote(store) else Path(store), mirror=mirror, model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
                       eos=eos, compute_dtype=dtype, device=device, window=window, segment_mb=segment_mb,
                       chunk_tokens=chunk_tokens, shard_chunks=shard_chunks, dry_run=dry_run, progress=progress)
     report = run_embed(cfg)

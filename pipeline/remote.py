@@ -1,14 +1,23 @@
-"""Caches and stores on object storage (fsspec URLs: s3://, gs://, ...), mirrored to a local directory for reading.
+"""Caches and stores on object storage (fsspec URLs: s3://, gs://, ...): local mirrors for reading, a publication log for writing.
 
-The trainer memory-maps store shards and re-reads cache shards; both are immutable once
-published, so a remote cache or store is copied once, file by file, into a local mirror,
-and each copied file is checked against the checksum recorded when it was written (the
-cache's per-shard manifests, the store's per-segment sha256). A later call fetches only
-what was published since. One process at a time updates a mirror (a file lock); a file
-arrives under a temporary name and is renamed when whole, and a shard or segment counts
-as mirrored only once all of it is there, so a killed mirror resumes. Credentials and
-endpoints come from fsspec's usual configuration (for S3: the AWS environment variables,
-e.g. ``AWS_ENDPOINT_URL`` for an S3-compatible server).
+Reading. The trainer memory-maps store shards and re-reads cache shards; both are immutable
+once published, so a remote cache or store is copied once, file by file, into a local
+mirror, and each copied file is checked against the checksum recorded when it was written
+(the cache's manifests, the store's per-segment sha256). A later call fetches only what was
+published since. One process at a time updates a mirror (a file lock); a file arrives under
+a temporary name and is renamed when whole, and a shard or segment counts as mirrored only
+once all of it is there, so a killed mirror resumes.
+
+Writing. Object storage has no rename and no lock, but S3 has a conditional put: an object
+created only if absent. A writer uploads its shard or segment under a unique name, then
+creates the next entry of ``log/<seq>.json`` naming it; of two writers that race for one
+entry exactly one succeeds, and the other fetches what was published, drops its rows that
+are now there and tries the next entry. A shard or segment exists for readers once a log
+entry (or, for trees uploaded whole, a manifest or the store root's list) names it; an
+upload whose writer died before its entry is never read.
+
+Credentials and endpoints come from fsspec's usual configuration (for S3: the AWS
+environment variables, e.g. ``AWS_ENDPOINT_URL`` for an S3-compatible server).
 """
 
 from __future__ import annotations
@@ -16,9 +25,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,9 +36,13 @@ from filelock import FileLock
 
 from pipeline.errors import DataProblem, UserError
 from pipeline.fsutil import atomic_write_bytes
-from pipeline.recipes import sha256_file
+from pipeline.recipes import canonical_json, sha256_file
 
 DEFAULT_MIRROR = Path.home() / ".cache" / "tcjepa" / "mirror"
+WRITABLE_PROTOCOLS = ("s3", "s3a")
+LOG = "log"
+MIRROR_LOCK = ".mirror.lock"
+_ENTRY = re.compile(r"^(\d{12})\.json$")
 T = TypeVar("T")
 
 
@@ -37,18 +51,14 @@ def is_remote(location: str | Path | None) -> bool:
     return isinstance(location, str) and "://" in location
 
 
-def refuse_remote_writes(location: str | Path, option: str) -> None:
-    """Writers publish with a file lock and renames, which object storage lacks: refuse in one line."""
-    if is_remote(str(location)):
-        raise UserError(f"{option} {location}: writing to object storage is not supported; give a local directory (a plain path) "
-                        f"and upload the finished tree (e.g. `aws s3 sync`); readers such as `tcjepa train` take the URL")
+def remote_call(url: str, call: Callable[[], T]) -> T:
+    """Run one fsspec call; any failure of the remote side (credentials, network, permissions) becomes one line.
 
-
-def _remote_call(url: str, call: Callable[[], T]) -> T:
-    """Run one fsspec call; any failure of the remote side (credentials, network, permissions) becomes one line."""
+    FileExistsError passes through: it is how a conditional put that found the object reports.
+    """
     try:
         return call()
-    except (UserError, DataProblem):
+    except (UserError, DataProblem, FileExistsError):
         raise
     except Exception as exc:  # s3fs, botocore and aiohttp raise many unrelated types
         detail = str(exc).splitlines()[0] if str(exc) else ""
@@ -65,21 +75,47 @@ def _filesystem(url: str) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
+def writable_filesystem(url: str, option: str) -> tuple[Any, str]:
+    """The file system and root of a URL that writers may publish to: one whose conditional put tcjepa relies on."""
+    protocol = url.split("://", 1)[0].lower()
+    if protocol not in WRITABLE_PROTOCOLS:
+        raise UserError(f"{option} {url}: tcjepa writes to object storage only through S3's conditional put (s3://); "
+                        f"give a local directory and upload the finished tree, or use an s3:// URL")
+    return _filesystem(url)
+
+
 def _remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
     """The file system and root of `url`, refusing a URL whose root lacks `marker`."""
     fs, root = _filesystem(url)
-    if not _remote_call(url, lambda: fs.exists(f"{root}/{marker}")):
+    if not remote_call(url, lambda: fs.exists(f"{root}/{marker}")):
         raise UserError(f"{url} is not {what} (no {marker})")
     return fs, root
 
 
-def mirror_path(url: str, mirror: Path | None = None) -> Path:
+def remote_names(fs: Any, url: str, path: str) -> list[str]:
+    """Names directly under `path` as the server lists them now (no cached listing); none when it does not exist."""
+    fs.invalidate_cache(path)
+    try:
+        entries = remote_call(url, lambda: fs.ls(path, detail=False))
+    except UserError:
+        if not remote_call(url, lambda: fs.exists(path)):
+            return []
+        raise
+    return sorted(Path(str(e).rstrip("/")).name for e in entries)
+
+
+def mirror_path(url: str, mirror: Path | None = None, suffix: str = "") -> Path:
     """Where `url` is (or will be) mirrored: one directory per URL under `mirror`."""
     base = Path(mirror) if mirror is not None else DEFAULT_MIRROR
-    return base / f"{Path(url.rstrip('/')).name}-{hashlib.sha256(url.rstrip('/').encode()).hexdigest()[:16]}"
+    return base / f"{Path(url.rstrip('/')).name}-{hashlib.sha256(url.rstrip('/').encode()).hexdigest()[:16]}{suffix}"
 
 
-def _fetch(fs: Any, remote: str, local: Path, sha256: str | None = None) -> None:
+def mirror_lock(local: Path) -> FileLock:
+    """The one lock of a mirror directory: held by whoever adds to it (a mirror update or a writer's commit)."""
+    return FileLock(str(local / MIRROR_LOCK))
+
+
+def fetch(fs: Any, remote: str, local: Path, sha256: str | None = None) -> None:
     """Copy one file (skipped when present); with `sha256`, refuse a copy that does not match it."""
     if local.exists():
         return
@@ -100,7 +136,7 @@ def _fetch(fs: Any, remote: str, local: Path, sha256: str | None = None) -> None
         tmp.unlink(missing_ok=True)
 
 
-def _json(url: str, raw: bytes) -> dict[str, Any]:
+def parse_json(url: str, raw: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(raw)
     except ValueError:
@@ -110,60 +146,182 @@ def _json(url: str, raw: bytes) -> dict[str, Any]:
     return doc
 
 
+def plain_name(name: Any) -> bool:
+    """A shard or segment id that stays inside its directory."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+
+
+class PublishLog:
+    """``log/<seq>.json`` under a remote root; each entry is created only if absent, and a local copy is kept.
+
+    The local copies (under the mirror's ``log/``) are the entries already acted on: the
+    next entry to try is one past the highest sequence number seen, here or remotely.
+    """
+
+    def __init__(self, url: str, fs: Any, root: str, local: Path) -> None:
+        self.url, self._fs, self._dir, self.local = url, fs, f"{root}/{LOG}", local / LOG
+
+    @staticmethod
+    def _numbers(names: Iterable[str]) -> list[int]:
+        return sorted(int(m.group(1)) for m in map(_ENTRY.match, names) if m)
+
+    def _name(self, seq: int) -> str:
+        return f"{seq:012d}.json"
+
+    def seen(self) -> list[int]:
+        return self._numbers(p.name for p in self.local.glob("*.json")) if self.local.is_dir() else []
+
+    def remote(self) -> list[int]:
+        return self._numbers(remote_names(self._fs, self.url, self._dir))
+
+    def unseen(self) -> list[tuple[int, bytes]]:
+        """Remote entries not copied here yet, oldest first (raw bytes; `keep` them once acted on)."""
+        seen = set(self.seen())
+        out = []
+        for seq in self.remote():
+            if seq not in seen:
+                path = f"{self._dir}/{self._name(seq)}"
+                out.append((seq, remote_call(self.url, lambda: self._fs.cat_file(path))))
+        return out
+
+    def keep(self, seq: int, raw: bytes) -> None:
+        self.local.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.local / self._name(seq), raw)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every entry copied here, oldest first."""
+        return [parse_json(f"{self._dir}/{self._name(s)}", (self.local / self._name(s)).read_bytes()) for s in self.seen()]
+
+    def append(self, doc: dict[str, Any]) -> int | None:
+        """Create the next entry; its number, or None when another writer published first (look again, then retry).
+
+        The caller `keep`s the entry once what it names is in the mirror.
+        """
+        seq = max([-1, *self.seen()]) + 1
+        try:
+            remote_call(self.url, lambda: self._fs.pipe_file(f"{self._dir}/{self._name(seq)}", canonical_json(doc), mode="create"))
+        except FileExistsError:
+            return None
+        return seq
+
+
+def create_if_absent(fs: Any, url: str, path: str, data: bytes) -> bytes:
+    """Put `data` at `path` unless something is there already; returns what is there now."""
+    try:
+        remote_call(url, lambda: fs.pipe_file(path, data, mode="create"))
+        return data
+    except FileExistsError:
+        return remote_call(url, lambda: fs.cat_file(path))
+
+
+# ---- caption caches ----------------------------------------------------------------------------
+
+
+def _fetch_cache_shard(fs: Any, root: str, local: Path, stem: str, source: str, doc: dict[str, Any]) -> None:
+    """Fetch one shard's files named by its manifest `doc`, each checked, then write the manifest (last)."""
+    files = doc.get("files") if doc.get("shard") == stem else None
+    if not plain_name(stem) or not isinstance(files, dict) or "captions" not in files:
+        raise DataProblem(f"{source}: not the manifest of shard {stem}")
+    for kind in ("failures", "captions"):
+        entry = files.get(kind)
+        if entry is None:
+            continue
+        if not isinstance(entry, dict) or entry.get("path") != f"{kind}/{stem}.parquet" or "sha256" not in entry:
+            raise DataProblem(f"{source}: its {kind} entry does not name {kind}/{stem}.parquet with a sha256")
+        fetch(fs, f"{root}/{entry['path']}", local / entry["path"], entry["sha256"])
+    atomic_write_bytes(local / "manifests" / f"{stem}.json", canonical_json(doc))
+
+
+def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
+    """Bring the mirror `local` up to date with the cache at `url` (call under `mirror_lock`); returns shards fetched.
+
+    A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer).
+    """
+    for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
+        (local / sub).mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(local / "CACHE.json", remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json")))
+    for name in remote_names(fs, url, f"{root}/recipes"):
+        if name.endswith(".json"):
+            fetch(fs, f"{root}/recipes/{name}", local / "recipes" / name)
+    fetched = 0
+    for name in remote_names(fs, url, f"{root}/manifests"):
+        stem = name.removesuffix(".json")
+        if name.endswith(".json") and not (local / "manifests" / name).exists():  # written last: the shard is all here
+            path = f"{root}/manifests/{name}"
+            _fetch_cache_shard(fs, root, local, stem, path, parse_json(path, remote_call(url, lambda: fs.cat_file(path))))
+            fetched += 1
+    log = PublishLog(url, fs, root, local)
+    for seq, raw in log.unseen():
+        doc = parse_json(f"{url}/{LOG}/{seq}", raw)
+        stem = doc.get("shard")
+        if not (local / "manifests" / f"{stem}.json").exists():
+            _fetch_cache_shard(fs, root, local, stem, f"{url}/{LOG}/{seq:012d}.json", doc)
+            fetched += 1
+        log.keep(seq, raw)
+    return fetched
+
+
 def mirror_cache(url: str, mirror: Path | None = None) -> Path:
     """A local copy of the caption cache at `url`, brought up to date; each shard checked against its manifest."""
     fs, root = _remote_root(url, "CACHE.json", "a caption cache")
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(local / ".mirror.lock")):
-        for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
-            (local / sub).mkdir(exist_ok=True)
-        atomic_write_bytes(local / "CACHE.json", _remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json")))
-        for path in _remote_call(url, lambda: fs.glob(f"{root}/recipes/*.json")):
-            _fetch(fs, path, local / "recipes" / Path(path).name)
-        manifests = sorted(_remote_call(url, lambda: fs.glob(f"{root}/manifests/*.json")))
-        fetched = 0
-        for path in manifests:
-            stem = Path(path).stem
-            if (local / "manifests" / f"{stem}.json").exists():  # written last: the shard is all here
-                continue
-            raw = _remote_call(url, lambda: fs.cat_file(path))
-            doc = _json(path, raw)
-            files = doc.get("files") if doc.get("shard") == stem else None
-            if not isinstance(files, dict) or "captions" not in files:
-                raise DataProblem(f"{path}: not the manifest of shard {stem}")
-            for kind in ("failures", "captions"):
-                entry = files.get(kind)
-                if entry is None:
-                    continue
-                if not isinstance(entry, dict) or entry.get("path") != f"{kind}/{stem}.parquet" or "sha256" not in entry:
-                    raise DataProblem(f"{path}: its {kind} entry does not name {kind}/{stem}.parquet with a sha256")
-                _fetch(fs, f"{root}/{entry['path']}", local / entry["path"], entry["sha256"])
-            atomic_write_bytes(local / "manifests" / f"{stem}.json", raw)
-            fetched += 1
-    print(f"mirror: {url} -> {local}: {fetched} new of {len(manifests)} shards", file=sys.stderr)
+    with mirror_lock(local):
+        fetched = sync_cache_mirror(url, fs, root, local)
+        total = len(list((local / "manifests").glob("*.json")))
+    print(f"mirror: {url} -> {local}: {fetched} new of {total} shards", file=sys.stderr)
     return local
 
 
+# ---- embedding stores --------------------------------------------------------------------------
+
+
+def remote_store_segments(url: str, fs: Any, root: str, local: Path) -> tuple[bytes, list[str]]:
+    """The remote root's `zarr.json` and every published segment: the root's list, then those only the log names.
+
+    Log entries are copied under `local` as they are read (call under `mirror_lock`).
+    """
+    root_raw = remote_call(url, lambda: fs.cat_file(f"{root}/zarr.json"))
+    meta = parse_json(f"{url}/zarr.json", root_raw).get("attributes", {}).get("tcjepa", {})
+    segments = meta.get("segments")
+    if not isinstance(segments, list) or not all(plain_name(s) for s in segments):
+        raise DataProblem(f"{url}/zarr.json: not a tcjepa embedding store root (no valid segment list)")
+    log = PublishLog(url, fs, root, local)
+    for seq, raw in log.unseen():
+        if not plain_name(parse_json(f"{url}/{LOG}/{seq:012d}.json", raw).get("segment")):
+            raise DataProblem(f"{url}/{LOG}/{seq:012d}.json: not a segment entry")
+        log.keep(seq, raw)
+    listed = set(segments)
+    return root_raw, [*segments, *(s for s in (e["segment"] for e in log.entries()) if s not in listed)]
+
+
+def fetch_tree(url: str, fs: Any, prefix: str, into: Path) -> None:
+    """Copy every file under the remote `prefix` into `into`, refusing names that leave it."""
+    prefix = prefix.rstrip("/") + "/"
+    for path in remote_call(url, lambda: fs.find(prefix)):
+        relative = path[len(prefix):]
+        if ".." in Path(relative).parts or Path(relative).is_absolute():
+            raise DataProblem(f"{path}: a file name that leaves its segment; not used")
+        fetch(fs, path, into / relative)
+
+
 def mirror_store(url: str, mirror: Path | None = None) -> Path:
-    """A local copy of the embedding store at `url`: the segments its root lists, each checked against its sha256."""
+    """A local copy of the embedding store at `url`: every published segment, each checked against its sha256."""
     from embedding_cache.store import STAGING, EmbeddingStore
     from embedding_cache.verify import verify_segment
 
     fs, root = _remote_root(url, "zarr.json", "an embedding store")
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(local / ".mirror.lock")):
-        root_meta = _remote_call(url, lambda: fs.cat_file(f"{root}/zarr.json"))
-        meta = _json(f"{url}/zarr.json", root_meta).get("attributes", {}).get("tcjepa", {})
-        segments = meta.get("segments")
-        if not isinstance(segments, list) or not all(isinstance(s, str) and s and "/" not in s and s not in (".", "..") for s in segments):
-            raise DataProblem(f"{url}/zarr.json: not a tcjepa embedding store root (no valid segment list)")
+    with mirror_lock(local):
+        root_raw, segments = remote_store_segments(url, fs, root, local)
         (local / "segments").mkdir(exist_ok=True)
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
-        # new segments only, and the old ones left here are no longer read).
-        atomic_write_bytes(local / "zarr.json", root_meta)
-        _fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
+        # new segments only, and the old ones left here are no longer read). The local root lists them all.
+        doc = json.loads(root_raw)
+        doc["attributes"]["tcjepa"]["segments"] = segments
+        atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
+        fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
         store = EmbeddingStore(local)
         fetched = 0
         for segment in segments:
@@ -172,12 +330,7 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
                 continue
             staging = local / STAGING / segment
             shutil.rmtree(staging, ignore_errors=True)
-            prefix = f"{root}/segments/{segment}/"
-            for path in _remote_call(url, lambda: fs.find(prefix)):
-                relative = path[len(prefix):]
-                if ".." in Path(relative).parts or Path(relative).is_absolute():
-                    raise DataProblem(f"{path}: a file name that leaves its segment; not used")
-                _fetch(fs, path, staging / relative)
+            fetch_tree(url, fs, f"{root}/segments/{segment}", staging)
             verify_segment(store, segment, staging)
             staging.rename(final)
             fetched += 1

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -92,8 +97,115 @@ def test_damaged_remote_files_are_never_used(tmp_path, s3):
         fs.pipe_file(parquet, good)
 
 
-def test_writers_refuse_object_storage_in_one_line(tmp_path, s3, synth_dir):
+def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_new(tmp_path, s3, synth_dir):
+    """Two hosts (two mirrors) on one s3:// cache: B publishes first, A's entry number is taken, A looks again."""
+    from captioning.annotations import PROMPT_ID
+    from captioning.cache import caption_row
+    from captioning.remote_cache import RemoteCaptionCache
+
+    url = f"s3://{BUCKET}/raced-cache"
+    a = RemoteCaptionCache.open_or_create(url, tmp_path / "host-a")
+    b = RemoteCaptionCache.open_or_create(url, tmp_path / "host-b")
+    recipe = {"kind": "annotations", "test": "race"}
+    assert a.add_recipe(recipe, "first") == b.add_recipe(recipe, "second")
+    digest = a.add_recipe(recipe)
+    rows = [caption_row(f"{i // 4:064x}", f"img{i // 4}", digest, PROMPT_ID, i % 4, f"caption {i}", "stop") for i in range(320)]
+    assert b.commit(rows[:200]).captions_added == 200
+    result = a.commit(rows[100:])
+    assert (result.captions_added, result.captions_duplicate) == (120, 100)
+    assert a.commit(rows).captions_added == 0, "the mirror now holds everything"
+    fs, _ = s3
+    assert len(fs.ls(f"{BUCKET}/raced-cache/log")) == 2
+    assert len(fs.ls(f"{BUCKET}/raced-cache/captions")) == 2, "the losing upload was withdrawn"
+    report = tcjepa("cache", "verify", url, "--no-progress", env=s3[1])
+    assert report.stdout.startswith("ok: 1 recipes, 2 shards, 320 captions"), report.stdout
+    assert a.recipes()[digest].name == b.recipes()[digest].name == "first", "the first writer's recipe name wins"
+
+
+def test_four_processes_write_one_remote_cache_at_once(tmp_path, s3, synth_dir, annotated_cache):
+    """Two hosts sharing a mirror directory and two with their own, all importing the same captions."""
+    env = s3[1]
+    url = f"s3://{BUCKET}/shared-cache"
+    mirrors = [tmp_path / "m1", tmp_path / "m1", tmp_path / "m2", tmp_path / "m3"]
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "caption", "--cache", url, "--annotations", synth_dir / "captions.jsonl",
+                               "--mirror", m], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for m in mirrors]
+    added = 0
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+        added += int(out.split(" captions added")[0].split()[-1])
+    assert added == 320
+    report = tcjepa("cache", "verify", url, "--no-progress", env=env)
+    assert " 320 captions" in report.stdout, report.stdout
+    local = tcjepa("cache", "info", annotated_cache, "--json").stdout
+    remote = tcjepa("cache", "info", mirror_path(url, tmp_path / "m2"), "--json").stdout
+    assert json.loads(local)["recipes"] == json.loads(remote)["recipes"]
+
+
+def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, annotated_store, tiny_models):
+    """A lost race at the store level (in process), then two `tcjepa embed` processes at once on one s3:// store."""
+    from embedding_cache.reader import EmbeddingReader
+    from embedding_cache.remote_store import RemoteEmbeddingStore
+    from embedding_cache.store import EmbeddingStore, TokenLayout
+
+    env = s3[1]
+    encoder = {"kind": "test-encoder"}
+    url = f"s3://{BUCKET}/raced-store"
+    a = RemoteEmbeddingStore.open(url, tmp_path / "host-a", encoder, 4)
+    b = RemoteEmbeddingStore.open(url, tmp_path / "host-b", encoder, 4)
+    rng = np.random.default_rng(0)
+    keys = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(150)]
+    vectors = [rng.standard_normal((1 + i % 5, 4)).astype(np.float16) for i in range(150)]
+    for store, chosen in ((b, range(0, 100)), (a, range(50, 150))):
+        writer = store.new_segment(TokenLayout(8, 2))
+        for i in chosen:
+            writer.append(keys[i], vectors[i])
+        writer.finish()
+        result = store.publish(writer)
+    assert (result.captions, result.duplicates_dropped) == (50, 50)
+    mirror = mirror_store(url, tmp_path / "reader")
+    assert tcjepa("store", "verify", mirror, "--no-progress").stdout.startswith("ok: 2 segments, 150 captions")
+    reader = EmbeddingReader(mirror)
+    for key, vector in zip(keys, vectors):
+        np.testing.assert_array_equal(reader.get_key(key), vector)
+    fs, _ = s3
+    root = json.loads(fs.cat_file(f"{BUCKET}/raced-store/zarr.json"))
+    assert len(root["attributes"]["tcjepa"]["segments"]) == 2, "plain zarr readers see the root list"
+    assert not (tmp_path / "host-a" / "segments").exists() or not any((tmp_path / "host-a").rglob("tokens")), "writers keep keys only"
+
+    url = f"s3://{BUCKET}/embedded-store"
+    args = ["embed", "--cache", annotated_cache, "--store", url, "--model", tiny_models / "t5", "--chunk-tokens", "256",
+            "--shard-chunks", "4", "--window", "32", "--segment-mb", "0.1", "--no-progress"]
+
+    def start(k: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args), "--mirror", tmp_path / f"embed-{k}"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    procs = [start(0), start(1)]
+    deadline = time.monotonic() + 300
+    while not fs.exists(f"{BUCKET}/embedded-store/log") and procs[0].poll() is None and time.monotonic() < deadline:
+        fs.invalidate_cache()
+        time.sleep(0.2)
+    os.killpg(procs[0].pid, signal.SIGKILL)  # a host dies mid-run; its rerun resumes beside the other writer
+    procs[0].communicate()
+    procs[0] = start(0)
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    assert tcjepa("store", "verify", url, "--no-progress", env={**env, "HOME": str(tmp_path / "home")}).stdout.startswith("ok: ")
+    got, want = EmbeddingReader(mirror_store(url, tmp_path / "reader")), EmbeddingReader(annotated_store)
+    assert len(got) == len(want) == 320
+    for segment in want.segment_ids:
+        for key in EmbeddingStore(annotated_store).read_keys(segment):
+            np.testing.assert_allclose(got.get_key(key.tobytes()).astype(np.float32), want.get_key(key.tobytes()).astype(np.float32), atol=0.02, rtol=0.02)
+
+
+def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir):
     _, env = s3
-    proc = tcjepa("caption", "--cache", f"s3://{BUCKET}/new-cache", "--annotations", synth_dir / "captions.jsonl", check=False, env=env)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "writing to object storage is not supported" in proc.stderr
-    assert not (REPO / "s3:").exists()
+    proc = tcjepa("caption", "--cache", "memory://bucket/new-cache", "--annotations", synth_dir / "captions.jsonl", check=False, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "only through S3's conditional put" in proc.stderr
+    fs, _ = s3
+    fs.pipe_file(f"{BUCKET}/not-a-cache/readme.txt", b"hello")
+    proc = tcjepa("caption", "--cache", f"s3://{BUCKET}/not-a-cache", "--annotations", synth_dir / "captions.jsonl", check=False, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "holds other objects" in proc.stderr
+    assert not (REPO / "s3:").exists() and not (REPO / "memory:").exists()

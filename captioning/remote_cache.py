@@ -1,0 +1,114 @@
+"""A caption cache on object storage (s3://), written by several hosts at once.
+
+Reads go to a local mirror (``pipeline.remote``), which holds exactly the shards the
+remote has published, in the order of its log. A commit drops rows the mirror already
+holds, uploads the new shard under its unique name and creates the next log entry with
+its manifest; if another writer took that entry first, the commit fetches what was
+published, drops its rows that are now there, uploads the rest as a new shard and tries
+again. Only then does the shard join the mirror, so the mirror never holds a row twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from filelock import FileLock
+
+from captioning.cache import FORMAT, SUBDIRS, VERSION, CaptionCache, CommitResult, RowBatch, manifest_doc, new_shard_id
+from pipeline.errors import UserError
+from pipeline.fsutil import atomic_write_bytes
+from pipeline.recipes import canonical_json, recipe_hash
+from pipeline.remote import (
+    LOG,
+    PublishLog,
+    create_if_absent,
+    is_remote,
+    mirror_lock,
+    mirror_path,
+    remote_call,
+    remote_names,
+    sync_cache_mirror,
+    writable_filesystem,
+)
+
+
+class RemoteCaptionCache(CaptionCache):
+    """The cache at `url`, read through the local mirror at `local`, committed to through the remote log."""
+
+    def __init__(self, url: str, local: Path, fs: Any, root: str) -> None:
+        super().__init__(local)
+        self.url, self._fs, self._remote = url, fs, root
+        self._log = PublishLog(url, fs, root, local)
+
+    @classmethod
+    def open_or_create(cls, url: str, mirror: Path | None = None) -> RemoteCaptionCache:  # type: ignore[override]
+        fs, root = writable_filesystem(url, "--cache")
+        if not remote_call(url, lambda: fs.exists(f"{root}/CACHE.json")):
+            others = [n for n in remote_names(fs, url, root) if n not in (*SUBDIRS, LOG)]
+            if others:
+                raise UserError(f"--cache {url} holds other objects ({', '.join(others[:3])}) and no CACHE.json; choose a new prefix")
+        marker = canonical_json({"format": FORMAT, "version": VERSION})
+        create_if_absent(fs, url, f"{root}/CACHE.json", marker)
+        local = mirror_path(url, mirror)
+        local.mkdir(parents=True, exist_ok=True)
+        with mirror_lock(local):
+            sync_cache_mirror(url, fs, root, local)
+        return cls(url, local, fs, root)
+
+    def _lock(self) -> FileLock:
+        return mirror_lock(self.root)
+
+    def add_recipe(self, recipe: dict[str, Any], name: str | None = None) -> str:
+        """Store `recipe` on the remote once (the first writer's name wins), then in the mirror."""
+        digest = recipe_hash(recipe)
+        path = self.root / "recipes" / f"{digest}.json"
+        if not path.exists():
+            doc = canonical_json({"hash": digest, "name": name, "recipe": recipe})
+            stored = create_if_absent(self._fs, self.url, f"{self._remote}/recipes/{digest}.json", doc)
+            with self._lock():
+                atomic_write_bytes(path, stored)
+        return digest
+
+    def _upload(self, shard: str, staged: dict[str, Path]) -> None:
+        for kind, tmp in staged.items():
+            remote_call(self.url, lambda: self._fs.put_file(str(tmp), f"{self._remote}/{kind}/{shard}.parquet"))
+
+    def _withdraw(self, shard: str, staged: dict[str, Path]) -> None:
+        """Remove an upload that lost the race for its log entry (never read: no entry names it)."""
+        for kind, tmp in staged.items():
+            with contextlib.suppress(Exception):
+                self._fs.rm_file(f"{self._remote}/{kind}/{shard}.parquet")
+            tmp.unlink(missing_ok=True)
+
+    def commit(self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None) -> CommitResult:
+        """Publish new rows as one shard on the remote and in the mirror; rows published by anyone are dropped."""
+        batch = RowBatch.of(captions, failures, set(self.recipes()))
+        with self._lock():
+            self._clean_and_repair()
+            while True:
+                cap_table, fail_table, cap_digests, fail_digests = self._new_rows(batch)
+                if cap_table.num_rows == 0 and fail_table.num_rows == 0:
+                    return CommitResult(None, 0, batch.offered, 0)
+                shard = new_shard_id()
+                staged = self._stage(shard, cap_table, fail_table)
+                doc = manifest_doc(shard, {kind: tmp for kind, tmp in staged.items()})
+                self._upload(shard, staged)
+                seq = self._log.append(doc)
+                if seq is not None:
+                    break
+                self._withdraw(shard, staged)
+                sync_cache_mirror(self.url, self._fs, self._remote, self.root)
+            self._publish_staged(shard, staged, cap_digests, fail_digests)
+            atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
+            self._log.keep(seq, canonical_json(doc))
+        return CommitResult(shard, cap_table.num_rows, batch.offered - cap_table.num_rows, fail_table.num_rows)
+
+
+def open_cache_for_writing(location: str | Path, mirror: Path | None = None) -> CaptionCache:
+    """A local cache directory, or an s3:// cache through a mirror under `mirror`."""
+    if is_remote(str(location)):
+        return RemoteCaptionCache.open_or_create(str(location), mirror)
+    return CaptionCache.open_or_create(Path(location))

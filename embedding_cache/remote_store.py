@@ -1,0 +1,214 @@
+"""An embedding store on object storage (s3://), appended to by several hosts at once.
+
+A writer never downloads tokens: it keeps a local *keys mirror* (the store's root and,
+for each published segment, its attributes and `keys`), which is all it needs to skip
+captions already stored. Segments are built in the keys mirror's staging area as for a
+local store, uploaded under their unique ids, and published by creating the next entry
+of the remote log (``pipeline.remote``); a writer that loses the race for an entry fetches
+the keys of what was published, drops those captions and tries again. After each
+publication the remote root's segment list is brought up to date for plain zarr readers;
+tcjepa's readers take the root's list and the log together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import FileLock
+
+from embedding_cache.store import EmbeddingStore, PublishResult, SegmentWriter, array_sha256, write_empty_root
+from pipeline.errors import DataProblem, UserError
+from pipeline.fsutil import atomic_write_bytes
+from pipeline.recipes import canonical_json
+from pipeline.remote import (
+    LOG,
+    PublishLog,
+    create_if_absent,
+    fetch,
+    fetch_tree,
+    is_remote,
+    mirror_lock,
+    mirror_path,
+    remote_call,
+    remote_names,
+    remote_store_segments,
+    writable_filesystem,
+)
+
+FETCHING = ".fetching"
+
+
+class RemoteEmbeddingStore(EmbeddingStore):
+    """The store at `url`; `local` is its keys mirror, where segments are also staged."""
+
+    def __init__(self, url: str, local: Path, fs: Any, root: str) -> None:
+        super().__init__(local)
+        self.url, self._fs, self._remote = url, fs, root
+        self._log = PublishLog(url, fs, root, local)
+
+    @classmethod
+    def open(cls, url: str, mirror: Path | None = None, encoder: dict[str, Any] | None = None, d_model: int | None = None) -> RemoteEmbeddingStore:
+        """Open the store at `url` (creating it when `encoder` and `d_model` are given) and bring its keys mirror up to date."""
+        fs, root = writable_filesystem(url, "--store")
+        if not remote_call(url, lambda: fs.exists(f"{root}/zarr.json")):
+            if encoder is None or d_model is None:
+                raise UserError(f"--store {url} is not an embedding store (no zarr.json)")
+            _create(url, fs, root, encoder, d_model)
+        local = mirror_path(url, mirror, suffix="-keys")
+        local.mkdir(parents=True, exist_ok=True)
+        with mirror_lock(local):
+            _sync_keys(url, fs, root, local)
+        store = cls(url, local, fs, root)
+        if encoder is not None:
+            store.check_encoder(encoder)
+        return store
+
+    def _lock(self) -> FileLock:
+        return mirror_lock(self.path)
+
+    def _upload(self, segment: SegmentWriter) -> None:
+        for dirpath, _, files in os.walk(segment.staging):
+            for name in files:
+                local = Path(dirpath) / name
+                relative = local.relative_to(segment.staging).as_posix()
+                remote_call(self.url, lambda: self._fs.put_file(str(local), f"{self._remote}/segments/{segment.segment_id}/{relative}"))
+
+    def publish(self, writer: SegmentWriter) -> PublishResult:
+        """Upload a finished staging segment and publish it in the log; captions published by anyone are dropped."""
+        dropped = 0
+        source = writer
+        with self._lock():
+            # The next log entry detects any publication this mirror has not seen, so every entry seen must be in it.
+            if not {e["segment"] for e in self._log.entries()} <= set(self.segment_ids()):
+                _sync_keys(self.url, self._fs, self._remote, self.path)
+            while True:
+                duplicate = self.published().contains(source.keys_array())
+                if duplicate.any():
+                    dropped += int(duplicate.sum())
+                    rest = source.without(duplicate)
+                    source.discard()
+                    source = rest
+                if source.captions == 0:
+                    source.discard()
+                    return PublishResult(None, 0, 0, dropped)
+                self._upload(source)
+                entry = {"segment": source.segment_id, "captions": source.captions, "tokens": source.tokens}
+                seq = self._log.append(entry)
+                if seq is not None:
+                    break
+                with contextlib.suppress(Exception):  # lost the race: no entry names this upload, so nobody reads it
+                    self._fs.rm(f"{self._remote}/segments/{source.segment_id}", recursive=True)
+                _sync_keys(self.url, self._fs, self._remote, self.path)
+            _keep_keys(self.path, source.segment_id, source.staging)
+            self._log.keep(seq, canonical_json(entry))
+            source.discard()
+        self._update_remote_root()
+        return PublishResult(source.segment_id, source.captions, source.tokens, dropped)
+
+    def _update_remote_root(self) -> None:
+        """List every published segment in the remote root, for plain zarr readers; repeated while others publish."""
+        while True:
+            with self._lock():
+                root_raw, segments = remote_store_segments(self.url, self._fs, self._remote, self.path)
+                seen = set(self._log.seen())
+            doc = json.loads(root_raw)
+            if doc["attributes"]["tcjepa"]["segments"] != segments:
+                doc["attributes"]["tcjepa"]["segments"] = segments
+                remote_call(self.url, lambda: self._fs.pipe_file(f"{self._remote}/zarr.json", json.dumps(doc, indent=2).encode()))
+            if set(self._log.remote()) <= seen:
+                return
+
+
+def _create(url: str, fs: Any, root: str, encoder: dict[str, Any], d_model: int) -> None:
+    """Create the remote root unless another writer did; refuse a prefix holding anything else."""
+    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG)]
+    if others or any(n != "zarr.json" for n in remote_names(fs, url, f"{root}/segments")):
+        raise UserError(f"--store {url} holds other objects and no zarr.json; choose a new prefix")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_empty_root(Path(tmp), encoder, d_model)
+        segments_group = (Path(tmp) / "segments" / "zarr.json").read_bytes()
+        remote_call(url, lambda: fs.pipe_file(f"{root}/segments/zarr.json", segments_group))
+        create_if_absent(fs, url, f"{root}/zarr.json", (Path(tmp) / "zarr.json").read_bytes())
+
+
+def _set_local_segments(local: Path, segments: list[str]) -> None:
+    doc = json.loads((local / "zarr.json").read_bytes())
+    doc["attributes"]["tcjepa"]["segments"] = segments
+    atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
+
+
+def _keep_keys(local: Path, segment: str, source: Path) -> None:
+    """Move a segment's attributes and keys from `source` into the keys mirror and list it there."""
+    final = local / "segments" / segment
+    final.mkdir(parents=True)
+    for name in ("zarr.json", "keys"):
+        os.rename(source / name, final / name)
+    listed = EmbeddingStore(local).segment_ids()
+    _set_local_segments(local, [*listed, segment])
+
+
+def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
+    """Fetch the attributes and keys of every remote segment the keys mirror lacks (call under `mirror_lock`)."""
+    root_raw, segments = remote_store_segments(url, fs, root, local)
+    remote_meta = json.loads(root_raw)["attributes"]["tcjepa"]
+    if (local / "zarr.json").exists():
+        if json.loads((local / "zarr.json").read_bytes())["attributes"]["tcjepa"].get("encoder_hash") != remote_meta.get("encoder_hash"):
+            raise UserError(f"{url} was rebuilt with another encoder since {local} mirrored it; remove {local} and rerun")
+    else:
+        doc = json.loads(root_raw)
+        doc["attributes"]["tcjepa"]["segments"] = []
+        atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
+    fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
+    listed = EmbeddingStore(local).segment_ids()
+    shutil.rmtree(local / FETCHING, ignore_errors=True)
+    for segment in segments:
+        if segment in listed:
+            continue
+        into = local / FETCHING / segment
+        prefix = f"{root}/segments/{segment}"
+        fetch(fs, f"{prefix}/zarr.json", into / "zarr.json")
+        fetch_tree(url, fs, f"{prefix}/keys", into / "keys")
+        _check_keys(url, segment, into, remote_meta["encoder_hash"])
+        _keep_keys(local, segment, into)
+        listed.append(segment)
+    shutil.rmtree(local / FETCHING, ignore_errors=True)
+
+
+def _check_keys(url: str, segment: str, into: Path, encoder_hash: str) -> None:
+    import zarr
+
+    attrs = json.loads((into / "zarr.json").read_bytes()).get("attributes", {})
+    if attrs.get("encoder_hash") != encoder_hash:
+        raise DataProblem(f"{url}/segments/{segment}: written for encoder {str(attrs.get('encoder_hash'))[:12]}, not the store's")
+    keys = zarr.open_array(str(into / "keys"), mode="r")[:]
+    if array_sha256(np.asarray(keys)) != attrs.get("sha256", {}).get("keys"):
+        raise DataProblem(f"{url}/segments/{segment}: keys do not match the sha256 recorded when they were written; not used")
+
+
+def open_store_for_writing(location: str | Path, encoder: dict[str, Any], d_model: int, mirror: Path | None = None) -> EmbeddingStore:
+    """A local store directory (created if missing), or an s3:// store through its keys mirror."""
+    if is_remote(str(location)):
+        return RemoteEmbeddingStore.open(str(location), mirror, encoder, d_model)
+    return EmbeddingStore.open_or_create(Path(location), encoder, d_model)
+
+
+def open_existing_store(location: str | Path, encoder: dict[str, Any], mirror: Path | None = None) -> EmbeddingStore | None:
+    """The store at `location` checked against `encoder`, or None when there is none yet (a dry run creates nothing)."""
+    if is_remote(str(location)):
+        fs, root = writable_filesystem(str(location), "--store")
+        if not remote_call(str(location), lambda: fs.exists(f"{root}/zarr.json")):
+            return None
+        store: EmbeddingStore = RemoteEmbeddingStore.open(str(location), mirror)
+    elif (Path(location) / "zarr.json").exists():
+        store = EmbeddingStore(Path(location))
+    else:
+        return None
+    store.check_encoder(encoder)
+    return store
