@@ -11,8 +11,10 @@ captions that other writers published meanwhile.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -42,6 +44,9 @@ class EmbedConfig:
     dry_run: bool = False
     progress: bool = True
     mirror: Path | None = None  # where an s3:// store's keys are mirrored (default ~/.cache/tcjepa/mirror)
+    executor: str = "local"  # local, or ray (a Ray Data actor pool; not part of the encoder recipe)
+    ray_address: str | None = None  # an existing cluster; default: RAY_ADDRESS, else a local instance
+    num_workers: int | None = None  # Ray actors; default: one per GPU in the cluster, else 1
 
 
 @dataclass
@@ -55,6 +60,7 @@ class EmbedReport:
     segments: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_added: int = 0
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, captions encoded) after each batch
 
     def summary(self, dry_run: bool) -> str:
         head = "would encode" if dry_run else "encoded"
@@ -115,6 +121,12 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     segment_tokens = max(int(cfg.segment_mb * 2**20) // (2 * d_model), 1)
     if len(todo) == 0:
         return report
+    if cfg.executor == "ray":
+        from embedding_cache.ray_executor import embed_on_ray
+
+        embed_on_ray(cfg, texts, keys, todo, recipe, d_model, layout, report)
+        report.bytes_added = report.tokens * d_model * 2 + report.encoded * (8 + 32)
+        return report
     encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
     started = time.perf_counter()
     tokens_done = 0
@@ -134,34 +146,27 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
         writer, truncated_in_segment = None, 0
 
     bar = tqdm(total=len(todo), unit="caption", disable=not cfg.progress, dynamic_ncols=True)
+
+    def progress(captions: int, tokens: int) -> None:
+        nonlocal tokens_done
+        tokens_done += tokens
+        bar.update(captions)
+        bar.set_postfix(tokens_per_s=f"{tokens_done / (time.perf_counter() - started):,.0f}", refresh=False)
+
     try:
         for start in range(0, len(todo), cfg.window):
             window = todo[start : start + cfg.window]
             window = window[~store.published().contains(keys[window])]
-            ids, truncated = tokenize(tokenizer, [texts[i] for i in window], cfg.max_length, cfg.eos)
+            outputs, truncated = encode_window(encoder, tokenizer, [texts[i] for i in window], keys[window], cfg, progress)
             report.truncated += truncated
             truncated_in_segment += truncated
-            outputs: list[np.ndarray | None] = [None] * len(ids)
-            for batch in plan_batches(np.array([len(x) for x in ids], dtype=np.int64), cfg.token_budget):
-                try:
-                    encoded = encoder.encode([ids[i] for i in batch])
-                except NonFiniteEmbedding as exc:
-                    i = window[batch[exc.index]]
-                    raise UserError(
-                        f"caption {keys[i].tobytes().hex()[:16]} ({texts[i][:60]!r}) encodes to non-finite or float16-overflowing "
-                        f"values with --dtype {cfg.compute_dtype}; try --dtype float32 or check the model weights"
-                    ) from None
-                for j, out in zip(batch, encoded):
-                    outputs[j] = out
-                tokens_done += sum(len(ids[j]) for j in batch)
-                bar.update(len(batch))
-                bar.set_postfix(tokens_per_s=f"{tokens_done / (time.perf_counter() - started):,.0f}", refresh=False)
             for j, out in enumerate(outputs):
                 if writer is None:
                     writer = store.new_segment(layout)
                 writer.append(keys[window[j]].tobytes(), out)
                 if writer.tokens >= segment_tokens:
                     publish()
+            report.timeline.append((time.perf_counter() - started, report.encoded + (writer.captions if writer else 0)))
         publish()
     except BaseException:
         if writer is not None:
@@ -172,3 +177,29 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     report.seconds = time.perf_counter() - started
     report.bytes_added = report.tokens * d_model * 2 + report.encoded * (8 + 32)
     return report
+
+
+def encode_window(encoder: T5Encoder, tokenizer: Any, texts: list[str], keys: np.ndarray, cfg: EmbedConfig,
+                  progress: Callable[[int, int], None] | None = None) -> tuple[list[np.ndarray], int]:
+    """Token embeddings of `texts`, in their order, and how many were truncated; encoder batches grouped by length.
+
+    Both executors encode through here, so their vectors agree. `progress(captions, tokens)` follows each batch.
+    """
+    ids, truncated = tokenize(tokenizer, texts, cfg.max_length, cfg.eos)
+    outputs: list[np.ndarray] = [np.empty(0)] * len(ids)
+    if not ids:
+        return outputs, truncated
+    for batch in plan_batches(np.array([len(x) for x in ids], dtype=np.int64), cfg.token_budget):
+        try:
+            encoded = encoder.encode([ids[i] for i in batch])
+        except NonFiniteEmbedding as exc:
+            i = batch[exc.index]
+            raise UserError(
+                f"caption {keys[i].tobytes().hex()[:16]} ({texts[i][:60]!r}) encodes to non-finite or float16-overflowing "
+                f"values with --dtype {cfg.compute_dtype}; try --dtype float32 or check the model weights"
+            ) from None
+        for j, out in zip(batch, encoded):
+            outputs[j] = out
+        if progress is not None:
+            progress(len(batch), sum(len(ids[j]) for j in batch))
+    return outputs, truncated

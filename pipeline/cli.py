@@ -62,6 +62,12 @@ def parse_engine_args(pairs: list[str]) -> dict[str, object]:
     return parse_key_values(pairs, "--vllm-arg", "tensor_parallel_size=2")
 
 
+def check_executor(name: str) -> str:
+    if name not in ("local", "ray"):
+        raise UserError(f"--executor {name!r}: choose local or ray")
+    return name
+
+
 @app.command()
 def caption(
     images: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), Parquet files, HF datasets directories, tar shards or image files.")] = None,
@@ -205,6 +211,9 @@ def embed(
     dry_run: Annotated[bool, typer.Option(help="Only count the captions, tokens and bytes that would be added.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar with tokens/s.")] = True,
     mirror: Annotated[Optional[Path], typer.Option(help="Local mirror directory of an s3:// --cache or --store (default: ~/.cache/tcjepa/mirror).")] = None,
+    executor: Annotated[str, typer.Option(help="local (this process) or ray (a Ray Data actor pool, one T5 per GPU; each batch of --window captions is one segment).")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance).")] = None,
+    num_workers: Annotated[Optional[int], typer.Option(help="With --executor ray: T5 actors (default: one per GPU in the cluster, else 1).")] = None,
 ) -> None:
     """Encode every caption not yet in the store with T5 and append them as a new segment."""
     from embedding_cache.job import EmbedConfig, run_embed
@@ -213,7 +222,8 @@ def embed(
 
     cfg = EmbedConfig(cache=mirror_cache(cache, mirror) if is_remote(cache) else Path(cache), store=store if is_remote(store) else Path(store), mirror=mirror, model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
                       eos=eos, compute_dtype=dtype, device=device, window=window, segment_mb=segment_mb,
-                      chunk_tokens=chunk_tokens, shard_chunks=shard_chunks, dry_run=dry_run, progress=progress)
+                      chunk_tokens=chunk_tokens, shard_chunks=shard_chunks, dry_run=dry_run, progress=progress,
+                      executor=check_executor(executor), ray_address=ray_address, num_workers=num_workers)
     report = run_embed(cfg)
     typer.echo(report.summary(dry_run))
 
