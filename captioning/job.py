@@ -30,7 +30,7 @@ from pipeline.errors import UserError
 from pipeline.images import ImagePolicy, decode
 from pipeline.model_identity import load_config, model_identity
 from pipeline.recipes import sha256_bytes
-from pipeline.sources import iter_images
+from pipeline.sources import iter_images, list_images
 
 SEED_POLICY = "request seed = int(sha256('{seed}:{image_sha256}:{prompt_id}')[:8], 16) % 2**31; sample k gets seed + k"
 
@@ -56,6 +56,9 @@ class CaptionConfig:
     trust_remote_code: bool = False
     dry_run: bool = False
     mirror: Path | None = None  # where an s3:// cache is mirrored (default ~/.cache/tcjepa/mirror)
+    executor: str = "local"  # local, or ray (Ray tasks decode, Ray actors caption; not part of the recipe)
+    ray_address: str | None = None  # an existing cluster; default: RAY_ADDRESS, else a local instance
+    num_workers: int | None = None  # Ray engine actors; default: one per GPU (per tensor_parallel_size GPUs), else 1
 
 
 @dataclass
@@ -70,6 +73,7 @@ class CaptionReport:
     failure_reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     engine_start_s: float = 0.0
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, captions committed) after each chunk
 
     def summary(self, dry_run: bool) -> str:
         head = f"would caption {self.captioned} images" if dry_run else f"captioned {self.captioned} images ({self.captions} captions)"
@@ -208,6 +212,11 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
     if cfg.dry_run:
         report.captioned = sum(1 for _ in todo())
         return report
+    if cfg.executor == "ray":
+        from captioning.ray_executor import caption_on_ray
+
+        caption_on_ray(cfg, list_images(cfg.inputs, cfg.image_column), (index, count), done, prompts, counts, report)
+        return _checked(report)
 
     owns_engine = engine is None
     bar = tqdm(unit="image", dynamic_ncols=True)
@@ -217,24 +226,17 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
         chunks = _chunked(todo(), cfg.chunk_images)
         decoded = _decode_ahead(pool, chunks, cfg.image_policy)
         for chunk in decoded:
-            rows: list[dict[str, Any]] = []
-            requests, owners = [], []
+            decoded_ok = []
             for item, image, error in chunk:
                 if image is None:
                     _fail(report, failures_out, item.image_sha256, item.source_id, error or "undecodable")
-                    continue
-                for prompt, n in zip(prompts, counts):
-                    if n:
-                        requests.append(CaptionRequest(image, prompt, n, request_seed(cfg.seed, item.image_sha256, prompt.id)))
-                        owners.append(item)
-            if requests and engine is None:
+                else:
+                    decoded_ok.append((item.image_sha256, item.source_id, image))
+            if decoded_ok and engine is None:
                 t0 = time.perf_counter()
                 engine = make_engine(cfg)  # only once there is work: a finished cache never starts one
                 report.engine_start_s = time.perf_counter() - t0
-            outputs = engine.generate(requests, cfg.sampling) if requests else []
-            for request, item, samples in zip(requests, owners, outputs):
-                for k, g in enumerate(samples):
-                    rows.append(caption_row(item.image_sha256, item.source_id, recipe_id, request.prompt.id, k, g.text, g.finish_reason, g.num_tokens))
+            rows = caption_images(engine, cfg, prompts, counts, recipe_id, decoded_ok) if decoded_ok else []
             fails = [{**f, "recipe": recipe_id} for f in failures_out]
             cache.commit(rows, fails)
             failures_out.clear()
@@ -242,6 +244,7 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
             report.captioned += images
             report.captions += len(rows)
             bar.update(len(chunk))
+            report.timeline.append((time.perf_counter() - started, report.captions))
             busy = time.perf_counter() - started - report.engine_start_s
             bar.set_postfix(captions_per_s=f"{report.captions / busy:.1f}", failed=report.failed, refresh=False)
         if failures_out:
@@ -252,9 +255,33 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
         if owns_engine and engine is not None:
             engine.close()
     report.seconds = time.perf_counter() - started
-    if report.failed and report.failed == report.images_seen - report.already_cached - report.other_shards:
+    return _checked(report)
+
+
+def _checked(report: CaptionReport) -> CaptionReport:
+    """Refuse a run where every image failed (a wrong input, not a few bad files); a rerun with only bad files left is fine."""
+    if report.failed and report.captioned == 0 and report.already_cached == 0:
         raise UserError(f"every image failed ({report.failed}); first reasons: {report.failure_reasons}")
     return report
+
+
+def caption_images(engine: CaptionEngine, cfg: CaptionConfig, prompts: list[Prompt], counts: list[int], recipe_id: str,
+                   images: list[tuple[str, str, Any]]) -> list[dict[str, Any]]:
+    """Cache rows for decoded `(image_sha256, source_id, image)`s: each prompt's samples, seeded per (image, prompt).
+
+    Both executors caption through here, so a recipe's captions do not depend on how the work was cut.
+    """
+    requests, owners = [], []
+    for image_sha256, source_id, image in images:
+        for prompt, n in zip(prompts, counts):
+            if n:
+                requests.append(CaptionRequest(image, prompt, n, request_seed(cfg.seed, image_sha256, prompt.id)))
+                owners.append((image_sha256, source_id))
+    rows = []
+    for request, (image_sha256, source_id), samples in zip(requests, owners, engine.generate(requests, cfg.sampling)):
+        for k, g in enumerate(samples):
+            rows.append(caption_row(image_sha256, source_id, recipe_id, request.prompt.id, k, g.text, g.finish_reason, g.num_tokens))
+    return rows
 
 
 def engine_identity(cfg: CaptionConfig) -> tuple[str, str, str]:

@@ -14,7 +14,6 @@ On a cluster the store must be reachable from every node: a shared file system o
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ import pyarrow as pa
 
 from embedding_cache.job import EmbedConfig, EmbedReport, encode_window
 from embedding_cache.store import KEY_BYTES, TokenLayout
-from pipeline.errors import UserError
+from pipeline.ray_cluster import actor_resources, start_ray
 
 
 class SegmentPerBatch:
@@ -59,29 +58,6 @@ class SegmentPerBatch:
                          "truncated": [truncated], "offered": [batch.num_rows], "done": [time.time()]})
 
 
-def actor_resources(device: str, num_workers: int | None) -> tuple[int, dict[str, float]]:
-    """How many actors, and what each asks for: one GPU each when the cluster has GPUs (and --device allows), else one CPU."""
-    import ray
-
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    use_gpu = gpus > 0 and not device.startswith("cpu")
-    size = num_workers or (gpus if use_gpu else 1)
-    if size < 1:
-        raise UserError("--num-workers must be at least 1")
-    return size, ({"num_gpus": 1} if use_gpu else {"num_cpus": 1})
-
-
-def start_ray(address: str | None) -> None:
-    """Join the cluster at `address` (or the one RAY_ADDRESS names), or start a local instance."""
-    import ray
-
-    logging.getLogger("ray").setLevel(logging.ERROR)
-    try:
-        ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    except ConnectionError as exc:
-        raise UserError(f"--ray-address {address}: {str(exc).splitlines()[0]}") from None
-
-
 def embed_on_ray(cfg: EmbedConfig, texts: list[str], keys: np.ndarray, todo: np.ndarray, recipe: dict[str, Any], d_model: int,
                  layout: TokenLayout, report: EmbedReport) -> None:
     """Encode `texts[todo]` on a Ray cluster, publishing one segment per batch of `cfg.window` captions; fills `report`."""
@@ -89,8 +65,6 @@ def embed_on_ray(cfg: EmbedConfig, texts: list[str], keys: np.ndarray, todo: np.
     from tqdm import tqdm
 
     start_ray(cfg.ray_address)
-    logging.getLogger("ray.data").setLevel(logging.ERROR)  # its per-run INFO lines and progress bars would interleave with ours
-    ray.data.DataContext.get_current().enable_progress_bars = False
     size, resources = actor_resources(cfg.device, cfg.num_workers)
     table = pa.table({"key": pa.array([keys[i].tobytes() for i in todo], pa.binary(KEY_BYTES)), "text": [texts[i] for i in todo]})
     blocks = [table.slice(start, cfg.window) for start in range(0, table.num_rows, cfg.window)]  # a block per batch: all actors busy

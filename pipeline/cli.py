@@ -93,6 +93,9 @@ def caption(
     annotations: Annotated[Optional[Path], typer.Option(help="Instead: import existing captions, our JSONL ({'image', 'captions'}) or COCO captions JSON.")] = None,
     image_root: Annotated[Optional[Path], typer.Option(help="With --annotations: where the file's image paths point (default: its directory).")] = None,
     mirror: Annotated[Optional[Path], typer.Option(help="Local mirror directory of an s3:// --cache (default: ~/.cache/tcjepa/mirror).")] = None,
+    executor: Annotated[str, typer.Option(help="local (this process) or ray (Ray tasks read and decode, one engine actor per GPU captions and commits).")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance).")] = None,
+    num_workers: Annotated[Optional[int], typer.Option(help="With --executor ray: engine actors (default: one per GPU, or per tensor_parallel_size GPUs; else 1).")] = None,
 ) -> None:
     """Write N captions per image with a VLM into the caption cache, or import existing captions."""
     if annotations is not None:
@@ -118,7 +121,7 @@ def caption(
         sampling=SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p),
         image_policy=ImagePolicy(max_pixels=max_pixels), image_column=image_column, chunk_images=chunk_images,
         decode_workers=decode_workers, device=device, trust_remote_code=trust_remote_code, dry_run=dry_run,
-        mirror=mirror,
+        mirror=mirror, executor=check_executor(executor), ray_address=ray_address, num_workers=num_workers,
     )
     typer.echo(run_caption(cfg).summary(dry_run))
 

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import psutil
 
+from captioning.cache import CaptionCache
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import EmbeddingStore
 from tests.conftest import REPO, tcjepa
@@ -55,3 +56,30 @@ def test_embed_on_ray_equals_the_local_executor_and_survives_a_killed_worker(tmp
                                        atol=0.02, rtol=0.02)
     again = tcjepa(*args)
     assert "320 already stored; encoded 0 captions" in again.stdout, "a rerun over a finished store does no work"
+
+
+def test_caption_on_ray_writes_the_cache_the_local_executor_writes(tmp_path, synth_dir, tiny_models, vllm_engine):
+    """Ray tasks read and decode, one engine actor captions and commits: same recipe, keys, texts and failures as local."""
+    from captioning.job import run_caption
+    from tests.test_caption import VLLM_CLI, _cfg, _rows
+    from tests.test_sources_images import bad_image_catalogue
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for source in sorted((synth_dir / "images").glob("*.png"))[:12]:
+        (images / source.name).write_bytes(source.read_bytes())
+    for name, (data, failure) in bad_image_catalogue(tmp_path).items():
+        if name in ("truncated.png", "zero.png", "pixel.png"):
+            assert failure is not None
+            (images / name).write_bytes(data)
+    run_caption(_cfg([images], tmp_path / "local", tiny_models), engine=vllm_engine)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = tcjepa("caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *VLLM_CLI,
+                 "--executor", "ray", "--num-workers", "1", env=env).stdout
+    assert "captioned 12 images (96 captions)" in out and "3 failed" in out, out
+    local, ray_rows = _rows(tmp_path / "local"), _rows(tmp_path / "ray")
+    assert sorted(map(sorted, (r.items() for r in ray_rows))) == sorted(map(sorted, (r.items() for r in local)))
+    local_failures = CaptionCache(tmp_path / "local").read_failures().sort_by("source_id").to_pylist()
+    assert CaptionCache(tmp_path / "ray").read_failures().sort_by("source_id").to_pylist() == local_failures
+    again = tcjepa("caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *VLLM_CLI, "--executor", "ray", env=env).stdout
+    assert "captioned 0 images" in again and "12 already cached" in again, again
