@@ -73,7 +73,7 @@ class CaptionReport:
     failure_reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     engine_start_s: float = 0.0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, captions committed) after each chunk
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, captions) of each finished chunk
 
     def summary(self, dry_run: bool) -> str:
         head = f"would caption {self.captioned} images" if dry_run else f"captioned {self.captioned} images ({self.captions} captions)"
@@ -244,7 +244,7 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
             report.captioned += images
             report.captions += len(rows)
             bar.update(len(chunk))
-            report.timeline.append((time.perf_counter() - started, report.captions))
+            report.timeline.append((time.perf_counter() - started, len(rows)))
             busy = time.perf_counter() - started - report.engine_start_s
             bar.set_postfix(captions_per_s=f"{report.captions / busy:.1f}", failed=report.failed, refresh=False)
         if failures_out:

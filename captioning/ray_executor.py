@@ -128,7 +128,7 @@ def caption_on_ray(cfg: CaptionConfig, refs: list[ImageRef], shard: tuple[int, i
                 report.already_cached += int(result["cached"][i])
                 report.failed += int(result["failed"][i])
                 reasons.update(json.loads(str(result["reasons"][i])))
-                report.timeline.append((float(result["done"][i]) - wall, report.captions))
+                report.timeline.append((float(result["done"][i]) - wall, int(result["captions"][i])))
                 bar.update(int(result["images"][i]))
     report.failure_reasons = dict(reasons)
     report.seconds = time.perf_counter() - started

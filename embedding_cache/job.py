@@ -60,7 +60,7 @@ class EmbedReport:
     segments: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_added: int = 0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds, captions encoded) after each batch
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, captions) of each finished batch
 
     def summary(self, dry_run: bool) -> str:
         head = "would encode" if dry_run else "encoded"
@@ -131,6 +131,7 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     started = time.perf_counter()
     tokens_done = 0
     writer: SegmentWriter | None = None
+    encoded_before = 0
     truncated_in_segment = 0
 
     def publish() -> None:
@@ -166,7 +167,9 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
                 writer.append(keys[window[j]].tobytes(), out)
                 if writer.tokens >= segment_tokens:
                     publish()
-            report.timeline.append((time.perf_counter() - started, report.encoded + (writer.captions if writer else 0)))
+            encoded_now = report.encoded + (writer.captions if writer else 0)
+            report.timeline.append((time.perf_counter() - started, encoded_now - encoded_before))
+            encoded_before = encoded_now
         publish()
     except BaseException:
         if writer is not None:

@@ -81,6 +81,6 @@ def embed_on_ray(cfg: EmbedConfig, texts: list[str], keys: np.ndarray, todo: np.
                 report.truncated += row["truncated"]
                 if row["segment"]:
                     report.segments.append(row["segment"])
-                report.timeline.append((row["done"] - wall, report.encoded))
+                report.timeline.append((row["done"] - wall, row["captions"]))
                 bar.update(row["offered"])
     report.seconds = time.perf_counter() - started

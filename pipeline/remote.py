@@ -94,13 +94,14 @@ def _remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
 
 def remote_names(fs: Any, url: str, path: str) -> list[str]:
     """Names directly under `path` as the server lists them now (no cached listing); none when it does not exist."""
-    fs.invalidate_cache(path)
-    try:
-        entries = remote_call(url, lambda: fs.ls(path, detail=False))
-    except UserError:
-        if not remote_call(url, lambda: fs.exists(path)):
+    def listing() -> list[str]:
+        try:
+            return fs.ls(path, detail=False)
+        except FileNotFoundError:  # nothing there yet (another writer may create it a moment later: that is news for next time)
             return []
-        raise
+
+    fs.invalidate_cache(path)
+    entries = remote_call(url, listing)
     return sorted(Path(str(e).rstrip("/")).name for e in entries)
 
 
