@@ -35,6 +35,7 @@ bench: venv
 	$(PY) benchmarks/caption.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/faults.py
+	$(PY) benchmarks/scaleout.py
 
 clean-venv:
 	rm -rf $(VENV)

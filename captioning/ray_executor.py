@@ -47,8 +47,9 @@ def read_and_decode(batch: dict[str, np.ndarray], cfg: CaptionConfig, shard: tup
             image, digest, reason = None, "", ""
             try:
                 data = reader.read(ref)
-            except OSError as exc:
-                state, reason = FAILED, str(exc).split(": ", 1)[-1]
+            except OSError as exc:  # sharded by the source id, as the local executor does
+                state = FAILED if in_shard(sha256_bytes(ref.source_id.encode()), *shard) else OTHER_SHARD
+                reason = str(exc).split(": ", 1)[-1]
             else:
                 digest = sha256_bytes(data)
                 if not in_shard(digest, *shard):

@@ -11,6 +11,7 @@ again. Only then does the shard join the mirror, so the mirror never holds a row
 from __future__ import annotations
 
 import contextlib
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,10 @@ class RemoteCaptionCache(CaptionCache):
     def open_or_create(cls, url: str, mirror: Path | None = None) -> RemoteCaptionCache:  # type: ignore[override]
         fs, root = writable_filesystem(url, "--cache")
         if not remote_call(url, lambda: fs.exists(f"{root}/CACHE.json")):
-            others = [n for n in remote_names(fs, url, root) if n not in (*SUBDIRS, LOG)]
-            if others:
+            others = [n for n in remote_names(fs, url, root) if n not in (*SUBDIRS, LOG, "CACHE.json")]  # another creator may be done
+            if others and not remote_call(url, lambda: fs.exists(f"{root}/CACHE.json")):
                 raise UserError(f"--cache {url} holds other objects ({', '.join(others[:3])}) and no CACHE.json; choose a new prefix")
-        marker = canonical_json({"format": FORMAT, "version": VERSION})
+        marker = canonical_json({"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex})  # tells mirrors this cache from a later one
         create_if_absent(fs, url, f"{root}/CACHE.json", marker)
         local = mirror_path(url, mirror)
         local.mkdir(parents=True, exist_ok=True)

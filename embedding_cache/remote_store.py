@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -128,14 +129,18 @@ class RemoteEmbeddingStore(EmbeddingStore):
 
 def _create(url: str, fs: Any, root: str, encoder: dict[str, Any], d_model: int) -> None:
     """Create the remote root unless another writer did; refuse a prefix holding anything else."""
-    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG)]
+    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json")]  # another creator may be done
+    if remote_call(url, lambda: fs.exists(f"{root}/zarr.json")):
+        return
     if others or any(n != "zarr.json" for n in remote_names(fs, url, f"{root}/segments")):
         raise UserError(f"--store {url} holds other objects and no zarr.json; choose a new prefix")
     with tempfile.TemporaryDirectory() as tmp:
         write_empty_root(Path(tmp), encoder, d_model)
         segments_group = (Path(tmp) / "segments" / "zarr.json").read_bytes()
+        doc = json.loads((Path(tmp) / "zarr.json").read_bytes())
+        doc["attributes"]["tcjepa"]["id"] = uuid.uuid4().hex  # tells mirrors this store from one made later under the same URL
         remote_call(url, lambda: fs.pipe_file(f"{root}/segments/zarr.json", segments_group))
-        create_if_absent(fs, url, f"{root}/zarr.json", (Path(tmp) / "zarr.json").read_bytes())
+        create_if_absent(fs, url, f"{root}/zarr.json", json.dumps(doc, indent=2).encode())
 
 
 def _set_local_segments(local: Path, segments: list[str]) -> None:
@@ -147,6 +152,7 @@ def _set_local_segments(local: Path, segments: list[str]) -> None:
 def _keep_keys(local: Path, segment: str, source: Path) -> None:
     """Move a segment's attributes and keys from `source` into the keys mirror and list it there."""
     final = local / "segments" / segment
+    shutil.rmtree(final, ignore_errors=True)  # not listed yet: left by a process killed here
     final.mkdir(parents=True)
     for name in ("zarr.json", "keys"):
         os.rename(source / name, final / name)
@@ -158,10 +164,7 @@ def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
     """Fetch the attributes and keys of every remote segment the keys mirror lacks (call under `mirror_lock`)."""
     root_raw, segments = remote_store_segments(url, fs, root, local)
     remote_meta = json.loads(root_raw)["attributes"]["tcjepa"]
-    if (local / "zarr.json").exists():
-        if json.loads((local / "zarr.json").read_bytes())["attributes"]["tcjepa"].get("encoder_hash") != remote_meta.get("encoder_hash"):
-            raise UserError(f"{url} was rebuilt with another encoder since {local} mirrored it; remove {local} and rerun")
-    else:
+    if not (local / "zarr.json").exists():  # new, or emptied because the remote was made anew
         doc = json.loads(root_raw)
         doc["attributes"]["tcjepa"]["segments"] = []
         atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())

@@ -199,11 +199,31 @@ class PublishLog:
         The caller `keep`s the entry once what it names is in the mirror.
         """
         seq = max([-1, *self.seen()]) + 1
+        path, raw = f"{self._dir}/{self._name(seq)}", canonical_json(doc)
         try:
-            remote_call(self.url, lambda: self._fs.pipe_file(f"{self._dir}/{self._name(seq)}", canonical_json(doc), mode="create"))
-        except FileExistsError:
-            return None
+            self._fs.pipe_file(path, raw, mode="create")
+        except Exception as exc:
+            if not _lost_a_race(exc):
+                remote_call(self.url, lambda: _reraise(exc))
+            # A PUT retried after a lost response finds its own entry: that is a success, not a lost race.
+            try:
+                there = self._fs.cat_file(path)
+            except FileNotFoundError:  # a conflict reported while the winner's write was still landing
+                return None
+            except Exception as read_exc:
+                remote_call(self.url, lambda: _reraise(read_exc))
+            return seq if there == raw else None
         return seq
+
+
+def _lost_a_race(exc: Exception) -> bool:
+    """A conditional put refused because the object exists or is being written (S3: 412, or 409 ConditionalRequestConflict)."""
+    text = f"{type(exc).__name__} {exc}"
+    return isinstance(exc, FileExistsError) or any(k in text for k in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict", "409"))
+
+
+def _reraise(exc: Exception) -> None:
+    raise exc
 
 
 def create_if_absent(fs: Any, url: str, path: str, data: bytes) -> bytes:
@@ -213,6 +233,21 @@ def create_if_absent(fs: Any, url: str, path: str, data: bytes) -> bytes:
         return data
     except FileExistsError:
         return remote_call(url, lambda: fs.cat_file(path))
+
+
+def reset_if_rebuilt(local: Path, identity: bytes) -> None:
+    """Empty the mirror `local` when the remote it copies was deleted and made anew under the same URL (call under `mirror_lock`).
+
+    `identity` is what the remote was created with (a writer adds a random id); the mirror's
+    copies and log entries of the old remote would otherwise pass for the new one's.
+    """
+    marker = local / ".remote-identity"
+    if marker.exists() and marker.read_bytes() != identity:
+        for entry in local.iterdir():
+            if entry.name not in (MIRROR_LOCK, marker.name):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    if not marker.exists() or marker.read_bytes() != identity:
+        atomic_write_bytes(marker, identity)
 
 
 # ---- caption caches ----------------------------------------------------------------------------
@@ -238,9 +273,11 @@ def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
 
     A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer).
     """
+    marker = remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json"))
+    reset_if_rebuilt(local, marker)
     for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
         (local / sub).mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(local / "CACHE.json", remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json")))
+    atomic_write_bytes(local / "CACHE.json", marker)
     for name in remote_names(fs, url, f"{root}/recipes"):
         if name.endswith(".json"):
             fetch(fs, f"{root}/recipes/{name}", local / "recipes" / name)
@@ -287,6 +324,7 @@ def remote_store_segments(url: str, fs: Any, root: str, local: Path) -> tuple[by
     segments = meta.get("segments")
     if not isinstance(segments, list) or not all(plain_name(s) for s in segments):
         raise DataProblem(f"{url}/zarr.json: not a tcjepa embedding store root (no valid segment list)")
+    reset_if_rebuilt(local, canonical_json({k: v for k, v in meta.items() if k != "segments"}))
     log = PublishLog(url, fs, root, local)
     for seq, raw in log.unseen():
         if not plain_name(parse_json(f"{url}/{LOG}/{seq:012d}.json", raw).get("segment")):
@@ -320,8 +358,12 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
         doc = json.loads(root_raw)
-        doc["attributes"]["tcjepa"]["segments"] = segments
-        atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
+
+        def list_locally(listed: list[str]) -> None:
+            doc["attributes"]["tcjepa"]["segments"] = listed
+            atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
+
+        list_locally([s for s in segments if (local / "segments" / s).exists()])  # a reader meanwhile sees only whole segments
         fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
         store = EmbeddingStore(local)
         fetched = 0
@@ -335,6 +377,7 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
             verify_segment(store, segment, staging)
             staging.rename(final)
             fetched += 1
+        list_locally(segments)
         shutil.rmtree(local / STAGING, ignore_errors=True)
     print(f"mirror: {url} -> {local}: {fetched} new of {len(segments)} segments", file=sys.stderr)
     return local

@@ -121,6 +121,24 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     assert report.stdout.startswith("ok: 1 recipes, 2 shards, 320 captions"), report.stdout
     assert a.recipes()[digest].name == b.recipes()[digest].name == "first", "the first writer's recipe name wins"
 
+    # a PUT retried after its response was lost finds its own entry: a success, not a lost race
+    from pipeline.recipes import canonical_json
+    from pipeline.remote import PublishLog
+
+    log = PublishLog(url, fs, f"{BUCKET}/raced-cache", tmp_path / "fresh-log")
+    fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000000.json", canonical_json({"mine": 1}))  # already there: someone else's
+    assert log.append({"mine": 2}) is None
+    log.keep(0, b"{}"), log.keep(1, b"{}")
+    fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000002.json", canonical_json({"mine": 3}))
+    assert log.append({"mine": 3}) == 2
+
+    # the cache deleted and made anew under the same URL: the old mirror is emptied, not taken for the new cache
+    fs.rm(f"{BUCKET}/raced-cache", recursive=True)
+    fresh = RemoteCaptionCache.open_or_create(url, tmp_path / "host-a")
+    assert fresh.info().captions == 0 and not fresh.recipes()
+    digest = fresh.add_recipe(recipe)
+    assert fresh.commit(rows[:10]).captions_added == 10
+
 
 def test_four_processes_write_one_remote_cache_at_once(tmp_path, s3, synth_dir, annotated_cache):
     """Two hosts sharing a mirror directory and two with their own, all importing the same captions."""
