@@ -29,7 +29,7 @@ from pipeline.ray_cluster import actor_resources, start_ray
 from pipeline.recipes import sha256_bytes
 from pipeline.sources import ImageReader, ImageRef
 
-TODO, OTHER_SHARD, CACHED, FAILED = "todo", "other-shard", "cached", "failed"
+TO_CAPTION, OTHER_SHARD, CACHED, FAILED = "to-caption", "other-shard", "cached", "failed"  # what a read task found
 
 
 def _plain(value: Any) -> Any:
@@ -38,7 +38,7 @@ def _plain(value: Any) -> Any:
 
 
 def read_and_decode(batch: dict[str, np.ndarray], cfg: CaptionConfig, shard: tuple[int, int], done: frozenset[str]) -> dict[str, np.ndarray]:
-    """A Ray task: each image read, hashed, sorted into todo / other shard / cached / failed, and decoded when todo."""
+    """A Ray task: each image read, hashed, sorted into to-caption / other shard / cached / failed, and decoded when to be captioned."""
     reader = ImageReader()
     status, digests, images, reasons = [], [], [], []
     try:
@@ -58,7 +58,7 @@ def read_and_decode(batch: dict[str, np.ndarray], cfg: CaptionConfig, shard: tup
                     state = CACHED
                 else:
                     image, error = decode(data, cfg.image_policy)
-                    state, reason = (TODO, "") if image is not None else (FAILED, error or "undecodable")
+                    state, reason = (TO_CAPTION, "") if image is not None else (FAILED, error or "undecodable")
             status.append(state)
             digests.append(digest)
             reasons.append(reason)
@@ -83,20 +83,20 @@ class CaptionActor:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from PIL import Image
 
-        todo, failures = [], []
+        to_caption, failures = [], []
         for source_id, state, digest, reason, image in zip(batch["source_id"], batch["status"], batch["image_sha256"], batch["reason"], batch["image"]):
-            if state == TODO:
-                todo.append((str(digest), str(source_id), Image.fromarray(np.asarray(image, dtype=np.uint8), "RGB")))
+            if state == TO_CAPTION:
+                to_caption.append((str(digest), str(source_id), Image.fromarray(np.asarray(image, dtype=np.uint8), "RGB")))
             elif state == FAILED:
                 failures.append({"image_sha256": str(digest) or None, "source_id": str(source_id), "recipe": self.recipe_id, "reason": str(reason)})
-        if todo and self.engine is None:
+        if to_caption and self.engine is None:
             self.engine = make_engine(self.cfg)
-        rows = caption_images(self.engine, self.cfg, self.prompts, self.counts, self.recipe_id, todo) if todo else []
+        rows = caption_images(self.engine, self.cfg, self.prompts, self.counts, self.recipe_id, to_caption) if to_caption else []
         if rows or failures:
             self.cache.commit(rows, failures)
         counts = Counter(str(s) for s in batch["status"])
         reasons = Counter(str(r).split(" (")[0] for s, r in zip(batch["status"], batch["reason"]) if s == FAILED)
-        return {"images": np.array([len(batch["status"])]), "captioned": np.array([len(todo)]), "captions": np.array([len(rows)]),
+        return {"images": np.array([len(batch["status"])]), "captioned": np.array([len(to_caption)]), "captions": np.array([len(rows)]),
                 "other_shards": np.array([counts[OTHER_SHARD]]), "cached": np.array([counts[CACHED]]), "failed": np.array([counts[FAILED]]),
                 "reasons": np.array([json.dumps(reasons)]), "done": np.array([time.time()])}
 

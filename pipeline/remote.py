@@ -61,8 +61,13 @@ def remote_call(url: str, call: Callable[[], T]) -> T:
     except (UserError, DataProblem, FileExistsError):
         raise
     except Exception as exc:  # s3fs, botocore and aiohttp raise many unrelated types
-        detail = str(exc).splitlines()[0] if str(exc) else ""
-        raise UserError(f"{url}: {type(exc).__name__}: {detail[:200]}") from None
+        raise remote_error(url, exc) from None
+
+
+def remote_error(url: str, exc: Exception) -> UserError:
+    """The one line a failure of the remote side gets."""
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    return UserError(f"{url}: {type(exc).__name__}: {detail[:200]}")
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
@@ -204,14 +209,14 @@ class PublishLog:
             self._fs.pipe_file(path, raw, mode="create")
         except Exception as exc:
             if not _lost_a_race(exc):
-                remote_call(self.url, lambda: _reraise(exc))
+                raise remote_error(self.url, exc) from None
             # A PUT retried after a lost response finds its own entry: that is a success, not a lost race.
             try:
                 there = self._fs.cat_file(path)
             except FileNotFoundError:  # a conflict reported while the winner's write was still landing
                 return None
             except Exception as read_exc:
-                remote_call(self.url, lambda: _reraise(read_exc))
+                raise remote_error(self.url, read_exc) from None
             return seq if there == raw else None
         return seq
 
@@ -220,10 +225,6 @@ def _lost_a_race(exc: Exception) -> bool:
     """A conditional put refused because the object exists or is being written (S3: 412, or 409 ConditionalRequestConflict)."""
     text = f"{type(exc).__name__} {exc}"
     return isinstance(exc, FileExistsError) or any(k in text for k in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict", "409"))
-
-
-def _reraise(exc: Exception) -> None:
-    raise exc
 
 
 def create_if_absent(fs: Any, url: str, path: str, data: bytes) -> bytes:
