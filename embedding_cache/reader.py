@@ -90,6 +90,39 @@ def _map_tokens(array_dir: Path, d_model: int) -> tuple[int, list[np.ndarray | N
     return chunk_rows, chunks
 
 
+class StoreKeys:
+    """Where each caption key lives in a store (global row, segment), read from the keys alone.
+
+    No token is read, so a *keys mirror* of a remote store is enough: training builds its
+    index from one and then fetches only the segments that hold its captions.
+    """
+
+    def __init__(self, store: EmbeddingStore) -> None:
+        self.segment_ids = store.segment_ids()
+        self._index = DigestIndex()
+        starts = [0]
+        for seg_id in self.segment_ids:
+            keys = store.read_keys(seg_id)
+            self._index.add(keys, np.arange(len(keys), dtype=np.int64) + starts[-1])
+            starts.append(starts[-1] + len(keys))
+        self.starts = np.asarray(starts, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, keys: np.ndarray) -> np.ndarray:
+        """Global row of each 32-byte key (`[n, 32]` uint8), or -1 when the store lacks it."""
+        return self._index.lookup(keys)
+
+    def segments_holding(self, keys: np.ndarray) -> list[str]:
+        """The segments that hold `keys`, in store order; every key must be there."""
+        rows = self.locate(keys)
+        if (rows < 0).any():
+            raise UserError(f"{int((rows < 0).sum())} caption keys are not in the store (it was changed since the index was made)")
+        held = np.unique(np.searchsorted(self.starts, rows, side="right") - 1)
+        return [self.segment_ids[i] for i in held.tolist()]
+
+
 class EmbeddingReader:
     """Maps caption keys to float16 `[length, d_model]` arrays of a store, without zarr on the read path."""
 
@@ -99,28 +132,25 @@ class EmbeddingReader:
         self.d_model = store.d_model
         self.encoder: dict[str, Any] = store.encoder
         self.encoder_hash = store.encoder_hash
-        self.segment_ids = store.segment_ids()
+        self.keys = StoreKeys(store)
+        self.segment_ids = self.keys.segment_ids
         self._segments: list[_Segment] = []
-        self._index = DigestIndex()
-        self._starts = [0]
         lengths = []
         for seg_id in self.segment_ids:
             offsets = store.read_offsets(seg_id)
-            keys = store.read_keys(seg_id)
             chunk_rows, chunks = _map_tokens(store.segment_path(seg_id) / "tokens", self.d_model)
             self._segments.append(_Segment(offsets, chunk_rows, self.d_model, chunks))
-            self._index.add(keys, np.arange(len(keys), dtype=np.int64) + self._starts[-1])
-            self._starts.append(self._starts[-1] + len(keys))
             lengths.append(np.diff(offsets).astype(np.int32))
-        self._starts_arr = np.asarray(self._starts, dtype=np.int64)
+        self._starts = self.keys.starts.tolist()
+        self._starts_arr = self.keys.starts
         self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return len(self.keys)
 
     def locate(self, keys: np.ndarray) -> np.ndarray:
         """Global row of each 32-byte key (`[n, 32]` uint8), or -1 when the store lacks it."""
-        return self._index.lookup(keys)
+        return self.keys.locate(keys)
 
     def lengths(self, rows: np.ndarray) -> np.ndarray:
         """Token count of each global row."""

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -39,6 +40,7 @@ from pipeline.remote import (
     mirror_path,
     remote_call,
     remote_names,
+    remote_root,
     remote_store_segments,
     writable_filesystem,
 )
@@ -62,11 +64,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
             if encoder is None or d_model is None:
                 raise UserError(f"--store {url} is not an embedding store (no zarr.json)")
             _create(url, fs, root, encoder, d_model)
-        local = mirror_path(url, mirror, suffix="-keys")
-        local.mkdir(parents=True, exist_ok=True)
-        with mirror_lock(local):
-            _sync_keys(url, fs, root, local)
-        store = cls(url, local, fs, root)
+        store = cls(url, _keys_mirror(url, fs, root, mirror), fs, root)
         if encoder is not None:
             store.check_encoder(encoder)
         return store
@@ -182,6 +180,23 @@ def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
         _keep_keys(local, segment, into)
         listed.append(segment)
     shutil.rmtree(local / FETCHING, ignore_errors=True)
+
+
+def _keys_mirror(url: str, fs: Any, root: str, mirror: Path | None) -> Path:
+    local = mirror_path(url, mirror, suffix="-keys")
+    local.mkdir(parents=True, exist_ok=True)
+    with mirror_lock(local):
+        _sync_keys(url, fs, root, local)
+    return local
+
+
+def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
+    """The keys mirror of the store at `url` (any fsspec URL), brought up to date: the root and each segment's
+    attributes and keys, never its tokens. Enough to find which segments hold given captions before fetching any."""
+    fs, root = remote_root(url, "zarr.json", "an embedding store")
+    local = _keys_mirror(url, fs, root, mirror)
+    print(f"mirror: {url} -> {local}: keys of {len(EmbeddingStore(local).segment_ids())} segments", file=sys.stderr)
+    return local
 
 
 def _check_keys(url: str, segment: str, into: Path, encoder_hash: str) -> None:

@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -89,7 +89,7 @@ def writable_filesystem(url: str, option: str) -> tuple[Any, str]:
     return _filesystem(url)
 
 
-def _remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
+def remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
     """The file system and root of `url`, refusing a URL whose root lacks `marker`."""
     fs, root = _filesystem(url)
     if not remote_call(url, lambda: fs.exists(f"{root}/{marker}")):
@@ -302,7 +302,7 @@ def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
 
 def mirror_cache(url: str, mirror: Path | None = None) -> Path:
     """A local copy of the caption cache at `url`, brought up to date; each shard checked against its manifest."""
-    fs, root = _remote_root(url, "CACHE.json", "a caption cache")
+    fs, root = remote_root(url, "CACHE.json", "a caption cache")
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
     with mirror_lock(local):
@@ -345,16 +345,27 @@ def fetch_tree(url: str, fs: Any, prefix: str, into: Path) -> None:
         fetch(fs, path, into / relative)
 
 
-def mirror_store(url: str, mirror: Path | None = None) -> Path:
-    """A local copy of the embedding store at `url`: every published segment, each checked against its sha256."""
+def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | None = None) -> Path:
+    """A local copy of the embedding store at `url`: every published segment (or those in `only`), each checked
+    against its sha256.
+
+    `only` is how a training node fetches just the segments that hold its run's captions (a store for ImageNet-21k
+    with a large T5 runs to tens of TB); the local root lists every segment fetched, now or earlier.
+    """
     from embedding_cache.store import STAGING, EmbeddingStore
     from embedding_cache.verify import verify_segment
 
-    fs, root = _remote_root(url, "zarr.json", "an embedding store")
+    fs, root = remote_root(url, "zarr.json", "an embedding store")
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
     with mirror_lock(local):
         root_raw, segments = remote_store_segments(url, fs, root, local)
+        if only is not None:
+            unknown = sorted(set(only) - set(segments))
+            if unknown:
+                raise DataProblem(f"{url}: segment {unknown[0]} is not published there ({len(unknown)} missing); "
+                                  f"the store was rebuilt since the run's index was made: train with a new --out")
+        wanted = segments if only is None else [s for s in segments if s in set(only)]
         (local / "segments").mkdir(exist_ok=True)
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
@@ -368,7 +379,7 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
         fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
         store = EmbeddingStore(local)
         fetched = 0
-        for segment in segments:
+        for segment in wanted:
             final = local / "segments" / segment
             if final.exists():  # renamed in only once fetched whole and checked
                 continue
@@ -378,7 +389,8 @@ def mirror_store(url: str, mirror: Path | None = None) -> Path:
             verify_segment(store, segment, staging)
             staging.rename(final)
             fetched += 1
-        list_locally(segments)
+        list_locally([s for s in segments if (local / "segments" / s).exists()])
         shutil.rmtree(local / STAGING, ignore_errors=True)
-    print(f"mirror: {url} -> {local}: {fetched} new of {len(segments)} segments", file=sys.stderr)
+    of = "" if only is None else f" this run needs (the store has {len(segments)})"
+    print(f"mirror: {url} -> {local}: {fetched} new of {len(wanted)} segments{of}", file=sys.stderr)
     return local

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import yaml
 from pipeline.errors import DataProblem
 from pipeline.remote import mirror_cache, mirror_path, mirror_store
 from tests.conftest import REPO, tcjepa
-from tests.test_train import TINY
+from tests.test_train import TINY, _assert_close_runs
 
 BUCKET = "tcjepa-test"
 
@@ -71,6 +72,67 @@ def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(tmp_path, s
     env = {**env, "HOME": str(tmp_path / "home")}  # the default mirror lives under ~/.cache
     assert tcjepa("cache", "verify", f"s3://{BUCKET}/cache", "--no-progress", env=env).stdout.startswith("ok: 1 recipes, 1 shards, 320 captions")
     assert tcjepa("store", "verify", f"s3://{BUCKET}/store", "--no-progress", env=env).stdout.startswith("ok: 1 segments, 320 captions")
+
+
+def test_training_fetches_only_the_segments_that_hold_its_captions(tmp_path, s3, synth_dir, annotated_cache, annotated_store):
+    """A remote store of two segments (the first 12 images' captions, then the rest) and a run on those 12 images on
+    two nodes: rank 0 builds the index from the store's keys, and each node fetches only the segment holding its
+    captions. The metrics match a one-process run on the local store."""
+    import hashlib
+    import shutil
+
+    from captioning.cache import CaptionCache
+    from embedding_cache.reader import EmbeddingReader
+    from embedding_cache.remote_store import RemoteEmbeddingStore
+    from embedding_cache.store import EmbeddingStore, TokenLayout
+
+    _, env = s3
+    subset = tmp_path / "images"
+    subset.mkdir()
+    for image in sorted((synth_dir / "images").iterdir())[:12]:
+        shutil.copy(image, subset / image.name)
+    shas = {hashlib.sha256(p.read_bytes()).hexdigest() for p in subset.iterdir()}
+    table = CaptionCache(annotated_cache).read_captions(columns=["image_sha256", "text_sha256"]).to_pylist()
+    ours = {row["text_sha256"] for row in table if row["image_sha256"] in shas}
+    local = EmbeddingStore(annotated_store)
+    url = f"s3://{BUCKET}/two-segment-store"
+    remote = RemoteEmbeddingStore.open(url, tmp_path / "writer", local.encoder, local.d_model)
+    reader = EmbeddingReader(annotated_store)
+    all_keys = np.concatenate([local.read_keys(s) for s in local.segment_ids()])
+    for chosen in ([k for k in all_keys if k.tobytes().hex() in ours], [k for k in all_keys if k.tobytes().hex() not in ours]):
+        writer = remote.new_segment(TokenLayout(64, 4))
+        for key in chosen:
+            writer.append(key.tobytes(), reader.get_key(key.tobytes()))
+        writer.finish()
+        remote.publish(writer)
+
+    common = [*TINY, "--steps", "2", "--set", "log_every=1", "--set", "val_every=2", "--set", "bf16=false"]
+    tcjepa("train", subset, "--cache", annotated_cache, "--store", annotated_store, "--out", tmp_path / "local", *common,
+           env={**env, "OMP_NUM_THREADS": "1"})
+    # Two nodes of one process each (two torchrun agents meeting at a c10d rendezvous), each with its own HOME and
+    # so its own default mirror, as on two machines.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "subset", "-m", "pipeline", "train", str(subset),
+         "--cache", f"s3://{BUCKET}/cache", "--store", url, "--out", str(tmp_path / "remote"), *map(str, common)],
+        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path / f"node{k}")},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+    errs = []
+    for node in nodes:
+        _, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+        errs.append(err)
+    assert sum("1 new of 1 segments this run needs (the store has 2)" in err for err in errs) == 2, errs
+    for k in range(2):
+        mirrors = tmp_path / f"node{k}" / ".cache" / "tcjepa" / "mirror"
+        fetched = mirror_path(url, mirrors) / "segments"
+        assert len(list(fetched.glob("*/tokens"))) == 1, "the other segment's tokens are never fetched"
+        assert mirror_path(url, mirrors, suffix="-keys").exists() == mirror_path(f"s3://{BUCKET}/cache", mirrors).exists(), \
+            "only the node of rank 0 reads the store's keys and the cache, to build the index"
+    _assert_close_runs(_metrics(tmp_path / "local"), _metrics(tmp_path / "remote"))
 
 
 def test_damaged_remote_files_are_never_used(tmp_path, s3):

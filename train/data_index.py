@@ -29,7 +29,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from captioning.cache import CaptionCache
-from embedding_cache.reader import EmbeddingReader
+from embedding_cache.reader import StoreKeys
+from embedding_cache.store import EmbeddingStore
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_write_bytes
 from pipeline.sources import ImageReader, ImageRef, list_images
@@ -212,7 +213,7 @@ def build_index(inputs: list[Path], cache: Path | None, store: Path | None, reci
         raise UserError("--store needs --cache: the captions whose embeddings to look up")
     caption_cache = CaptionCache(cache) if cache is not None else None
     chosen = caption_cache.resolve_recipes(recipes) if caption_cache is not None else []
-    embeddings = EmbeddingReader(store) if store is not None else None
+    embeddings = StoreKeys(EmbeddingStore(store)) if store is not None else None
     refs = list_images(inputs, image_column)
     if not refs:
         raise UserError(f"no images found in {', '.join(map(str, inputs))}")

@@ -154,24 +154,47 @@ def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
     atomic_write_bytes(record, json.dumps({"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.d_model}).encode())
 
 
-def with_local_inputs(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
-    """The config with a remote (fsspec URL) cache and store replaced by local mirrors, made once per node before any reading."""
-    from pipeline.remote import is_remote, mirror_cache, mirror_path, mirror_store
+def inputs_for_index(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
+    """The cache and store to build the index from: local ones as given; remote (fsspec URL) ones mirrored by
+    rank 0, the cache whole and the store's keys only (its tokens come later, and only where the index needs them)."""
+    from embedding_cache.remote_store import mirror_store_keys
+    from pipeline.remote import is_remote, mirror_cache, mirror_path
 
-    remote = {k: v for k, v in (("cache", cfg.cache), ("store", cfg.store)) if is_remote(v)}
-    if not remote:
+    if not (is_remote(cfg.cache) or is_remote(cfg.store)):
         return cfg
     mirror = Path(cfg.mirror) if cfg.mirror else None
 
     def fetch() -> None:
-        for key, url in remote.items():
-            (mirror_cache if key == "cache" else mirror_store)(url, mirror)
+        if is_remote(cfg.cache):
+            mirror_cache(cfg.cache, mirror)
+        if is_remote(cfg.store):
+            mirror_store_keys(cfg.store, mirror)
 
-    # Rank 0 first (it builds the index); then one process per other node. The remote only grows, so every node
-    # then holds at least what rank 0 saw.
-    agreed(rt, fetch, on=rt.rank == 0)
-    agreed(rt, fetch, on=rt.rank != 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0)
-    return replace(cfg, **{key: str(mirror_path(url, mirror)) for key, url in remote.items()})
+    agreed(rt, fetch, on=rt.main)
+    return replace(cfg, cache=str(mirror_path(cfg.cache, mirror)) if is_remote(cfg.cache) else cfg.cache,
+                   store=str(mirror_path(cfg.store, mirror, suffix="-keys")) if is_remote(cfg.store) else cfg.store)
+
+
+def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIndex, rt: Runtime) -> TrainConfig:
+    """The store to train from: a remote one's segments that hold the index's captions, fetched once per node
+    (local rank 0) before any reading, and nothing else of it. (The cache is read only to build the index.)
+
+    Rank 0 finds those segments in the keys mirror it built the index from and tells the others, so no other
+    node reads even the store's keys. Every node needs the same segments: rows are drawn by global sample
+    index, so over an epoch every rank touches every indexed image.
+    """
+    from embedding_cache.reader import StoreKeys
+    from embedding_cache.store import EmbeddingStore
+    from pipeline.remote import is_remote, mirror_path, mirror_store
+
+    if not is_remote(cfg.store):
+        return for_index
+    mirror = Path(cfg.mirror) if cfg.mirror else None
+    segments = [agreed(rt, lambda: StoreKeys(EmbeddingStore(for_index.store)).segments_holding(index.caption_keys), on=rt.main)]
+    if rt.world > 1:
+        dist.broadcast_object_list(segments, src=0)
+    agreed(rt, lambda: mirror_store(cfg.store, mirror, only=segments[0]), on=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
@@ -218,10 +241,10 @@ class Trainer:
         self.run = run
         self.progress = progress
         self.rt = start_runtime(cfg)
-        local = with_local_inputs(cfg, self.rt)
-        self.run_lock = prepare_run(cfg, run, self.rt, Path(local.store) if local.conditioning != "none" else None)
-        self.cfg = cfg = local
-        self.index = load_or_build_index(cfg, run, self.rt)
+        for_index = inputs_for_index(cfg, self.rt)
+        self.run_lock = prepare_run(cfg, run, self.rt, Path(for_index.store) if cfg.conditioning != "none" else None)
+        self.index = load_or_build_index(for_index, run, self.rt)
+        self.cfg = cfg = inputs_for_training(cfg, for_index, self.index, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(cfg, text_width(cfg))
