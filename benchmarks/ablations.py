@@ -15,7 +15,8 @@ and finished runs and their probe reports are reused, so an interrupted script r
 
 Prints a Markdown table (mean ± standard deviation over seeds) and one final JSON line
 with every figure. `--readme README.md` rewrites the table between the
-`<!-- ablations:begin -->` and `<!-- ablations:end -->` markers; it is never typed by hand.
+`<!-- ablations:begin -->` and `<!-- ablations:end -->` markers (`--section NAME`: between
+`<!-- NAME:begin -->` and `<!-- NAME:end -->`); it is never typed by hand.
 
   python benchmarks/ablations.py --work /tmp/ablations --seeds 0 1 2 --readme README.md
 """
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipeline.demo import DEMO_TRAIN, SCENE_RECIPE, prepare_scenes, run_figures  # noqa: E402
+from pipeline.demo import DEMO_IMAGES, DEMO_T5_STEPS, DEMO_TRAIN, SCENE_RECIPE, prepare_scenes, run_figures  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"conditioning": "none"},
@@ -45,7 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "n8": {"conditioning": "cross", "captions_per_image": 8},
     "sequence": {"conditioning": "sequence"},
 }
-BEGIN, END = "<!-- ablations:begin -->", "<!-- ablations:end -->"
+SECTION = "ablations"  # the README's table lives between <!-- ablations:begin --> and <!-- ablations:end -->
 COLUMNS = [("linear", "linear"), ("knn", "k-NN"), ("attentive", "attentive"), ("dense_accuracy", "dense acc"),
            ("dense_miou", "dense mIoU"), ("val_true", "val loss"), ("ratio", "true/shuffled"), ("step_s", "s/step")]
 
@@ -109,20 +110,25 @@ def markdown(table: dict[str, dict[str, list[float]]], seeds: dict[str, int], st
     return "\n".join(lines)
 
 
-def write_readme(path: Path, text: str) -> None:
+def markers(section: str) -> tuple[str, str]:
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+
+
+def write_readme(path: Path, text: str, section: str = SECTION) -> None:
+    begin, end = markers(section)
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path} has no {BEGIN} … {END} markers to write the table between")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path} has no {begin} … {end} markers to write the table between")
+    head, rest = doc.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("ablations-out"), help="Directory for data, models, store and runs.")
-    parser.add_argument("--images", type=int, default=1000, help="Synthetic scenes.")
-    parser.add_argument("--t5-steps", type=int, default=1500, help="Span-corruption steps of the tiny T5.")
+    parser.add_argument("--images", type=int, default=DEMO_IMAGES, help="Synthetic scenes.")
+    parser.add_argument("--t5-steps", type=int, default=DEMO_T5_STEPS, help="Training steps of the tiny T5 (span corruption and phrase tagging).")
     parser.add_argument("--steps", type=int, default=DEMO_TRAIN["steps"], help="Training steps of every run.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds for `none` and `cross`.")
     parser.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
@@ -130,6 +136,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="Which variants to run.")
     parser.add_argument("--attentive", action="store_true", help="Also run the attentive probe (slower).")
     parser.add_argument("--readme", type=Path, default=None, help="Rewrite the table between the markers in this file.")
+    parser.add_argument("--section", default=SECTION,
+                        help="Name in the markers <!-- NAME:begin --> / <!-- NAME:end --> (another name keeps a second table, e.g. at other --steps).")
     args = parser.parse_args()
 
     work = args.work.resolve()
@@ -144,7 +152,7 @@ def main() -> None:
     text = markdown(table, {v: len(r) for v, r in results.items()}, args.steps, t5)
     print(text)
     if args.readme is not None:
-        write_readme(args.readme, text)
+        write_readme(args.readme, text, args.section)
     c, n = table.get("cross"), table.get("none")
     verdict = {}
     if c and n:

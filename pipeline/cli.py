@@ -31,13 +31,14 @@ app.add_typer(store_app, name="store")
 def tiny_models(
     out: Annotated[Path, typer.Option(help="Directory to write `t5/` and `vlm/` into.")],
     t5_corpus: Annotated[Optional[Path], typer.Option(help="captions.jsonl to train the tiny T5 on (span corruption); without it the T5 stays random.")] = None,
-    t5_steps: Annotated[int, typer.Option(help="Span-corruption training steps for the tiny T5 (with --t5-corpus).")] = 1500,
+    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5 (with --t5-corpus).")] = 800,
+    t5_phrase_tags: Annotated[bool, typer.Option(help="Also train the T5 to tag each token of an object's phrase in fresh `tcjepa synth` captions with the object's cell and class, so its vectors bind attributes to positions as a pretrained T5's do; off: span corruption alone, which binds weakly.")] = True,
     seed: Annotated[int, typer.Option(help="Seed for weights and training; same arguments give identical files.")] = 0,
 ) -> None:
     """Build a tiny T5 encoder and a tiny Qwen2-VL (with tokenizers) for tests, the demo and benchmarks."""
     from pipeline.tiny_models import build_tiny_models
 
-    stats = build_tiny_models(out, t5_corpus=t5_corpus, t5_steps=t5_steps, seed=seed)
+    stats = build_tiny_models(out, t5_corpus=t5_corpus, t5_steps=t5_steps, seed=seed, t5_phrase_tags=t5_phrase_tags)
     typer.echo(json.dumps(stats))
 
 
@@ -357,7 +358,7 @@ def viz(
 def demo(
     out: Annotated[Path, typer.Option(help="Directory for the demo's data, models, cache, store and summary.")] = Path("demo-out"),
     n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = 600,
-    t5_steps: Annotated[int, typer.Option(help="Span-corruption steps for the tiny T5.")] = 1000,
+    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5 (span corruption and phrase tagging).")] = 600,
     train_steps: Annotated[int, typer.Option(help="Training steps of each of the two runs (none, cross).")] = 300,
     seed: Annotated[int, typer.Option(help="Seed for data, models, training and probes.")] = 0,
 ) -> None:

@@ -24,9 +24,13 @@ def test_readme_table_is_written_between_the_markers_only(tmp_path):
     text = ablations.markdown(table, {"none": 2}, 300, {"steps": 1000, "colour_from_where": 0.3})
     assert "| none | 2 | 0.550 ± 0.071 |" in text and "| variant | seeds | linear | true/shuffled |" in text
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{ablations.BEGIN}\nold table\n{ablations.END}\noutro\n")
+    begin, end = ablations.markers("ablations")
+    other_begin, other_end = ablations.markers("short")
+    readme.write_text(f"intro\n{begin}\nold table\n{end}\nmiddle\n{other_begin}\nold\n{other_end}\noutro\n")
     ablations.write_readme(readme, text)
-    assert readme.read_text() == f"intro\n{ablations.BEGIN}\n{text}\n{ablations.END}\noutro\n"
+    assert readme.read_text() == f"intro\n{begin}\n{text}\n{end}\nmiddle\n{other_begin}\nold\n{other_end}\noutro\n"
+    ablations.write_readme(readme, "short table", "short")
+    assert readme.read_text() == f"intro\n{begin}\n{text}\n{end}\nmiddle\n{other_begin}\nshort table\n{other_end}\noutro\n"
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="markers"):
         ablations.write_readme(readme, text)
