@@ -361,11 +361,12 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
     with mirror_lock(local):
         root_raw, segments = remote_store_segments(url, fs, root, local)
         if only is not None:
-            unknown = sorted(set(only) - set(segments))
+            only = set(only)
+            unknown = sorted(only - set(segments))
             if unknown:
                 raise DataProblem(f"{url}: segment {unknown[0]} is not published there ({len(unknown)} missing); "
                                   f"the store was rebuilt since the run's index was made: train with a new --out")
-        wanted = segments if only is None else [s for s in segments if s in set(only)]
+        wanted = segments if only is None else [s for s in segments if s in only]
         (local / "segments").mkdir(exist_ok=True)
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
