@@ -66,6 +66,8 @@ def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(tmp_path, s
     assert remote_lines == [{**m, "images_per_s": r["images_per_s"]} if "images_per_s" in m else m for m, r in zip(local, remote_lines)]
     mirror_store(f"s3://{BUCKET}/store", tmp_path / "mirror")
     assert "0 new of 1 segments" in capsys.readouterr().err, "a second mirror fetches only what is new"
+    with pytest.raises(DataProblem, match="segment gone-segment is not published there .* train with a new --out"):
+        mirror_store(f"s3://{BUCKET}/store", tmp_path / "mirror", only={"gone-segment"})  # what a saved index names, rebuilt away
     saved = yaml.safe_load((tmp_path / "remote" / "config.yaml").read_text())
     assert saved["store"] == f"s3://{BUCKET}/store", "the run records where its data lives, not the mirror"
     assert tcjepa("store", "verify", mirror_path(f"s3://{BUCKET}/store", tmp_path / "mirror"), "--no-progress").stdout.startswith("ok: ")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zarr
 
-from embedding_cache.reader import EmbeddingReader
+from embedding_cache.reader import EmbeddingReader, StoreKeys
 from embedding_cache.store import EmbeddingStore, TokenLayout
 from pipeline.errors import UserError
 from pipeline.recipes import text_key
@@ -57,6 +57,26 @@ def test_reader_returns_exactly_what_zarr_returns(tmp_path):
     assert reader.locate(np.frombuffer(text_key("absent"), dtype=np.uint8)[None]).tolist() == [-1]
     with pytest.raises(KeyError):
         reader.get_key(text_key("absent"))
+
+
+def test_store_keys_name_the_segments_that_hold_given_captions(tmp_path):
+    """What a training node fetches from a remote store is decided from the keys alone: it must name exactly the
+    segments that hold the index's captions, agree with the reader's rows, and refuse a key the store lacks."""
+    store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
+    first, second, third = (_write(store, ids).segment for ids in (range(0, 20), range(20, 30), range(30, 45)))
+    keys = StoreKeys(store)
+
+    def key_array(ids):
+        return np.stack([np.frombuffer(_caption(i)[0], dtype=np.uint8) for i in ids])
+
+    assert len(keys) == 45 and keys.segment_ids == [first, second, third]
+    assert np.array_equal(keys.locate(key_array(range(45))), EmbeddingReader(tmp_path / "s").locate(key_array(range(45))))
+    assert keys.segments_holding(key_array([25, 21])) == [second]
+    assert keys.segments_holding(key_array([44, 0, 19])) == [first, third], "in store order, each once"
+    assert keys.segments_holding(key_array([20, 29, 30])) == [second, third], "segment boundaries"
+    absent = np.frombuffer(text_key("absent"), dtype=np.uint8)[None]
+    with pytest.raises(UserError, match="1 caption keys are not in the store"):
+        keys.segments_holding(np.concatenate([key_array([3]), absent]))
 
 
 def test_gather_padded(tmp_path):
