@@ -333,22 +333,24 @@ def build_tiny_t5(out: Path, corpus: Sequence[str] | None = None, steps: int = 0
 
 def _word_vectors(model_dir: Path, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
     """Encoder outputs averaged over the tokens of each character span: one row per span of
-    `spans[i]` (spans of `texts[i]`), in order."""
+    `spans[i]` (spans of `texts[i]`), in order. Texts are encoded in batches of similar length."""
     import torch
     from transformers import AutoTokenizer, T5EncoderModel
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = T5EncoderModel.from_pretrained(model_dir).eval()
-    rows: list[np.ndarray] = []
+    per_text: list[list[np.ndarray]] = [[] for _ in texts]
+    by_length = np.argsort([len(ids) for ids in tokenizer(list(texts))["input_ids"]], kind="stable")
     for lo in range(0, len(texts), 256):
-        enc = tokenizer(list(texts[lo : lo + 256]), padding=True, return_offsets_mapping=True, return_tensors="pt")
+        batch = by_length[lo : lo + 256].tolist()
+        enc = tokenizer([texts[i] for i in batch], padding=True, return_offsets_mapping=True)
         with torch.no_grad(), _single_thread():
-            hidden = model(input_ids=enc.input_ids, attention_mask=enc.attention_mask).last_hidden_state.numpy()
-        for j, offsets in enumerate(enc.offset_mapping.tolist()):
-            for start, end in spans[lo + j]:
-                tokens = [t for t, (s, e) in enumerate(offsets) if e > s and s < end and e > start]
-                rows.append(hidden[j, tokens].mean(axis=0))
-    return np.stack(rows)
+            hidden = model(input_ids=torch.tensor(enc["input_ids"]), attention_mask=torch.tensor(enc["attention_mask"])).last_hidden_state.numpy()
+        offsets = np.asarray(enc["offset_mapping"])  # [batch, tokens, 2]: character span of each token; (0, 0) for specials
+        for j, i in enumerate(batch):
+            first, last = offsets[j, :, 0], offsets[j, :, 1]
+            per_text[i] = [hidden[j, (last > first) & (first < end) & (last > start)].mean(axis=0) for start, end in spans[i]]
+    return np.stack([row for rows in per_text for row in rows])
 
 
 def binding_score(model_dir: Path) -> float:
@@ -442,7 +444,10 @@ def probe_accuracy(model_dir: Path, n_scenes: int = 300, seed: int = 1) -> dict[
                 colours.append(list(synth.COLOURS).index(obj.colour))
                 scene_of.append(i)
     train = np.array(scene_of) < int(0.8 * n_scenes)
+    # One pass over the captions: each one's colour-word rows, then its position-phrase rows.
+    vectors = _word_vectors(model_dir, texts, [c + w for c, w in zip(colour_spans, where_spans)])
+    is_colour = np.concatenate([np.repeat([True, False], len(c)) for c in colour_spans])
     return {
-        "cell_from_colour": _ridge_accuracy(_word_vectors(model_dir, texts, colour_spans), np.array(cells), train),
-        "colour_from_where": _ridge_accuracy(_word_vectors(model_dir, texts, where_spans), np.array(colours), train),
+        "cell_from_colour": _ridge_accuracy(vectors[is_colour], np.array(cells), train),
+        "colour_from_where": _ridge_accuracy(vectors[~is_colour], np.array(colours), train),
     }
