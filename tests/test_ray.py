@@ -58,8 +58,9 @@ def test_embed_on_ray_equals_the_local_executor_and_survives_a_killed_worker(tmp
     assert "320 already stored; encoded 0 captions" in again.stdout, "a rerun over a finished store does no work"
 
 
-def test_caption_on_ray_writes_the_cache_the_local_executor_writes(tmp_path, synth_dir, tiny_models, vllm_engine):
-    """Ray tasks read and decode, one engine actor captions and commits: same recipe, keys, texts and failures as local."""
+def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_actor_dies(tmp_path, synth_dir, tiny_models, vllm_engine):
+    """Ray tasks read and decode, one engine actor captions and commits, and is SIGKILLed once it has committed
+    twice; Ray restarts it and retries its batch. The cache: the same recipe, keys, texts and failures as local."""
     from captioning.job import run_caption
     from tests.test_caption import VLLM_CLI, _cfg, _rows
     from tests.test_sources_images import bad_image_catalogue
@@ -74,8 +75,22 @@ def test_caption_on_ray_writes_the_cache_the_local_executor_writes(tmp_path, syn
             (images / name).write_bytes(data)
     run_caption(_cfg([images], tmp_path / "local", tiny_models), engine=vllm_engine)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = tcjepa("caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *VLLM_CLI,
-                 "--executor", "ray", "--num-workers", "1", env=env).stdout
+    one_per_batch = [*VLLM_CLI[: VLLM_CLI.index("--chunk-images")], *VLLM_CLI[VLLM_CLI.index("--chunk-images") + 2 :], "--chunk-images", "1"]
+    args = ["caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *one_per_batch, "--executor", "ray", "--num-workers", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    shards, killed = tmp_path / "ray" / "manifests", None
+    deadline = time.monotonic() + 300
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        committed = len(list(shards.glob("*.json"))) if shards.is_dir() else 0
+        actors = [p for p in psutil.process_iter(["cmdline"]) if "CaptionActor" in " ".join(p.info["cmdline"] or [])]
+        if actors and committed >= 2:
+            killed = committed
+            actors[0].send_signal(signal.SIGKILL)
+        time.sleep(0.02)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert killed is not None and killed < 15, f"the actor was not killed mid-run ({killed} of 15 batches committed)"
     assert "captioned 12 images (96 captions)" in out and "3 failed" in out, out
     local, ray_rows = _rows(tmp_path / "local"), _rows(tmp_path / "ray")
     assert sorted(map(sorted, (r.items() for r in ray_rows))) == sorted(map(sorted, (r.items() for r in local)))
