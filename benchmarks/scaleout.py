@@ -5,7 +5,7 @@ The same job runs on the same inputs through each executor, each into a fresh ca
   rayK    a local Ray instance with K model actors (`--ray-workers`, default 1 and 2)
 Start-up (Ray, actor creation, model loading, vLLM's engine start) is excluded: a run's
 rate is the work done between its first and its last finished batch over that time.
-Each job runs `--repeats` times, the three executors taking turns, and each figure is the
+Each job runs `--repeats` times, the executors taking turns, and each figure is the
 median of its repeats (two runs of the same job on this machine differ by up to ~30%),
 with the lowest and highest beside it. Ray's overhead is local/ray1 - 1 at equal workers
 (goal: <= 15%), from the medians. Without GPUs an embed actor computes on the one thread
@@ -89,6 +89,7 @@ def main() -> None:
     from captioning.engines import SamplingConfig
     from captioning.job import CaptionConfig, run_caption
     from embedding_cache.job import EmbedConfig, run_embed
+    from pipeline.sources import IMAGE_SUFFIXES
     from pipeline.synth import generate
     from pipeline.tiny_models import build_tiny_models
 
@@ -98,14 +99,14 @@ def main() -> None:
         raise SystemExit("--ray-workers must include 1: Ray's overhead is measured at equal workers")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        generate(tmp / "data", max(args.embed_scenes, args.caption_images), seed=1)
+        generate(tmp / "data", args.embed_scenes if args.images else max(args.embed_scenes, args.caption_images), seed=1)
         if not (args.vlm and args.t5):
             build_tiny_models(tmp / "models")
         vlm, t5 = args.vlm or tmp / "models" / "vlm", args.t5 or tmp / "models" / "t5"
         if "caption" in args.stages:
             few = tmp / "few"
             few.mkdir()
-            images = sorted(p for p in (args.images or tmp / "data" / "images").rglob("*") if p.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp"})
+            images = sorted(p for p in (args.images or tmp / "data" / "images").rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
             for k, p in enumerate(images[: args.caption_images]):
                 (few / f"{k:06d}{p.suffix}").symlink_to(p.resolve())
             base = CaptionConfig(inputs=[few], cache=tmp / "unused", model=str(vlm), engine_args={} if args.vlm else {"max_model_len": 1024},
