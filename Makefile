@@ -30,12 +30,12 @@ demo: venv
 	$(VENV)/bin/tcjepa demo
 
 bench: venv
-	$(PY) benchmarks/embed.py
-	$(PY) benchmarks/loader.py
-	$(PY) benchmarks/caption.py
-	$(PY) benchmarks/train_step.py
-	$(PY) benchmarks/faults.py
-	$(PY) benchmarks/scaleout.py
+	$(PY) -m benchmarks.embed
+	$(PY) -m benchmarks.loader
+	$(PY) -m benchmarks.caption
+	$(PY) -m benchmarks.train_step
+	$(PY) -m benchmarks.faults
+	$(PY) -m benchmarks.scaleout
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,6 +1,6 @@
 """TC-JEPA vs I-JEPA side by side, and the paper's ablations, on `tcjepa synth` data.
 
-Variants (the demo's training configuration, `pipeline.demo.DEMO_TRAIN`, same steps each):
+Variants (the demo's training configuration, `pipeline.devkit.scenes.SCENE_TRAINING`, same steps each):
 
   none        I-JEPA: the predictor reads no text
   cross       TC-JEPA: per-layer cross-attention, N captions, λ and β at their defaults
@@ -18,25 +18,24 @@ with every figure. `--readme README.md` rewrites the table between the
 `<!-- ablations:begin -->` and `<!-- ablations:end -->` markers (`--section NAME`: between
 `<!-- NAME:begin -->` and `<!-- NAME:end -->`); it is never typed by hand.
 
-  python benchmarks/ablations.py --work /tmp/ablations --seeds 0 1 2 --readme README.md
+  python -m benchmarks.ablations --work /tmp/ablations --seeds 0 1 2 --readme README.md
 """
 
 from __future__ import annotations
 
+from benchmarks.common import print_result, tcjepa  # first: sets the offline environment
+
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from pipeline.demo import DEMO_IMAGES, DEMO_T5_STEPS, DEMO_TRAIN, SCENE_RECIPE, prepare_scenes, run_figures  # noqa: E402
+from evaluation.summary import run_figures
+from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_RECIPE, SCENE_T5_STEPS, SCENE_TRAINING, prepare_scenes
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"conditioning": "none"},
@@ -51,33 +50,26 @@ COLUMNS = [("linear", "linear"), ("knn", "k-NN"), ("attentive", "attentive"), ("
            ("dense_miou", "dense mIoU"), ("val_true", "val loss"), ("ratio", "true/shuffled"), ("step_s", "s/step")]
 
 
-def _cli(*args: Any) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"tcjepa {' '.join(map(str, args[:2]))} failed:\n{proc.stderr[-3000:]}")
-    return proc
-
-
 def run_one(work: Path, variant: str, seed: int, steps: int, attentive: bool) -> dict[str, float]:
     """Train (or reuse) one run and probe it; returns its figures."""
     run = work / "runs" / f"{variant}-s{seed}"
-    settings = {**DEMO_TRAIN, **VARIANTS[variant], "steps": steps, "seed": seed}
+    settings = {**SCENE_TRAINING, **VARIANTS[variant], "steps": steps, "seed": seed}
     config = work / "runs" / f"{variant}-s{seed}.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(json.dumps(settings))  # JSON is YAML
     text = [] if variant == "none" else ["--cache", work / "cache", "--store", work / "store", "--recipe", SCENE_RECIPE]
     t0 = time.perf_counter()
-    _cli("train", work / "data" / "images", *text, "--out", run, "--config", config, "--no-progress")
+    tcjepa("train", work / "data" / "images", *text, "--out", run, "--config", config, "--no-progress")
     print(f"  {variant} seed {seed}: trained in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     names = ["linear", "knn", "dense"] + (["attentive"] if attentive else [])
     report_path = run / "eval" / "ablation.json"
     done = json.loads(report_path.read_text()) if report_path.exists() else None
     if done is None or done["step"] != steps or set(done["probes"]) != set(names):
-        _cli("eval", run, work / "data" / "images", "--labels", work / "data" / "labels.jsonl",
+        tcjepa("eval", run, work / "data" / "images", "--labels", work / "data" / "labels.jsonl",
              *[x for name in names for x in ("--probe", name)], "--seed", seed, "--no-progress", "--report", report_path)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     figures = run_figures(metrics, json.loads(report_path.read_text()))
-    return {**figures, "step_s": DEMO_TRAIN["batch_size"] / figures["images_per_s"]}
+    return {**figures, "step_s": SCENE_TRAINING["batch_size"] / figures["images_per_s"]}
 
 
 def summarise(results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, list[float]]]:
@@ -127,9 +119,9 @@ def write_readme(path: Path, text: str, section: str = SECTION) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("ablations-out"), help="Directory for data, models, store and runs.")
-    parser.add_argument("--images", type=int, default=DEMO_IMAGES, help="Synthetic scenes.")
-    parser.add_argument("--t5-steps", type=int, default=DEMO_T5_STEPS, help="Training steps of the tiny T5 (span corruption and phrase tagging).")
-    parser.add_argument("--steps", type=int, default=DEMO_TRAIN["steps"], help="Training steps of every run.")
+    parser.add_argument("--images", type=int, default=SCENE_IMAGES, help="Synthetic scenes.")
+    parser.add_argument("--t5-steps", type=int, default=SCENE_T5_STEPS, help="Training steps of the tiny T5 (span corruption and phrase tagging).")
+    parser.add_argument("--steps", type=int, default=SCENE_TRAINING["steps"], help="Training steps of every run.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds for `none` and `cross`.")
     parser.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
                         help="Seeds for no_reg, n1 and sequence (default: the first of --seeds).")
@@ -160,7 +152,7 @@ def main() -> None:
             gap = c[key][0] - n[key][0]
             verdict[f"cross_minus_none_{key}"] = round(gap, 4)
             verdict[f"{key}_gap_exceeds_spread"] = gap > max(c[key][1], n[key][1])
-    print(json.dumps({"table": table, **verdict, "steps": args.steps, "t5": t5}))
+    print_result({"table": table, **verdict, "steps": args.steps, "t5": t5})
 
 
 if __name__ == "__main__":

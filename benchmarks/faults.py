@@ -13,6 +13,8 @@ must match within float16 rounding; resumed training metrics must be equal). Pri
 
 from __future__ import annotations
 
+from benchmarks.common import ROOT, print_result  # first: sets the offline environment
+
 import argparse
 import json
 import os
@@ -28,8 +30,6 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def cli(*args: object) -> list[str]:
@@ -38,7 +38,7 @@ def cli(*args: object) -> list[str]:
 
 def timed_run(cmd: list[str]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[2:5])} failed:\n{proc.stderr[-2000:]}")
     return time.perf_counter() - t0
@@ -50,7 +50,7 @@ def kill_cycles(cmd: list[str], progress: Callable[[], int], kills: int, max_del
     for _ in range(kills):
         before = progress()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         while progress() <= before and proc.poll() is None:
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, max_delay))
@@ -144,8 +144,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     stages = args.stages.split(",")
 
-    from pipeline.synth import generate
-    from pipeline.tiny_models import build_tiny_models
+    from pipeline.devkit.synth import generate
+    from pipeline.devkit.tiny_models import build_tiny_models
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -180,7 +180,7 @@ def main() -> None:
                                 "--set", "num_workers=1", "--set", "min_context=2", "--set", "checkpoint_every=10", "--set", "val_every=10", "--set", "log_every=5"),
                 checkpoint_mtime, compare_metrics, tmp, args.kills, 2.0, rng)
     bad = sum(r["rows_lost"] + r["rows_duplicated"] + r["rows_differing"] + r.get("rows_extra", 0) for r in results.values())
-    print(json.dumps({"benchmark": "faults", **results, "rows_lost_duplicated_or_differing": bad}))
+    print_result({"benchmark": "faults", **results, "rows_lost_duplicated_or_differing": bad})
 
 
 if __name__ == "__main__":

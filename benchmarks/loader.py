@@ -11,8 +11,9 @@ Prints one JSON line with captions/s of each and the ratios.
 
 from __future__ import annotations
 
+from benchmarks.common import print_result  # first: sets the offline environment
+
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -69,7 +70,6 @@ def main() -> None:
         raw = np.memmap(flat, dtype=np.float16, mode="r").reshape(-1, args.d_model)
 
         rng = np.random.default_rng(args.seed + 1)
-        batch_size = args.images_per_batch * args.captions_per_image
         # each image's captions are adjacent in the store, as `tcjepa embed` writes them
         batches = []
         for _ in range(args.batches):
@@ -113,7 +113,7 @@ def main() -> None:
         result["reader_vs_memmap"] = round(result["reader_captions_per_s"] / result["memmap_captions_per_s"], 3)
         result["reader_vs_zarr"] = round(result["reader_captions_per_s"] / result["zarr_captions_per_s"], 1)
         result["store_bytes_per_token"] = round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / int(offsets[-1]), 1)
-        print(json.dumps(result))
+        print_result(result)
 
 
 if __name__ == "__main__":

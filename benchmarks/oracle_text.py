@@ -7,28 +7,26 @@ ratio val_loss_predict / val_loss_predict_shuffled at every validation, side by 
 a run on a real store when `--store` is given. The trainer cannot tell the stores apart,
 so the gap between the two runs is what the caption encoder costs.
 
-  python benchmarks/oracle_text.py --synth data --cache cache --store store \\
+  python -m benchmarks.oracle_text --synth data --cache cache --store store \\
       --config configs/cpu_synth_cross.yaml --work /tmp/oracle
 """
 
 from __future__ import annotations
 
+from benchmarks.common import ROOT, print_result, tcjepa  # first: sets the offline environment
+
 import argparse
 import hashlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from captioning.cache import CaptionCache  # noqa: E402
-from embedding_cache.store import EmbeddingStore, TokenLayout  # noqa: E402
-from pipeline import synth  # noqa: E402
+from captioning.cache import CaptionCache
+from embedding_cache.store import EmbeddingStore, TokenLayout
+from pipeline.devkit import synth
 
 WIDTH = 32  # 4 rows + 4 columns + 8 colours + 5 shapes = 21 one-hot slots, padded
 
@@ -78,11 +76,7 @@ def ratios(run: Path) -> dict[int, float]:
 
 
 def train(synth_dir: Path, cache: Path, store: Path, config: Path, run: Path, extra: list[str]) -> dict[int, float]:
-    cmd = [sys.executable, "-m", "pipeline", "train", str(synth_dir / "images"), "--cache", str(cache), "--store", str(store),
-           "--out", str(run), "--config", str(config), "--no-progress", *extra]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"training on {store} failed:\n{done.stderr[-3000:]}")
+    tcjepa("train", synth_dir / "images", "--cache", cache, "--store", store, "--out", run, "--config", config, "--no-progress", *extra)
     return ratios(run)
 
 
@@ -107,8 +101,8 @@ def main() -> None:
     for name, curve in result.items():
         print(f"{name:>7}: " + "  ".join(f"{s}:{r:.3f}" for s, r in curve.items()), file=sys.stderr)
     last = {name: curve[max(curve)] for name, curve in result.items()}
-    print(json.dumps({"true_over_shuffled": result, "final": last,
-                      **({"final_store_over_oracle": round(last["store"] / last["oracle"], 4)} if "store" in last else {})}))
+    print_result({"true_over_shuffled": result, "final": last,
+            **({"final_store_over_oracle": round(last["store"] / last["oracle"], 4)} if "store" in last else {})})
 
 
 if __name__ == "__main__":

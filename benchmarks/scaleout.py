@@ -21,8 +21,9 @@ On a GPU node, `--vlm`, `--t5` and `--images` measure what a real job does per G
 
 from __future__ import annotations
 
+from benchmarks.common import print_result  # first: sets the offline environment
+
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -32,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.pop("RAY_ADDRESS", None)
 
 
@@ -89,9 +89,9 @@ def main() -> None:
     from captioning.engines import SamplingConfig
     from captioning.job import CaptionConfig, run_caption
     from embedding_cache.job import EmbedConfig, run_embed
-    from pipeline.sources import IMAGE_SUFFIXES
-    from pipeline.synth import generate
-    from pipeline.tiny_models import build_tiny_models
+    from pipeline.core.sources import IMAGE_SUFFIXES
+    from pipeline.devkit.synth import generate
+    from pipeline.devkit.tiny_models import build_tiny_models
 
     results: dict[str, Any] = {"benchmark": "scaleout", "cpus": os.cpu_count()}
     runs = {"local": ("local", None), **{f"ray{k}": ("ray", k) for k in map(int, args.ray_workers.split(","))}}
@@ -154,7 +154,7 @@ def main() -> None:
             embed["ray1_overhead"] = round(median["local"] / median["ray1"] - 1, 3)
             embed.update({f"{n}_vs_ray1": round(median[n] / median["ray1"], 3) for n in embed_runs if n not in ("local", "ray1")})
             results["embed"] = embed
-    print(json.dumps(results))
+    print_result(results)
 
 
 if __name__ == "__main__":

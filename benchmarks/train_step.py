@@ -35,25 +35,22 @@ CPU default (`--preset cpu_tiny`): tiny ViT (192 wide, depth 6, 3 heads, patch 8
 PRESETS), about 3 minutes on 2 cores. `--profile MODE` prints torch.profiler's
 top ops for one step of MODE instead. On a GPU (images/s and MFU against
 --peak-tflops, default 989 = H100/H200 bf16 dense):
-  python benchmarks/train_step.py --preset vit_b16 --device cuda
+  python -m benchmarks.train_step --preset vit_b16 --device cuda
 """
 
 from __future__ import annotations
 
+from benchmarks.common import ROOT, print_result  # first: sets the offline environment
+
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 @dataclass(frozen=True)
@@ -362,9 +359,8 @@ class Worker:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", name]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        cmd = [sys.executable, "-m", "benchmarks.train_step", *sys.argv[1:], "--worker", name]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
     def ask(self, command: str | None) -> dict:
         if command is not None:
@@ -484,7 +480,7 @@ def main() -> None:
             result["time_ratio_over_flop_ratio"] = result["cross8_time_ratio_over_flop_ratio"]
             result["goal_met"] = result["time_ratio_over_flop_ratio"] <= 1.2
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(result))
+    print_result(result)
 
 if __name__ == "__main__":
     main()

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from captioning.cache import CaptionCache, caption_row
-from pipeline.errors import UserError
-from pipeline.recipes import sha256_file
+from pipeline.core.errors import UserError
+from pipeline.core.recipes import sha256_file
 
 PROMPT_ID = "annotation"
 FINISH_REASON = "annotation"

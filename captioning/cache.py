@@ -37,10 +37,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from pipeline.digests import DigestIndex, first_occurrence
-from pipeline.errors import UserError
-from pipeline.fsutil import atomic_write_bytes, fsync_dir, fsync_file
-from pipeline.recipes import canonical_json, recipe_hash, sha256_file, text_key
+from pipeline.core.digests import DigestIndex, first_occurrence
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import atomic_write_bytes, fsync_dir, fsync_file
+from pipeline.core.recipes import canonical_json, recipe_hash, sha256_file, text_key
 
 FORMAT = "tcjepa-caption-cache"
 VERSION = 1

@@ -63,7 +63,7 @@ def load_processor(model: str, trust_remote_code: bool) -> Any:
     """The model's processor (image processor + tokenizer + chat template)."""
     from transformers import AutoProcessor
 
-    from pipeline.errors import UserError
+    from pipeline.core.errors import UserError
 
     try:
         processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)

@@ -7,10 +7,9 @@ request is drawn with the torch seed `seed + k`, so a caption is reproducible.
 
 from __future__ import annotations
 
-from typing import Any
 
 from captioning.engines import CaptionRequest, Generated, SamplingConfig, chat_prompt, load_processor
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 
 class HFEngine:

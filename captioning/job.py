@@ -26,11 +26,11 @@ from captioning.cache import caption_row
 from captioning.remote_cache import open_cache_for_writing
 from captioning.engines import CaptionEngine, CaptionRequest, SamplingConfig
 from captioning.prompts import Prompt, load_prompts, samples_per_prompt
-from pipeline.errors import UserError
-from pipeline.images import ImagePolicy, decode
-from pipeline.model_identity import load_config, model_identity
-from pipeline.recipes import sha256_bytes
-from pipeline.sources import iter_images, list_images
+from pipeline.core.errors import UserError
+from pipeline.core.images import ImagePolicy, decode
+from pipeline.core.model_identity import load_config, model_identity
+from pipeline.core.recipes import sha256_bytes
+from pipeline.core.sources import iter_images, list_images
 
 SEED_POLICY = "request seed = int(sha256('{seed}:{image_sha256}:{prompt_id}')[:8], 16) % 2**31; sample k gets seed + k"
 

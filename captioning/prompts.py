@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 
 @dataclass(frozen=True)

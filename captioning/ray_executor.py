@@ -1,6 +1,6 @@
 """`tcjepa caption --executor ray`: the images as a Ray Dataset, read and decoded in Ray tasks, captioned by VLM actors.
 
-The driver lists the images without reading them (``pipeline.sources.list_images``: the
+The driver lists the images without reading them (``pipeline.core.sources.list_images``: the
 same source ids as the local executor) and computes the recipe exactly as the local
 executor does. Ray tasks read each image, hash it, drop those of other `--shard`s and
 those the cache already holds, and decode and downscale the rest (CPU work that scales
@@ -24,10 +24,10 @@ import numpy as np
 
 from captioning.job import CaptionConfig, CaptionReport, caption_images, in_shard, make_engine
 from captioning.prompts import Prompt
-from pipeline.images import decode
-from pipeline.ray_cluster import actor_resources, start_ray
-from pipeline.recipes import sha256_bytes
-from pipeline.sources import ImageReader, ImageRef
+from pipeline.core.images import decode
+from pipeline.core.ray_cluster import actor_resources, start_ray
+from pipeline.core.recipes import sha256_bytes
+from pipeline.core.sources import ImageReader, ImageRef
 
 TO_CAPTION, OTHER_SHARD, CACHED, FAILED = "to-caption", "other-shard", "cached", "failed"  # what a read task found
 

@@ -1,7 +1,12 @@
-"""A caption cache on object storage (s3://), written by several hosts at once.
+"""A caption cache on object storage: read through a local mirror (any fsspec URL), written by several hosts (s3://).
 
-Reads go to a local mirror (``pipeline.remote``), which holds exactly the shards the
-remote has published, in the order of its log. A commit drops rows the mirror already
+Reading. `local_cache` is the one place a cache location becomes a local directory: a
+path is used as it is; a URL is mirrored (``pipeline.core.remote``): each shard's files
+are fetched once, checked against the sha256 in its manifest, and the manifest is written
+last, so a killed mirror resumes. The mirror holds exactly the shards the remote has
+published, by manifest or in the order of its log.
+
+Writing. A commit drops rows the mirror already
 holds, uploads the new shard under its unique name and creates the next log entry with
 its manifest; if another writer took that entry first, the commit fetches what was
 published, drops its rows that are now there, uploads the rest as a new shard and tries
@@ -11,6 +16,7 @@ again. Only then does the shard join the mirror, so the mirror never holds a row
 from __future__ import annotations
 
 import contextlib
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,21 +25,90 @@ import pyarrow as pa
 from filelock import FileLock
 
 from captioning.cache import FORMAT, SUBDIRS, VERSION, CaptionCache, CommitResult, RowBatch, manifest_doc, new_shard_id
-from pipeline.errors import UserError
-from pipeline.fsutil import atomic_write_bytes
-from pipeline.recipes import canonical_json, recipe_hash
-from pipeline.remote import (
+from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.recipes import canonical_json, recipe_hash
+from pipeline.core.remote import (
     LOG,
     PublishLog,
     create_if_absent,
+    fetch,
     is_remote,
     mirror_lock,
     mirror_path,
+    parse_json,
+    plain_name,
     remote_call,
     remote_names,
-    sync_cache_mirror,
+    remote_root,
+    reset_if_rebuilt,
     writable_filesystem,
 )
+
+
+def _fetch_cache_shard(fs: Any, root: str, local: Path, stem: str, source: str, doc: dict[str, Any]) -> None:
+    """Fetch one shard's files named by its manifest `doc`, each checked, then write the manifest (last)."""
+    files = doc.get("files") if doc.get("shard") == stem else None
+    if not plain_name(stem) or not isinstance(files, dict) or "captions" not in files:
+        raise DataProblem(f"{source}: not the manifest of shard {stem}")
+    for kind in ("failures", "captions"):
+        entry = files.get(kind)
+        if entry is None:
+            continue
+        if not isinstance(entry, dict) or entry.get("path") != f"{kind}/{stem}.parquet" or "sha256" not in entry:
+            raise DataProblem(f"{source}: its {kind} entry does not name {kind}/{stem}.parquet with a sha256")
+        fetch(fs, f"{root}/{entry['path']}", local / entry["path"], entry["sha256"])
+    atomic_write_bytes(local / "manifests" / f"{stem}.json", canonical_json(doc))
+
+
+def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
+    """Bring the mirror `local` up to date with the cache at `url` (call under `mirror_lock`); returns shards fetched.
+
+    A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer).
+    """
+    marker = remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json"))
+    reset_if_rebuilt(local, marker)
+    for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
+        (local / sub).mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(local / "CACHE.json", marker)
+    for name in remote_names(fs, url, f"{root}/recipes"):
+        if name.endswith(".json"):
+            fetch(fs, f"{root}/recipes/{name}", local / "recipes" / name)
+    fetched = 0
+    for name in remote_names(fs, url, f"{root}/manifests"):
+        stem = name.removesuffix(".json")
+        if name.endswith(".json") and not (local / "manifests" / name).exists():  # written last: the shard is all here
+            path = f"{root}/manifests/{name}"
+            _fetch_cache_shard(fs, root, local, stem, path, parse_json(path, remote_call(url, lambda: fs.cat_file(path))))
+            fetched += 1
+    log = PublishLog(url, fs, root, local)
+    for seq, raw in log.unseen():
+        doc = parse_json(f"{url}/{LOG}/{seq}", raw)
+        stem = doc.get("shard")
+        if not (local / "manifests" / f"{stem}.json").exists():
+            _fetch_cache_shard(fs, root, local, stem, f"{url}/{LOG}/{seq:012d}.json", doc)
+            fetched += 1
+        log.keep(seq, raw)
+    return fetched
+
+
+def mirror_cache(url: str, mirror: Path | None = None) -> Path:
+    """A local copy of the caption cache at `url`, brought up to date; each shard checked against its manifest."""
+    fs, root = remote_root(url, "CACHE.json", "a caption cache")
+    local = mirror_path(url, mirror)
+    local.mkdir(parents=True, exist_ok=True)
+    with mirror_lock(local):
+        fetched = sync_cache_mirror(url, fs, root, local)
+        total = len(list((local / "manifests").glob("*.json")))
+    print(f"mirror: {url} -> {local}: {fetched} new of {total} shards", file=sys.stderr)
+    return local
+
+
+def local_cache(location: str | Path, mirror: Path | None = None) -> Path:
+    """The local directory of the cache at `location`: a path as given, a URL mirrored (brought up to date) first."""
+    if is_remote(str(location)):
+        return mirror_cache(str(location), mirror)
+    return Path(location)
 
 
 class RemoteCaptionCache(CaptionCache):

@@ -11,6 +11,7 @@ each caption's `text_sha256` is the hash of its text; and each caption key
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,9 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 
 from captioning.cache import CAPTION_KEY, CAPTION_SCHEMA, FAILURE_SCHEMA, LOCK_TIMEOUT_S, CaptionCache, _row_digests
-from pipeline.digests import as_digests, first_repeat
-from pipeline.errors import DataProblem
-from pipeline.recipes import recipe_hash, sha256_file, text_key
+from pipeline.core.digests import as_digests, first_repeat
+from pipeline.core.errors import DataProblem
+from pipeline.core.recipes import recipe_hash, sha256_file, text_key
 
 
 @dataclass
@@ -149,8 +150,16 @@ def _snapshot(cache: CaptionCache) -> tuple[list[str], set[str]]:
         lock.release()
 
 
-def verify_cache(root: Path, progress: bool = True) -> CacheVerifyReport:
-    """Check the cache at `root`; raises DataProblem at the first inconsistency."""
+def verify_cache(location: str | Path, progress: bool = True) -> CacheVerifyReport:
+    """Check the cache at `location` (a directory, or a URL: every file fetched afresh and checked, none trusted from
+    an earlier mirror); raises DataProblem at the first inconsistency."""
+    from captioning.remote_cache import local_cache
+
+    with tempfile.TemporaryDirectory() as fresh:
+        return _verify_local_cache(local_cache(location, Path(fresh)), progress)
+
+
+def _verify_local_cache(root: Path, progress: bool) -> CacheVerifyReport:
     from tqdm import tqdm
 
     started = time.perf_counter()

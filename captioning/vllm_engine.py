@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from captioning.engines import CaptionRequest, Generated, SamplingConfig, chat_prompt, load_processor
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 # Engine options that change the generated text, and so belong in the recipe.
 OUTPUT_AFFECTING_ARGS = ("dtype", "quantization", "max_model_len", "mm_processor_kwargs", "hf_overrides", "tokenizer", "revision")

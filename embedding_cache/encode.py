@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import UserError
-from pipeline.model_identity import load_config, model_identity
+from pipeline.core.errors import UserError
+from pipeline.core.model_identity import load_config, model_identity
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
 FLOAT16_MAX = 65504.0

@@ -19,15 +19,16 @@ from typing import Any
 import numpy as np
 
 from captioning.cache import CaptionCache
+from captioning.remote_cache import local_cache
 from embedding_cache.encode import NonFiniteEmbedding, T5Encoder, encoder_recipe, load_tokenizer, plan_batches, tokenize
 from embedding_cache.remote_store import open_existing_store, open_store_for_writing
 from embedding_cache.store import SegmentWriter, TokenLayout
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 
 @dataclass
 class EmbedConfig:
-    cache: Path
+    cache: str | Path  # a directory or an fsspec URL (mirrored locally)
     store: str | Path  # a directory or an s3:// URL
     model: str
     recipes: list[str] = field(default_factory=list)
@@ -91,7 +92,7 @@ def _texts_to_encode(cache: CaptionCache, recipes: list[str]) -> tuple[list[str]
 def run_embed(cfg: EmbedConfig) -> EmbedReport:
     from tqdm import tqdm
 
-    cache = CaptionCache(cfg.cache)
+    cache = CaptionCache(local_cache(cfg.cache, cfg.mirror))
     recipes = cache.resolve_recipes(cfg.recipes)
     if cfg.token_budget < 1 or cfg.window < 1 or cfg.segment_mb <= 0:
         raise UserError("--token-budget, --window and --segment-mb must be positive")

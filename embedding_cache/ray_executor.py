@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from embedding_cache.job import EmbedConfig, EmbedReport, encode_window
 from embedding_cache.store import KEY_BYTES, TokenLayout
-from pipeline.ray_cluster import actor_resources, start_ray
+from pipeline.core.ray_cluster import actor_resources, start_ray
 
 
 class SegmentPerBatch:

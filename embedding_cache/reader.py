@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from embedding_cache.store import EmbeddingStore
-from pipeline.digests import DigestIndex
-from pipeline.errors import UserError
+from pipeline.core.digests import DigestIndex
+from pipeline.core.errors import UserError
 
 MISSING = np.uint64(2**64 - 1)
 

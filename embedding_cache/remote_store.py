@@ -1,10 +1,15 @@
-"""An embedding store on object storage (s3://), appended to by several hosts at once.
+"""An embedding store on object storage: read through a local mirror (any fsspec URL), appended to by several hosts (s3://).
 
-A writer never downloads tokens: it keeps a local *keys mirror* (the store's root and,
+Reading. `local_store` is the one place a store location becomes a local directory: a
+path is used as it is; a URL is mirrored: each published segment (or only those a run
+needs) is fetched once into staging, checked against the sha256 recorded when it was
+written, and renamed in whole.
+
+Writing. A writer never downloads tokens: it keeps a local *keys mirror* (the store's root and,
 for each published segment, its attributes and `keys`), which is all it needs to skip
 captions already stored. Segments are built in the keys mirror's staging area as for a
 local store, uploaded under their unique ids, and published by creating the next entry
-of the remote log (``pipeline.remote``); a writer that loses the race for an entry fetches
+of the remote log (``pipeline.core.remote``); a writer that loses the race for an entry fetches
 the keys of what was published, drops those captions and tries again. After each
 publication the remote root's segment list is brought up to date for plain zarr readers;
 tcjepa's readers take the root's list and the log together.
@@ -20,16 +25,17 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 from filelock import FileLock
 
-from embedding_cache.store import EmbeddingStore, PublishResult, SegmentWriter, array_sha256, write_empty_root
-from pipeline.errors import DataProblem, UserError
-from pipeline.fsutil import atomic_write_bytes
-from pipeline.recipes import canonical_json
-from pipeline.remote import (
+from embedding_cache.store import STAGING, EmbeddingStore, PublishResult, SegmentWriter, array_sha256, write_empty_root
+from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.recipes import canonical_json
+from pipeline.core.remote import (
     LOG,
     PublishLog,
     create_if_absent,
@@ -38,14 +44,94 @@ from pipeline.remote import (
     is_remote,
     mirror_lock,
     mirror_path,
+    parse_json,
+    plain_name,
     remote_call,
     remote_names,
     remote_root,
-    remote_store_segments,
+    reset_if_rebuilt,
     writable_filesystem,
 )
 
 FETCHING = ".fetching"
+
+
+def remote_store_segments(url: str, fs: Any, root: str, local: Path) -> tuple[bytes, list[str]]:
+    """The remote root's `zarr.json` and every published segment: the root's list, then those only the log names.
+
+    Log entries are copied under `local` as they are read (call under `mirror_lock`).
+    """
+    root_raw = remote_call(url, lambda: fs.cat_file(f"{root}/zarr.json"))
+    meta = parse_json(f"{url}/zarr.json", root_raw).get("attributes", {}).get("tcjepa", {})
+    segments = meta.get("segments")
+    if not isinstance(segments, list) or not all(plain_name(s) for s in segments):
+        raise DataProblem(f"{url}/zarr.json: not a tcjepa embedding store root (no valid segment list)")
+    reset_if_rebuilt(local, canonical_json({k: v for k, v in meta.items() if k != "segments"}))
+    log = PublishLog(url, fs, root, local)
+    for seq, raw in log.unseen():
+        if not plain_name(parse_json(f"{url}/{LOG}/{seq:012d}.json", raw).get("segment")):
+            raise DataProblem(f"{url}/{LOG}/{seq:012d}.json: not a segment entry")
+        log.keep(seq, raw)
+    listed = set(segments)
+    return root_raw, [*segments, *(s for s in (e["segment"] for e in log.entries()) if s not in listed)]
+
+
+def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | None = None) -> Path:
+    """A local copy of the embedding store at `url`: every published segment (or those in `only`), each checked
+    against its sha256.
+
+    `only` is how a training node fetches just the segments that hold its run's captions (a store for ImageNet-21k
+    with a large T5 runs to tens of TB); the local root lists every segment fetched, now or earlier.
+    """
+    from embedding_cache.verify import verify_segment
+
+    fs, root = remote_root(url, "zarr.json", "an embedding store")
+    local = mirror_path(url, mirror)
+    local.mkdir(parents=True, exist_ok=True)
+    with mirror_lock(local):
+        root_raw, segments = remote_store_segments(url, fs, root, local)
+        if only is not None:
+            only = set(only)
+            unknown = sorted(only - set(segments))
+            if unknown:
+                raise DataProblem(f"{url}: segment {unknown[0]} is not published there ({len(unknown)} missing); "
+                                  f"the store was rebuilt since the run's index was made: train with a new --out")
+        wanted = segments if only is None else [s for s in segments if s in only]
+        (local / "segments").mkdir(exist_ok=True)
+        # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
+        # new segments only, and the old ones left here are no longer read). The local root lists them all.
+        doc = json.loads(root_raw)
+
+        def list_locally(listed: list[str]) -> None:
+            doc["attributes"]["tcjepa"]["segments"] = listed
+            atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
+
+        list_locally([s for s in segments if (local / "segments" / s).exists()])  # a reader meanwhile sees only whole segments
+        fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
+        store = EmbeddingStore(local)
+        fetched = 0
+        for segment in wanted:
+            final = local / "segments" / segment
+            if final.exists():  # renamed in only once fetched whole and checked
+                continue
+            staging = local / STAGING / segment
+            shutil.rmtree(staging, ignore_errors=True)
+            fetch_tree(url, fs, f"{root}/segments/{segment}", staging)
+            verify_segment(store, segment, staging)
+            staging.rename(final)
+            fetched += 1
+        list_locally([s for s in segments if (local / "segments" / s).exists()])
+        shutil.rmtree(local / STAGING, ignore_errors=True)
+    of = "" if only is None else f" this run needs (the store has {len(segments)})"
+    print(f"mirror: {url} -> {local}: {fetched} new of {len(wanted)} segments{of}", file=sys.stderr)
+    return local
+
+
+def local_store(location: str | Path, mirror: Path | None = None, only: Collection[str] | None = None) -> Path:
+    """The local directory of the store at `location`: a path as given, a URL mirrored first (every segment, or `only`)."""
+    if is_remote(str(location)):
+        return mirror_store(str(location), mirror, only)
+    return Path(location)
 
 
 class RemoteEmbeddingStore(EmbeddingStore):

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from pipeline.digests import DigestIndex
-from pipeline.errors import UserError
-from pipeline.fsutil import fsync_dir, pid_alive
-from pipeline.recipes import recipe_hash
+from pipeline.core.digests import DigestIndex
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import fsync_dir, pid_alive
+from pipeline.core.recipes import recipe_hash
 
 FORMAT = "tcjepa-embedding-store"
 VERSION = 1

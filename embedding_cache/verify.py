@@ -12,6 +12,7 @@ the recorded encoder and compares them with the stored vectors.
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from embedding_cache.store import KEY_BYTES, EmbeddingStore, array_sha256
-from pipeline.digests import first_repeat
-from pipeline.errors import DataProblem, UserError
-from pipeline.recipes import recipe_hash
+from pipeline.core.digests import first_repeat
+from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.recipes import recipe_hash
 
 READ_ROWS = 1 << 18
 DEEP_MIN_COSINE = 0.99
@@ -146,9 +147,18 @@ def _deep_check(store: EmbeddingStore, all_keys: np.ndarray, cache: Path, model:
     report.deep_min_cosine = lowest
 
 
-def verify_store(path: Path, deep: bool = False, cache: Path | None = None, model: str | None = None, sample: int = 64,
-                 seed: int = 0, device: str = "auto", progress: bool = True) -> StoreVerifyReport:
-    """Check `path` end to end; raises DataProblem at the first inconsistency."""
+def verify_store(location: str | Path, deep: bool = False, cache: Path | None = None, model: str | None = None,
+                 sample: int = 64, seed: int = 0, device: str = "auto", progress: bool = True) -> StoreVerifyReport:
+    """Check the store at `location` end to end (a directory, or a URL: every segment fetched afresh and checked);
+    raises DataProblem at the first inconsistency."""
+    from embedding_cache.remote_store import local_store
+
+    with tempfile.TemporaryDirectory() as fresh:
+        return _verify_local_store(local_store(location, Path(fresh)), deep, cache, model, sample, seed, device, progress)
+
+
+def _verify_local_store(path: Path, deep: bool, cache: Path | None, model: str | None, sample: int, seed: int,
+                        device: str, progress: bool) -> StoreVerifyReport:
     from tqdm import tqdm
 
     if deep and cache is None:

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipeline.errors import DataProblem, UserError, os_error_line
+from pipeline.core.errors import DataProblem, UserError, os_error_line
 
 app = typer.Typer(
     name="tcjepa",
@@ -36,7 +36,7 @@ def tiny_models(
     seed: Annotated[int, typer.Option(help="Seed for weights and training; same arguments give identical files.")] = 0,
 ) -> None:
     """Build a tiny T5 encoder and a tiny Qwen2-VL (with tokenizers) for tests, the demo and benchmarks."""
-    from pipeline.tiny_models import build_tiny_models
+    from pipeline.devkit.tiny_models import build_tiny_models
 
     stats = build_tiny_models(out, t5_corpus=t5_corpus, t5_steps=t5_steps, seed=seed, t5_phrase_tags=t5_phrase_tags)
     typer.echo(json.dumps(stats))
@@ -51,14 +51,14 @@ def synth(
     seed: Annotated[int, typer.Option(help="Image i depends only on (seed, i).")] = 0,
 ) -> None:
     """Draw synthetic scenes of shapes with 8 captions each that say what is where."""
-    from pipeline.synth import generate
+    from pipeline.devkit.synth import generate
 
     generate(out, n, image_size=image_size, grid=grid, seed=seed)
     typer.echo(f"wrote {n} images, captions.jsonl and labels.jsonl to {out}")
 
 
 def parse_engine_args(pairs: list[str]) -> dict[str, object]:
-    from pipeline.keyvalues import parse_key_values
+    from pipeline.core.keyvalues import parse_key_values
 
     return parse_key_values(pairs, "--vllm-arg", "tensor_parallel_size=2")
 
@@ -114,7 +114,7 @@ def caption(
         raise UserError("captioning needs IMAGES and --model (or --annotations FILE to import captions)")
     from captioning.engines import SamplingConfig
     from captioning.job import CaptionConfig, run_caption
-    from pipeline.images import ImagePolicy
+    from pipeline.core.images import ImagePolicy
 
     cfg = CaptionConfig(
         inputs=images, cache=cache, model=model, captions_per_image=captions_per_image, prompts_file=prompts,
@@ -152,16 +152,9 @@ def cache_verify(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Check manifests, per-shard sha256, schema, recipes and caption-key uniqueness; exit 1 with the first problem."""
-    import tempfile
-
     from captioning.verify import verify_cache
-    from pipeline.remote import is_remote, mirror_cache
 
-    if not is_remote(cache):
-        typer.echo(verify_cache(Path(cache), progress=progress).summary())
-        return
-    with tempfile.TemporaryDirectory() as fresh:  # every remote file fetched and checked again, none trusted from a mirror
-        typer.echo(verify_cache(mirror_cache(cache, Path(fresh)), progress=progress).summary())
+    typer.echo(verify_cache(cache, progress=progress).summary())
 
 
 @store_app.command("info")
@@ -187,14 +180,10 @@ def store_verify(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Check segments, offsets, recorded sha256, finiteness and key uniqueness; exit 1 with the first problem."""
-    import tempfile
-
     from embedding_cache.verify import verify_store
-    from pipeline.remote import is_remote, mirror_store
 
-    with tempfile.TemporaryDirectory() as fresh:  # a remote store: every file fetched and checked again
-        path = mirror_store(store, Path(fresh)) if is_remote(store) else Path(store)
-        typer.echo(verify_store(path, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress).summary())
+    report = verify_store(store, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress)
+    typer.echo(report.summary())
 
 
 @app.command()
@@ -222,9 +211,7 @@ def embed(
     """Encode every caption not yet in the store with T5 and append them as a new segment."""
     from embedding_cache.job import EmbedConfig, run_embed
 
-    from pipeline.remote import is_remote, mirror_cache
-
-    cfg = EmbedConfig(cache=mirror_cache(cache, mirror) if is_remote(cache) else Path(cache), store=store if is_remote(store) else Path(store), mirror=mirror, model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
+    cfg = EmbedConfig(cache=cache, store=store, mirror=mirror, model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
                       eos=eos, compute_dtype=dtype, device=device, window=window, segment_mb=segment_mb,
                       chunk_tokens=chunk_tokens, shard_chunks=shard_chunks, dry_run=dry_run, progress=progress,
                       executor=check_executor(executor), ray_address=ray_address, num_workers=num_workers)
@@ -316,7 +303,7 @@ def eval_(
     progress: Annotated[bool, typer.Option(help="Show a progress bar while extracting features.")] = True,
 ) -> None:
     """Probe a run's frozen features: linear, k-NN, dense per-patch and attentive; features are cached in RUN/features."""
-    from train.evaluate import PROBES, EvalConfig, evaluate, one_line
+    from evaluation.evaluate import PROBES, EvalConfig, evaluate, one_line
 
     probes = tuple(probe) if probe else None
     cfg = EvalConfig(run=run, images=images, labels=labels, image_root=image_root, test_fraction=test_fraction,
@@ -333,7 +320,7 @@ def export(
     out: Annotated[Path, typer.Option(help="Directory for model.safetensors and config.json.")],
 ) -> None:
     """Export the run's target encoder as safetensors with timm names (class-token-free, average-pooled ViT)."""
-    from train.export import export_run
+    from evaluation.export import export_run
 
     config = export_run(run, out)
     typer.echo(json.dumps({"out": str(out), "step": config["step"], "timm": config["timm"]}))
@@ -349,7 +336,7 @@ def viz(
     top: Annotated[int, typer.Option(help="How many words to draw heat maps for (highest peak patch–word cosine first).")] = 8,
 ) -> None:
     """Draw patch–word cosine heat maps and per-patch prediction error with the captions, their words shuffled, and no text."""
-    from train.viz import render
+    from evaluation.viz import render
 
     typer.echo(json.dumps(render(run, image, captions, text_model, out, top=top)))
 

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.conftest import REPO
-
-spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
-ablations = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ablations)
+from benchmarks import ablations
 
 
 def test_summary_is_mean_and_sample_standard_deviation_over_seeds():

@@ -3,7 +3,7 @@ import json
 from PIL import Image
 
 from captioning.cache import CaptionCache
-from pipeline.recipes import sha256_file
+from pipeline.core.recipes import sha256_file
 from tests.conftest import tcjepa
 
 

@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from captioning.cache import CaptionCache, caption_row
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 from tests.conftest import tcjepa
 
 RECIPE = {"kind": "test", "model": "m"}

@@ -14,8 +14,8 @@ from captioning.cache import CaptionCache
 from captioning.engines import SamplingConfig
 from captioning.job import CaptionConfig, in_shard, run_caption
 from captioning.prompts import samples_per_prompt
-from pipeline.errors import UserError
-from pipeline.recipes import sha256_file
+from pipeline.core.errors import UserError
+from pipeline.core.recipes import sha256_file
 from tests.conftest import REPO, TINY_VLLM_ARGS, tcjepa
 from tests.test_sources_images import bad_image_catalogue
 

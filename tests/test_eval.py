@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.conftest import tcjepa
-from train.export import load_exported
-from train.features import extract_features, load_trained_encoder
-from train.labels import patch_labels, read_labels
-from train.probes import Split, attentive_probe, dense_probe, knn_probe, linear_probe, mean_iou, random_split
-from pipeline.sources import list_images
+from evaluation.export import load_exported
+from evaluation.features import extract_features, load_trained_encoder
+from evaluation.labels import patch_labels, read_labels
+from evaluation.probes import Split, attentive_probe, dense_probe, knn_probe, linear_probe, mean_iou, random_split
+from pipeline.core.sources import list_images
 
 TINY = ["--model", "vit_tiny", "--patch-size", "8", "--image-size", "64", "--batch-size", "8", "--captions-per-image", "4",
         "--no-progress", "--steps", "4", "--set", "depth=2", "--set", "predictor_width=96", "--set", "predictor_depth=2",

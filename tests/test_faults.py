@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from embedding_cache.store import EmbeddingStore
-from pipeline.recipes import sha256_file
+from pipeline.core.recipes import sha256_file
 from tests.conftest import REPO, tcjepa
 from tests.test_train import TINY
 

@@ -3,8 +3,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from pipeline.digests import DigestIndex, first_occurrence
-from pipeline.recipes import canonical_json, recipe_hash, text_key
+from pipeline.core.digests import DigestIndex, first_occurrence
+from pipeline.core.recipes import canonical_json, recipe_hash, text_key
 
 
 def test_canonical_json_is_order_and_whitespace_free():

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.errors import DataProblem
-from pipeline.remote import mirror_cache, mirror_path, mirror_store
+from pipeline.core.errors import DataProblem
+from captioning.remote_cache import mirror_cache
+from embedding_cache.remote_store import mirror_store
+from pipeline.core.remote import mirror_path
 from tests.conftest import REPO, tcjepa
 from tests.test_train import TINY, _assert_close_runs
 
@@ -186,8 +188,8 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     assert a.recipes()[digest].name == b.recipes()[digest].name == "first", "the first writer's recipe name wins"
 
     # a PUT retried after its response was lost finds its own entry: a success, not a lost race
-    from pipeline.recipes import canonical_json
-    from pipeline.remote import PublishLog
+    from pipeline.core.recipes import canonical_json
+    from pipeline.core.remote import PublishLog
 
     log = PublishLog(url, fs, f"{BUCKET}/raced-cache", tmp_path / "fresh-log")
     fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000000.json", canonical_json({"mine": 1}))  # already there: someone else's

@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.errors import UserError
-from pipeline.images import ImagePolicy, decode
-from pipeline.recipes import sha256_bytes
-from pipeline.sources import ImageReader, iter_images, list_images
+from pipeline.core.errors import UserError
+from pipeline.core.images import ImagePolicy, decode
+from pipeline.core.recipes import sha256_bytes
+from pipeline.core.sources import ImageReader, iter_images, list_images
 
 
 def _png(colour, size=(32, 24), mode="RGB"):

@@ -9,8 +9,8 @@ import zarr
 
 from embedding_cache.reader import EmbeddingReader, StoreKeys
 from embedding_cache.store import EmbeddingStore, TokenLayout
-from pipeline.errors import UserError
-from pipeline.recipes import text_key
+from pipeline.core.errors import UserError
+from pipeline.core.recipes import text_key
 
 ENC = {"kind": "t5-encoder", "model": "fake", "max_length": 64}
 D = 8

@@ -3,7 +3,7 @@ import json
 import numpy as np
 from PIL import Image
 
-from pipeline import synth
+from pipeline.devkit import synth
 from tests.conftest import tcjepa
 
 

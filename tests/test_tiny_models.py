@@ -41,8 +41,8 @@ def test_phrase_tags_mark_each_object_phrase_with_its_cell_and_class():
     position, with one class; every other token has cell 0 and no class."""
     import numpy as np
 
-    from pipeline import synth
-    from pipeline.tiny_t5 import GRID, _tagged_batch, build_t5_tokenizer
+    from pipeline.devkit import synth
+    from pipeline.devkit.tiny_t5 import GRID, _tagged_batch, build_t5_tokenizer
 
     tokenizer = build_t5_tokenizer()
     ids, mask, cells, classes = _tagged_batch(tokenizer, np.random.default_rng(0))
@@ -70,7 +70,7 @@ def test_trained_t5_ties_colours_to_positions(tmp_path, synth_dir, tiny_models):
     Measured by linear probes on held-out scenes, both ways: the object's colour from its position phrase, and
     its cell from its colour word - what a predictor cross-attending from a cell to the caption needs.
     """
-    from pipeline.tiny_t5 import binding_score, probe_accuracy
+    from pipeline.devkit.tiny_t5 import binding_score, probe_accuracy
 
     stats = json.loads(tcjepa("tiny-models", "--out", tmp_path, "--t5-corpus", synth_dir / "captions.jsonl", "--t5-steps", 600).stdout)
     random_probe = probe_accuracy(tiny_models / "t5")

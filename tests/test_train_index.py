@@ -11,9 +11,9 @@ from PIL import Image
 from captioning.annotations import import_annotations
 from captioning.cache import CaptionCache
 from embedding_cache.reader import EmbeddingReader
-from pipeline.errors import UserError
-from pipeline.recipes import text_key
-from pipeline.sources import ImageReader
+from pipeline.core.errors import UserError
+from pipeline.core.recipes import text_key
+from pipeline.core.sources import ImageReader
 from tests.conftest import REPO, tcjepa
 from train.data_index import TrainIndex, build_index
 

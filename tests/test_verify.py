@@ -16,8 +16,8 @@ from captioning.cache import CAPTION_SCHEMA
 from captioning.verify import verify_cache
 from embedding_cache.store import EmbeddingStore, array_sha256
 from embedding_cache.verify import verify_store
-from pipeline.errors import DataProblem, UserError
-from pipeline.recipes import canonical_json, sha256_file
+from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.recipes import canonical_json, sha256_file
 from tests.conftest import tcjepa
 
 

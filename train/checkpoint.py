@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import UserError
-from pipeline.fsutil import fsync_dir
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import fsync_dir
 
 CHECKPOINT = "checkpoint.pt"
 

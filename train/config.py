@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from pipeline.errors import UserError
-from pipeline.keyvalues import parse_key_values
+from pipeline.core.errors import UserError
+from pipeline.core.keyvalues import parse_key_values
 from train.masks import MaskConfig
 
 

@@ -6,7 +6,7 @@ and the masks (drawn for the whole global batch, see `train.masks`). A run is
 therefore reproducible, resumes at any step without replay, and gives every
 sample the same crop, captions and masks whatever the number of processes.
 
-Images are read through `pipeline.sources.ImageReader` and checked against the
+Images are read through `pipeline.core.sources.ImageReader` and checked against the
 sha256 recorded in the index, so a source that changed since the join is caught
 instead of silently pairing images with another image's captions. Caption token
 embeddings come from the memory-mapped `EmbeddingReader`; the store is opened
@@ -25,8 +25,8 @@ import torch
 from PIL import Image
 
 from embedding_cache.reader import EmbeddingReader
-from pipeline.images import ImagePolicy, decode
-from pipeline.sources import ImageReader
+from pipeline.core.images import ImagePolicy, decode
+from pipeline.core.sources import ImageReader
 from train.config import TrainConfig
 from train.data_index import TrainIndex
 from train.masks import MaskConfig, sample_masks

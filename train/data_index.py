@@ -31,9 +31,9 @@ import pyarrow.parquet as pq
 from captioning.cache import CaptionCache
 from embedding_cache.reader import StoreKeys
 from embedding_cache.store import EmbeddingStore
-from pipeline.errors import UserError
-from pipeline.fsutil import atomic_write_bytes
-from pipeline.sources import ImageReader, ImageRef, list_images
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.sources import ImageReader, ImageRef, list_images
 
 FORMAT = "tcjepa-train-index"
 VERSION = 1

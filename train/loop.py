@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 import yaml
 from filelock import FileLock, Timeout
 
-from pipeline.errors import DataProblem, UserError
-from pipeline.fsutil import atomic_write_bytes
+from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.fsutil import atomic_write_bytes
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.config import TrainConfig, differences, to_dict, validate
 from train.data import Batch, StepBatches, normalise, split_images
@@ -157,8 +157,9 @@ def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
 def inputs_for_index(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
     """The cache and store to build the index from: local ones as given; remote (fsspec URL) ones mirrored by
     rank 0, the cache whole and the store's keys only (its tokens come later, and only where the index needs them)."""
+    from captioning.remote_cache import local_cache
     from embedding_cache.remote_store import mirror_store_keys
-    from pipeline.remote import is_remote, mirror_cache, mirror_path
+    from pipeline.core.remote import is_remote, mirror_path
 
     if not (is_remote(cfg.cache) or is_remote(cfg.store)):
         return cfg
@@ -166,7 +167,7 @@ def inputs_for_index(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
 
     def fetch() -> None:
         if is_remote(cfg.cache):
-            mirror_cache(cfg.cache, mirror)
+            local_cache(cfg.cache, mirror)
         if is_remote(cfg.store):
             mirror_store_keys(cfg.store, mirror)
 
@@ -184,8 +185,9 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     index, so over an epoch every rank touches every indexed image.
     """
     from embedding_cache.reader import StoreKeys
+    from embedding_cache.remote_store import local_store
     from embedding_cache.store import EmbeddingStore
-    from pipeline.remote import is_remote, mirror_path, mirror_store
+    from pipeline.core.remote import is_remote, mirror_path
 
     if not is_remote(cfg.store):
         return for_index
@@ -193,7 +195,7 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     segments = [agreed(rt, lambda: StoreKeys(EmbeddingStore(for_index.store)).segments_holding(index.caption_keys), on=rt.main)]
     if rt.world > 1:
         dist.broadcast_object_list(segments, src=0)
-    agreed(rt, lambda: mirror_store(cfg.store, mirror, only=segments[0]), on=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    agreed(rt, lambda: local_store(cfg.store, mirror, only=segments[0]), on=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
 
 

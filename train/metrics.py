@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import UserError
-from pipeline.fsutil import atomic_write_bytes
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import atomic_write_bytes
 
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from train.vit import LN_EPS, MLP, SelfAttention, init_weights, scale_residual_outputs, sincos_2d

@@ -27,16 +27,15 @@ import json
 import os
 import re
 import shutil
-import sys
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from filelock import FileLock
 
-from pipeline.errors import DataProblem, UserError
-from pipeline.fsutil import atomic_write_bytes
-from pipeline.recipes import canonical_json, sha256_file
+from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.recipes import canonical_json, sha256_file
 
 DEFAULT_MIRROR = Path.home() / ".cache" / "tcjepa" / "mirror"
 WRITABLE_PROTOCOLS = ("s3", "s3a")
@@ -251,90 +250,6 @@ def reset_if_rebuilt(local: Path, identity: bytes) -> None:
         atomic_write_bytes(marker, identity)
 
 
-# ---- caption caches ----------------------------------------------------------------------------
-
-
-def _fetch_cache_shard(fs: Any, root: str, local: Path, stem: str, source: str, doc: dict[str, Any]) -> None:
-    """Fetch one shard's files named by its manifest `doc`, each checked, then write the manifest (last)."""
-    files = doc.get("files") if doc.get("shard") == stem else None
-    if not plain_name(stem) or not isinstance(files, dict) or "captions" not in files:
-        raise DataProblem(f"{source}: not the manifest of shard {stem}")
-    for kind in ("failures", "captions"):
-        entry = files.get(kind)
-        if entry is None:
-            continue
-        if not isinstance(entry, dict) or entry.get("path") != f"{kind}/{stem}.parquet" or "sha256" not in entry:
-            raise DataProblem(f"{source}: its {kind} entry does not name {kind}/{stem}.parquet with a sha256")
-        fetch(fs, f"{root}/{entry['path']}", local / entry["path"], entry["sha256"])
-    atomic_write_bytes(local / "manifests" / f"{stem}.json", canonical_json(doc))
-
-
-def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
-    """Bring the mirror `local` up to date with the cache at `url` (call under `mirror_lock`); returns shards fetched.
-
-    A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer).
-    """
-    marker = remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json"))
-    reset_if_rebuilt(local, marker)
-    for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
-        (local / sub).mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(local / "CACHE.json", marker)
-    for name in remote_names(fs, url, f"{root}/recipes"):
-        if name.endswith(".json"):
-            fetch(fs, f"{root}/recipes/{name}", local / "recipes" / name)
-    fetched = 0
-    for name in remote_names(fs, url, f"{root}/manifests"):
-        stem = name.removesuffix(".json")
-        if name.endswith(".json") and not (local / "manifests" / name).exists():  # written last: the shard is all here
-            path = f"{root}/manifests/{name}"
-            _fetch_cache_shard(fs, root, local, stem, path, parse_json(path, remote_call(url, lambda: fs.cat_file(path))))
-            fetched += 1
-    log = PublishLog(url, fs, root, local)
-    for seq, raw in log.unseen():
-        doc = parse_json(f"{url}/{LOG}/{seq}", raw)
-        stem = doc.get("shard")
-        if not (local / "manifests" / f"{stem}.json").exists():
-            _fetch_cache_shard(fs, root, local, stem, f"{url}/{LOG}/{seq:012d}.json", doc)
-            fetched += 1
-        log.keep(seq, raw)
-    return fetched
-
-
-def mirror_cache(url: str, mirror: Path | None = None) -> Path:
-    """A local copy of the caption cache at `url`, brought up to date; each shard checked against its manifest."""
-    fs, root = remote_root(url, "CACHE.json", "a caption cache")
-    local = mirror_path(url, mirror)
-    local.mkdir(parents=True, exist_ok=True)
-    with mirror_lock(local):
-        fetched = sync_cache_mirror(url, fs, root, local)
-        total = len(list((local / "manifests").glob("*.json")))
-    print(f"mirror: {url} -> {local}: {fetched} new of {total} shards", file=sys.stderr)
-    return local
-
-
-# ---- embedding stores --------------------------------------------------------------------------
-
-
-def remote_store_segments(url: str, fs: Any, root: str, local: Path) -> tuple[bytes, list[str]]:
-    """The remote root's `zarr.json` and every published segment: the root's list, then those only the log names.
-
-    Log entries are copied under `local` as they are read (call under `mirror_lock`).
-    """
-    root_raw = remote_call(url, lambda: fs.cat_file(f"{root}/zarr.json"))
-    meta = parse_json(f"{url}/zarr.json", root_raw).get("attributes", {}).get("tcjepa", {})
-    segments = meta.get("segments")
-    if not isinstance(segments, list) or not all(plain_name(s) for s in segments):
-        raise DataProblem(f"{url}/zarr.json: not a tcjepa embedding store root (no valid segment list)")
-    reset_if_rebuilt(local, canonical_json({k: v for k, v in meta.items() if k != "segments"}))
-    log = PublishLog(url, fs, root, local)
-    for seq, raw in log.unseen():
-        if not plain_name(parse_json(f"{url}/{LOG}/{seq:012d}.json", raw).get("segment")):
-            raise DataProblem(f"{url}/{LOG}/{seq:012d}.json: not a segment entry")
-        log.keep(seq, raw)
-    listed = set(segments)
-    return root_raw, [*segments, *(s for s in (e["segment"] for e in log.entries()) if s not in listed)]
-
-
 def fetch_tree(url: str, fs: Any, prefix: str, into: Path) -> None:
     """Copy every file under the remote `prefix` into `into`, refusing names that leave it."""
     prefix = prefix.rstrip("/") + "/"
@@ -343,55 +258,3 @@ def fetch_tree(url: str, fs: Any, prefix: str, into: Path) -> None:
         if ".." in Path(relative).parts or Path(relative).is_absolute():
             raise DataProblem(f"{path}: a file name that leaves its segment; not used")
         fetch(fs, path, into / relative)
-
-
-def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | None = None) -> Path:
-    """A local copy of the embedding store at `url`: every published segment (or those in `only`), each checked
-    against its sha256.
-
-    `only` is how a training node fetches just the segments that hold its run's captions (a store for ImageNet-21k
-    with a large T5 runs to tens of TB); the local root lists every segment fetched, now or earlier.
-    """
-    from embedding_cache.store import STAGING, EmbeddingStore
-    from embedding_cache.verify import verify_segment
-
-    fs, root = remote_root(url, "zarr.json", "an embedding store")
-    local = mirror_path(url, mirror)
-    local.mkdir(parents=True, exist_ok=True)
-    with mirror_lock(local):
-        root_raw, segments = remote_store_segments(url, fs, root, local)
-        if only is not None:
-            only = set(only)
-            unknown = sorted(only - set(segments))
-            if unknown:
-                raise DataProblem(f"{url}: segment {unknown[0]} is not published there ({len(unknown)} missing); "
-                                  f"the store was rebuilt since the run's index was made: train with a new --out")
-        wanted = segments if only is None else [s for s in segments if s in only]
-        (local / "segments").mkdir(exist_ok=True)
-        # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
-        # new segments only, and the old ones left here are no longer read). The local root lists them all.
-        doc = json.loads(root_raw)
-
-        def list_locally(listed: list[str]) -> None:
-            doc["attributes"]["tcjepa"]["segments"] = listed
-            atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
-
-        list_locally([s for s in segments if (local / "segments" / s).exists()])  # a reader meanwhile sees only whole segments
-        fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
-        store = EmbeddingStore(local)
-        fetched = 0
-        for segment in wanted:
-            final = local / "segments" / segment
-            if final.exists():  # renamed in only once fetched whole and checked
-                continue
-            staging = local / STAGING / segment
-            shutil.rmtree(staging, ignore_errors=True)
-            fetch_tree(url, fs, f"{root}/segments/{segment}", staging)
-            verify_segment(store, segment, staging)
-            staging.rename(final)
-            fetched += 1
-        list_locally([s for s in segments if (local / "segments" / s).exists()])
-        shutil.rmtree(local / STAGING, ignore_errors=True)
-    of = "" if only is None else f" this run needs (the store has {len(segments)})"
-    print(f"mirror: {url} -> {local}: {fetched} new of {len(wanted)} segments{of}", file=sys.stderr)
-    return local

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline import synth
-from pipeline.errors import UserError
+from pipeline.devkit import synth
+from pipeline.core.errors import UserError
 
 if TYPE_CHECKING:
     import transformers

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import UserError
-from pipeline.fsutil import atomic_write_bytes
-from pipeline.sources import list_images
-from train.features import extract_features, resolve_device
-from train.labels import Labels, patch_labels, read_labels
-from train.probes import ProbeResult, Split, attentive_probe, dense_probe, knn_probe, linear_probe, random_split
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.sources import list_images
+from evaluation.features import extract_features, resolve_device
+from evaluation.labels import Labels, patch_labels, read_labels
+from evaluation.probes import ProbeResult, Split, attentive_probe, dense_probe, knn_probe, linear_probe, random_split
 
 PROBES = ("linear", "knn", "dense", "attentive")
 EVAL_DIR = "eval"

@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 
 def parse_key_values(pairs: list[str], flag: str, example: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 if TYPE_CHECKING:
     import datasets

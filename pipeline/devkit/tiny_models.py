@@ -3,7 +3,7 @@
 Both are built from nothing (no hub) and loaded only through
 ``from_pretrained(dir)``, the same path real checkpoints take. With a caption
 corpus the T5 is first trained with span corruption on it and phrase tagging on
-fresh synth scenes (`pipeline.tiny_t5`); a random T5 passes captions on as a bag
+fresh synth scenes (`pipeline.devkit.tiny_t5`); a random T5 passes captions on as a bag
 of words. What training does and does not change is
 measured by `tiny_t5.binding_score` and `tiny_t5.probe_accuracy` (README,
 "tcjepa tiny-models").
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 T5_STEPS = 800  # phrase tagging is learnt (>= 0.99 of phrase tokens right) within ~500 steps
 
@@ -41,8 +41,8 @@ def read_caption_corpus(path: Path) -> list[str]:
 def build_tiny_models(out: Path, t5_corpus: Path | None = None, t5_steps: int = T5_STEPS, seed: int = 0,
                       t5_phrase_tags: bool = True) -> dict[str, Any]:
     """Write `out/t5` and `out/vlm`; returns what was built (and the T5's binding score when trained)."""
-    from pipeline.tiny_t5 import binding_score, build_tiny_t5, probe_accuracy
-    from pipeline.tiny_vlm import build_tiny_vlm
+    from pipeline.devkit.tiny_t5 import binding_score, build_tiny_t5, probe_accuracy
+    from pipeline.devkit.tiny_vlm import build_tiny_vlm
 
     if t5_steps < 0:
         raise UserError(f"--t5-steps must be >= 0 (got {t5_steps})")

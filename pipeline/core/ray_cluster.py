@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 
 def start_ray(address: str | None) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeline.errors import UserError
+from pipeline.core.errors import UserError
 
 COLOURS = {
     "red": (220, 40, 40),

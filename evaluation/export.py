@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.errors import UserError
-from pipeline.fsutil import atomic_write_bytes
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import atomic_write_bytes
 from train.data import IMAGENET_MEAN, IMAGENET_STD
-from train.features import load_trained_encoder
+from evaluation.features import load_trained_encoder
 from train.vit import VisionTransformer
 
 WEIGHTS = "model.safetensors"

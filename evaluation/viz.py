@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.errors import UserError
-from pipeline.images import decode
+from pipeline.core.errors import UserError
+from pipeline.core.images import decode
 from train.config import TrainConfig
 from train.data import image_policy, mask_config, normalise
-from train.features import load_run, resize_whole
+from evaluation.features import load_run, resize_whole
 from train.jepa import build_models
 from train.losses import target_features
 from train.masks import sample_masks
@@ -47,7 +47,7 @@ def encode_captions(groups: list[list[str]], text_model: Path, store: Path) -> l
     """T5 token embeddings of each group of captions, made exactly as `tcjepa embed` made the store's (one model load)."""
     from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
     from embedding_cache.store import EmbeddingStore
-    from pipeline.recipes import recipe_hash
+    from pipeline.core.recipes import recipe_hash
 
     recipe = EmbeddingStore(store).encoder
     mine, _ = encoder_recipe(str(text_model), recipe["max_length"], recipe["eos"], recipe["compute_dtype"])

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
-from pipeline.recipes import sha256_tree
+from pipeline.core.errors import UserError
+from pipeline.core.recipes import sha256_tree
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",

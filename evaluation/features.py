@@ -28,9 +28,9 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from pipeline.errors import UserError
-from pipeline.images import decode
-from pipeline.sources import ImageReader, ImageRef
+from pipeline.core.errors import UserError
+from pipeline.core.images import decode
+from pipeline.core.sources import ImageReader, ImageRef
 from train.checkpoint import load_checkpoint
 from train.config import TrainConfig, apply
 from train.data import image_policy, normalise

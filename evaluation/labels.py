@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import UserError
-from pipeline.sources import ImageRef
+from pipeline.core.errors import UserError
+from pipeline.core.sources import ImageRef
 
 
 @dataclass

@@ -1,0 +1,31 @@
+"""What every benchmark shares: the environment, the repository root, the CLI in a subprocess, the final JSON line.
+
+Imported first by each benchmark, so the hub is offline before transformers loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tcjepa(*args: Any, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run `tcjepa ARGS` (`python -m pipeline`) from the repository root; exit with its stderr's tail when it fails."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=ROOT, capture_output=True, text=True, **kwargs)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"tcjepa {' '.join(map(str, args[:2]))} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The benchmark's last line: one JSON object."""
+    print(json.dumps(result), flush=True)

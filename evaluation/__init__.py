@@ -1,0 +1,1 @@
+"""Evaluation: reads training runs (never trains): frozen-feature probes, export, grounding plots."""

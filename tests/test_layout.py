@@ -1,0 +1,114 @@
+"""The layout's promise: arrows between packages point one way.
+
+A unit is a subpackage (``pipeline.core``) or a top-level package's own modules
+(``pipeline`` = cli, demo). Every import statement counts: module level, inside
+functions, and under ``TYPE_CHECKING``. Modules inside one unit may import each other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGES = ("pipeline", "captioning", "embedding_cache", "train", "evaluation")
+
+
+def unit_of(module: str) -> str | None:
+    """The unit a dotted module name belongs to, or None outside the project."""
+    parts = module.split(".")
+    if parts[0] not in PACKAGES:
+        return None
+    package_dir = REPO.joinpath(*parts[:2])
+    if len(parts) >= 2 and package_dir.is_dir() and (package_dir / "__init__.py").exists():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an import statement in `path` names (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pipeline import core`
+    return found
+
+
+def unit_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            source = unit_of(module_name(path))
+            assert source is not None
+            targets = graph.setdefault(source, set())
+            for name in imported_modules(path):
+                target = unit_of(name)
+                if target is not None and target != source and (REPO.joinpath(*name.split(".")).with_suffix(".py").exists()
+                                                                or REPO.joinpath(*name.split(".")).is_dir()):
+                    targets.add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a list of nodes (first repeated last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_between_units() -> None:
+    graph = unit_graph()
+    assert {"pipeline", "pipeline.core", "pipeline.devkit", "captioning", "embedding_cache", "train", "evaluation"} <= set(graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between units: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_stages_stand_on_the_ground_not_on_the_cli() -> None:
+    """Shared ground imports no stage; no stage imports the CLI, the demo or the development kit."""
+    graph = unit_graph()
+    assert graph["pipeline.core"] == set(), graph["pipeline.core"]
+    for stage in ("captioning", "embedding_cache", "train", "evaluation"):
+        assert not graph[stage] & {"pipeline", "pipeline.devkit"}, (stage, graph[stage])
+    assert "evaluation" not in graph["train"], "train must not import evaluation (evaluation reads runs)"
