@@ -1,1 +1,2 @@
-"""Benchmarks: each prints one final JSON line with figures measured side by side. Run as `python -m benchmarks.NAME`."""
+"""Benchmarks: each prints one final JSON line with figures measured side by side. Run as `python -m
+benchmarks.NAME`."""

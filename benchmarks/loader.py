@@ -11,8 +11,6 @@ Prints one JSON line with captions/s of each and the ratios.
 
 from __future__ import annotations
 
-from benchmarks.common import print_result  # first: sets the offline environment
-
 import argparse
 import tempfile
 import time
@@ -21,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from benchmarks.common import print_result  # first: sets the offline environment
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import EmbeddingStore, TokenLayout
 
@@ -112,7 +111,9 @@ def main() -> None:
         }
         result["reader_vs_memmap"] = round(result["reader_captions_per_s"] / result["memmap_captions_per_s"], 3)
         result["reader_vs_zarr"] = round(result["reader_captions_per_s"] / result["zarr_captions_per_s"], 1)
-        result["store_bytes_per_token"] = round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / int(offsets[-1]), 1)
+        result["store_bytes_per_token"] = round(
+            sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / int(offsets[-1]), 1
+        )
         print_result(result)
 
 

@@ -40,8 +40,6 @@ top ops for one step of MODE instead. On a GPU (images/s and MFU against
 
 from __future__ import annotations
 
-from benchmarks.common import ROOT, print_result  # first: sets the offline environment
-
 import argparse
 import json
 import resource
@@ -51,6 +49,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from benchmarks.common import ROOT, print_result  # first: sets the offline environment
 
 
 @dataclass(frozen=True)
@@ -72,13 +71,41 @@ PRESETS = {
     # What the prototype measured on 2 CPU cores: an 8×8 grid, so a smaller context block.
     # One torch thread: on 2 cores shared with other jobs, two OpenMP threads stall at every barrier
     # whenever a core is taken, and step times swing several-fold; one thread keeps the modes comparable.
-    "cpu_tiny": dict(model="vit_tiny", width=192, depth=6, heads=3, patch_size=8, image_size=64,
-                     predictor_width=192, predictor_depth=4, batch=64, context_scale=(0.4, 0.6), min_context=10,
-                     device="cpu", steps=4, warmup=1, threads=1),
+    "cpu_tiny": dict(
+        model="vit_tiny",
+        width=192,
+        depth=6,
+        heads=3,
+        patch_size=8,
+        image_size=64,
+        predictor_width=192,
+        predictor_depth=4,
+        batch=64,
+        context_scale=(0.4, 0.6),
+        min_context=10,
+        device="cpu",
+        steps=4,
+        warmup=1,
+        threads=1,
+    ),
     # ViT-B/16 at 224 with the I-JEPA mask defaults; the predictor as `tcjepa train` builds it for vit_base.
-    "vit_b16": dict(model="vit_base", width=None, depth=None, heads=None, patch_size=16, image_size=224,
-                    predictor_width=384, predictor_depth=None, batch=128, context_scale=(0.85, 1.0), min_context=10,
-                    device="cuda", steps=10, warmup=3, threads=0),
+    "vit_b16": dict(
+        model="vit_base",
+        width=None,
+        depth=None,
+        heads=None,
+        patch_size=16,
+        image_size=224,
+        predictor_width=384,
+        predictor_depth=None,
+        batch=128,
+        context_scale=(0.85, 1.0),
+        min_context=10,
+        device="cuda",
+        steps=10,
+        warmup=3,
+        threads=0,
+    ),
 }
 
 
@@ -103,17 +130,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-context", type=int)
     ap.add_argument("--device")
     ap.add_argument("--steps", type=int, help="timed steps per mode (one per mode per round, rotating order)")
-    ap.add_argument("--warmup", type=int, help="untimed steps first, the first one under FlopCounterMode (they count for peak memory)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        help="untimed steps first, the first one under FlopCounterMode (they count for peak memory)",
+    )
     ap.add_argument("--text-dim", type=int, default=64)
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead of bf16 autocast")
-    ap.add_argument("--mask-step", type=int, default=1,
-                    help="every step uses the masks sample_masks draws for this step (fixed shapes: exact FLOPs)")
+    ap.add_argument(
+        "--mask-step",
+        type=int,
+        default=1,
+        help="every step uses the masks sample_masks draws for this step (fixed shapes: exact FLOPs)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU (989: H100/H200 bf16 dense)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--no-flop-counter", dest="flop_counter", action="store_false",
-                    help="skip the FlopCounterMode cross-check step")
+    ap.add_argument(
+        "--no-flop-counter", dest="flop_counter", action="store_false", help="skip the FlopCounterMode cross-check step"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", metavar="MODE", help="instead: profile one step of MODE (torch.profiler), table to stderr")
+    ap.add_argument(
+        "--profile", metavar="MODE", help="instead: profile one step of MODE (torch.profiler), table to stderr"
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
@@ -129,11 +167,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train_config(args: argparse.Namespace, mode: Mode):
     from train.config import TrainConfig
 
-    return TrainConfig(model=args.model, width=args.width, depth=args.depth, heads=args.heads, patch_size=args.patch_size,
-                       image_size=args.image_size, predictor_width=args.predictor_width,
-                       predictor_depth=args.predictor_depth, conditioning=mode.conditioning, pool=mode.pool,
-                       captions_per_image=max(mode.captions, 1), batch_size=args.batch, context_scale=args.context_scale,
-                       min_context=args.min_context, bf16=args.bf16, device=args.device, seed=args.seed)
+    return TrainConfig(
+        model=args.model,
+        width=args.width,
+        depth=args.depth,
+        heads=args.heads,
+        patch_size=args.patch_size,
+        image_size=args.image_size,
+        predictor_width=args.predictor_width,
+        predictor_depth=args.predictor_depth,
+        conditioning=mode.conditioning,
+        pool=mode.pool,
+        captions_per_image=max(mode.captions, 1),
+        batch_size=args.batch,
+        context_scale=args.context_scale,
+        min_context=args.min_context,
+        bf16=args.bf16,
+        device=args.device,
+        seed=args.seed,
+    )
 
 
 def caption_lengths(rng, batch: int, n: int):
@@ -155,8 +207,9 @@ def encoder_forward_flops(tokens: int, width: int, depth: int, mlp_hidden: int, 
     return embed + depth * block
 
 
-def predictor_forward_flops(cfg, mode: Mode, enc_width: int, lc: int, lt: int, m: int, s: int, text_dim: int,
-                            depth: int, mlp_hidden: int) -> dict[str, int]:
+def predictor_forward_flops(
+    cfg, mode: Mode, enc_width: int, lc: int, lt: int, m: int, s: int, text_dim: int, depth: int, mlp_hidden: int
+) -> dict[str, int]:
     """One image's predictor forward by part: embed/proj, self-attention blocks, text conditioner."""
     w = cfg.predictor_width
     n = mode.captions
@@ -171,10 +224,12 @@ def predictor_forward_flops(cfg, mode: Mode, enc_width: int, lc: int, lt: int, m
     parts["blocks"] = depth * m * (linear + attention + mlp)
     if mode.conditioning == "cross":
         q = m * t  # one image's M sequences attend to its captions as one row
-        cross = (2 * q * w * w            # q
-                 + 2 * 2 * n * s * text_dim * w  # k, v
-                 + 2 * 2 * q * n * s * w        # scores and weighted sums, all N captions
-                 + 2 * n * q * w * w)            # proj, per caption
+        cross = (
+            2 * q * w * w  # q
+            + 2 * 2 * n * s * text_dim * w  # k, v
+            + 2 * 2 * q * n * s * w  # scores and weighted sums, all N captions
+            + 2 * n * q * w * w
+        )  # proj, per caption
         extra_mlp = (n - 1) * 2 * q * w * 2 * mlp_hidden if mode.pool == "after_mlp" else 0
         parts["cross_attention"] = depth * cross
         parts["per_caption_mlp"] = depth * extra_mlp
@@ -193,8 +248,11 @@ def analytic_flops(cfg, mode: Mode, encoder, predictor, lc: int, lt: int, m: int
     pred = batch * sum(pred_parts.values())
     return {
         "step": target + 3 * (context + pred),
-        "forward": {"target_encoder": target, "context_encoder": context,
-                    **{f"predictor_{k}": batch * v for k, v in pred_parts.items()}},
+        "forward": {
+            "target_encoder": target,
+            "context_encoder": context,
+            **{f"predictor_{k}": batch * v for k, v in pred_parts.items()},
+        },
     }
 
 
@@ -209,18 +267,21 @@ def sdpa_cpu_mapping() -> dict:
     def raw(formula):  # fc's formulas are already shape-wrapped; mark them so the counter does not wrap them twice
         def count(*args, **kwargs):
             return formula(*args, **kwargs)
+
         count._get_raw = True
         return count
 
     aten = torch.ops.aten
-    return {aten._scaled_dot_product_flash_attention_for_cpu: raw(fc.sdpa_flop),
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(fc.sdpa_backward_flop)}
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: raw(fc.sdpa_flop),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(fc.sdpa_backward_flop),
+    }
 
 
 @dataclass
 class Setup:
-    step: object          # () -> None: one full training step
-    info: dict            # shapes, analytic FLOPs, parameter count
+    step: object  # () -> None: one full training step
+    info: dict  # shapes, analytic FLOPs, parameter count
     cuda: bool
 
 
@@ -251,9 +312,18 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     # The same synthetic batch in every mode: images, masks, and (for text modes) the first N captions of 8.
     rng = np.random.default_rng(args.seed)
     grid = model.encoder.grid
-    masks = sample_masks(MaskConfig(cfg.num_targets, cfg.target_scale, cfg.target_aspect, cfg.context_scale,
-                                    cfg.context_aspect, cfg.min_context), grid, args.seed, args.mask_step, cfg.batch_size)
-    images = torch.from_numpy(rng.standard_normal((cfg.batch_size, 3, cfg.image_size, cfg.image_size), dtype=np.float32))
+    masks = sample_masks(
+        MaskConfig(
+            cfg.num_targets, cfg.target_scale, cfg.target_aspect, cfg.context_scale, cfg.context_aspect, cfg.min_context
+        ),
+        grid,
+        args.seed,
+        args.mask_step,
+        cfg.batch_size,
+    )
+    images = torch.from_numpy(
+        rng.standard_normal((cfg.batch_size, 3, cfg.image_size, cfg.image_size), dtype=np.float32)
+    )
     lengths8 = caption_lengths(rng, cfg.batch_size, 8)
     text = None
     s = 0
@@ -276,9 +346,15 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         optimizer.step()
         ema_update(target, model.encoder, 0.996)
 
-    info = {"lc": lc, "lt": lt, "m": m, "s": s,
-            "flops": analytic_flops(cfg, mode, model.encoder, model.predictor, lc, lt, m, s, args.text_dim),
-            "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads()}
+    info = {
+        "lc": lc,
+        "lt": lt,
+        "m": m,
+        "s": s,
+        "flops": analytic_flops(cfg, mode, model.encoder, model.predictor, lc, lt, m, s, args.text_dim),
+        "params": sum(p.numel() for p in model.parameters()),
+        "threads": torch.get_num_threads(),
+    }
     return Setup(step, info, cuda)
 
 
@@ -337,7 +413,8 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
 
 def profile(args: argparse.Namespace, name: str, rows: int = 30) -> None:
     """One step of `name` under torch.profiler after the warm-up steps: the top ops by self time, to stderr."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     job = setup(args, name)
     for _ in range(max(args.warmup, 1)):
@@ -408,7 +485,7 @@ def main() -> None:
                         w.ask("warmup")
             log(f"warm: {', '.join(group)} ({time.perf_counter() - started:.0f} s)")
             for r in range(args.steps):
-                order = group[r % len(group):] + group[: r % len(group)]
+                order = group[r % len(group) :] + group[: r % len(group)]
                 for name in order:
                     measured = workers[name].ask("step")
                     times[name].append(measured["time"])
@@ -432,11 +509,17 @@ def main() -> None:
         "benchmark": "train_step",
         "device": args.device,
         "torch_threads": first["threads"] if not args.device.startswith("cuda") else None,
-        "setting": (f"{args.model} {args.image_size}px/{args.patch_size}, batch {args.batch}, predictor "
-                    f"{args.predictor_width} wide depth {args.predictor_depth or 'default'}, "
-                    f"{'bf16' if args.bf16 else 'fp32'} autocast, d_text {args.text_dim}"),
-        "shapes": {"context_tokens": first["lc"], "target_blocks": first["m"], "target_tokens": first["lt"],
-                   "caption_words_padded": max((info[n]["s"] for n in modes if MODES[n].captions), default=None)},
+        "setting": (
+            f"{args.model} {args.image_size}px/{args.patch_size}, batch {args.batch}, predictor "
+            f"{args.predictor_width} wide depth {args.predictor_depth or 'default'}, "
+            f"{'bf16' if args.bf16 else 'fp32'} autocast, d_text {args.text_dim}"
+        ),
+        "shapes": {
+            "context_tokens": first["lc"],
+            "target_blocks": first["m"],
+            "target_tokens": first["lt"],
+            "caption_words_padded": max((info[n]["s"] for n in modes if MODES[n].captions), default=None),
+        },
         "steps_per_mode": f"{args.steps} timed (interleaved across modes) + {args.warmup} warmup",
     }
     per_mode = {}
@@ -475,12 +558,15 @@ def main() -> None:
             result[f"{name}_time_ratio_over_flop_ratio"] = round(time_ratio / flop_ratio, 3)
             if not args.device.startswith("cuda"):
                 # Process CPU time (all threads): less sensitive than wall time to other jobs taking the cores.
-                result[f"{name}_cpu_time_ratio_over_flop_ratio"] = round(cpu_medians[name] / cpu_medians["none"] / flop_ratio, 3)
+                result[f"{name}_cpu_time_ratio_over_flop_ratio"] = round(
+                    cpu_medians[name] / cpu_medians["none"] / flop_ratio, 3
+                )
         if "cross8" in modes:
             result["time_ratio_over_flop_ratio"] = result["cross8_time_ratio_over_flop_ratio"]
             result["goal_met"] = result["time_ratio_over_flop_ratio"] <= 1.2
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print_result(result)
+
 
 if __name__ == "__main__":
     main()

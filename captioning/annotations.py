@@ -60,7 +60,7 @@ def _clean_caption(value: Any, skipped: Counter) -> str | None:
 
 def _read_jsonl(path: Path, skipped: Counter) -> Iterator[tuple[str, list[Any]]]:
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
+        for raw in f:
             if not raw.strip():
                 continue
             try:
@@ -101,14 +101,22 @@ def _detect_format(path: Path) -> tuple[str, dict[str, Any] | None]:
         doc = json.loads(path.read_bytes().decode("utf-8", errors="surrogateescape"))
     except json.JSONDecodeError as exc:
         if path.suffix.lower() == ".json":
-            raise UserError(f"--annotations {path}: not valid JSON ({exc.msg} at line {exc.lineno}); expected COCO captions JSON or JSONL") from None
+            raise UserError(
+                f"--annotations {path}: not valid JSON ({exc.msg} at line {exc.lineno}); expected COCO captions JSON "
+                "or JSONL"
+            ) from None
         return "jsonl", None
     if isinstance(doc, dict) and "images" in doc and "annotations" in doc:
         return "coco", doc
-    raise UserError(f"--annotations {path}: JSON without 'images' and 'annotations'; expected COCO captions JSON, or JSONL lines {{\"image\": ..., \"captions\": [...]}}")
+    raise UserError(
+        f"--annotations {path}: JSON without 'images' and 'annotations'; expected COCO captions JSON, or JSONL lines "
+        f'{{"image": ..., "captions": [...]}}'
+    )
 
 
-def import_annotations(cache: CaptionCache, path: Path, image_root: Path | None = None, name: str | None = None) -> ImportReport:
+def import_annotations(
+    cache: CaptionCache, path: Path, image_root: Path | None = None, name: str | None = None
+) -> ImportReport:
     """Import `path` (JSONL or COCO JSON) into `cache`; image paths resolve against `image_root`."""
     path = Path(path)
     if not path.is_file():
@@ -134,7 +142,14 @@ def import_annotations(cache: CaptionCache, path: Path, image_root: Path | None 
                 image_hashes[rel] = None
             if image_hashes[rel] is None:
                 report.skipped["missing image file"] += 1
-                failures.append({"image_sha256": None, "source_id": rel, "recipe": recipe_id, "reason": "missing or unreadable image file"})
+                failures.append(
+                    {
+                        "image_sha256": None,
+                        "source_id": rel,
+                        "recipe": recipe_id,
+                        "reason": "missing or unreadable image file",
+                    }
+                )
         digest = image_hashes[rel]
         if digest is None:
             continue
@@ -145,7 +160,9 @@ def import_annotations(cache: CaptionCache, path: Path, image_root: Path | None 
     for digest, (rel, texts) in captions_by_image.items():
         if texts:
             report.images += 1
-        rows.extend(caption_row(digest, rel, recipe_id, PROMPT_ID, i, text, FINISH_REASON) for i, text in enumerate(texts))
+        rows.extend(
+            caption_row(digest, rel, recipe_id, PROMPT_ID, i, text, FINISH_REASON) for i, text in enumerate(texts)
+        )
     for start in range(0, max(len(rows), 1), ROWS_PER_SHARD):
         result = cache.commit(rows[start : start + ROWS_PER_SHARD], failures if start == 0 else None)
         report.captions_added += result.captions_added

@@ -147,10 +147,16 @@ class CaptionCache:
         self.root = Path(root)
         marker = self.root / "CACHE.json"
         if not marker.is_file():
-            raise UserError(f"{self.root} is not a caption cache (no CACHE.json); create one with `tcjepa caption ... --cache {self.root}`")
+            raise UserError(
+                f"{self.root} is not a caption cache (no CACHE.json); create one with `tcjepa caption ... --cache "
+                f"{self.root}`"
+            )
         meta = json.loads(marker.read_text())
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-            raise UserError(f"{self.root}: unsupported caption cache format {meta.get('format')!r} v{meta.get('version')}; this tcjepa reads {FORMAT} v{VERSION}")
+            raise UserError(
+                f"{self.root}: unsupported caption cache format {meta.get('format')!r} v{meta.get('version')}; this "
+                f"tcjepa reads {FORMAT} v{VERSION}"
+            )
         self._caption_index = DigestIndex()
         self._failure_index = DigestIndex()
         self._indexed_shards: set[str] = set()
@@ -163,7 +169,10 @@ class CaptionCache:
         if not (root / "CACHE.json").exists():
             # Another process may be creating the same cache: only what a creator makes is tolerated here.
             if root.exists() and any(not _made_by_a_creator(p.name) for p in root.iterdir()):
-                raise UserError(f"--cache {root} is a non-empty directory that is not a caption cache; choose an empty or new directory")
+                raise UserError(
+                    f"--cache {root} is a non-empty directory that is not a caption cache; choose an empty or new "
+                    "directory"
+                )
             for sub in SUBDIRS:
                 (root / sub).mkdir(parents=True, exist_ok=True)
             with FileLock(str(root / ".lock"), timeout=LOCK_TIMEOUT_S):
@@ -202,7 +211,10 @@ class CaptionCache:
                 return list(known)
             if not known:
                 raise UserError(f"caption cache {self.root} holds no recipes yet; caption or import some first")
-            raise UserError(f"caption cache {self.root} holds several recipes; choose with --recipe (hash prefix or name): {listing}")
+            raise UserError(
+                f"caption cache {self.root} holds several recipes; choose with --recipe (hash prefix or name): "
+                f"{listing}"
+            )
         chosen: list[str] = []
         for sel in selectors:
             hits = [h for h, r in known.items() if r.name == sel] or [h for h in known if h.startswith(sel)]
@@ -224,7 +236,9 @@ class CaptionCache:
 
     def read_captions(self, columns: list[str] | None = None, recipes: list[str] | None = None) -> pa.Table:
         """All published captions (optionally some columns, some recipes) as one table."""
-        wanted = None if columns is None else list(dict.fromkeys([*columns, *(["recipe"] if recipes is not None else [])]))
+        wanted = (
+            None if columns is None else list(dict.fromkeys([*columns, *(["recipe"] if recipes is not None else [])]))
+        )
         tables = []
         for path in self.caption_files():
             table = pq.read_table(path, columns=wanted)
@@ -256,9 +270,14 @@ class CaptionCache:
         failures = self.read_failures()
         per_recipe: dict[str, dict[str, int]] = {}
         if captions.num_rows:
-            grouped = captions.group_by("recipe").aggregate([("image_sha256", "count"), ("image_sha256", "count_distinct")])
+            grouped = captions.group_by("recipe").aggregate(
+                [("image_sha256", "count"), ("image_sha256", "count_distinct")]
+            )
             for row in grouped.to_pylist():
-                per_recipe[row["recipe"]] = {"captions": row["image_sha256_count"], "images": row["image_sha256_count_distinct"]}
+                per_recipe[row["recipe"]] = {
+                    "captions": row["image_sha256_count"],
+                    "images": row["image_sha256_count_distinct"],
+                }
         recipes = []
         for h, r in self.recipes().items():
             counts = per_recipe.get(h, {"captions": 0, "images": 0})
@@ -304,7 +323,12 @@ class CaptionCache:
         self._refresh_index()
         new = ~self._caption_index.contains(batch.cap_digests)
         new_f = ~self._failure_index.contains(batch.fail_digests)
-        return batch.captions.filter(pa.array(new)), batch.failures.filter(pa.array(new_f)), batch.cap_digests[new], batch.fail_digests[new_f]
+        return (
+            batch.captions.filter(pa.array(new)),
+            batch.failures.filter(pa.array(new_f)),
+            batch.cap_digests[new],
+            batch.fail_digests[new_f],
+        )
 
     def _stage(self, shard: str, captions: pa.Table, failures: pa.Table) -> dict[str, Path]:
         """Write a shard's files under `tmp/`, flushed; returns them by kind (no failures file when there are none)."""
@@ -318,7 +342,9 @@ class CaptionCache:
             staged[kind] = tmp
         return staged
 
-    def _publish_staged(self, shard: str, staged: dict[str, Path], cap_digests: np.ndarray, fail_digests: np.ndarray) -> None:
+    def _publish_staged(
+        self, shard: str, staged: dict[str, Path], cap_digests: np.ndarray, fail_digests: np.ndarray
+    ) -> None:
         """Rename a staged shard into place, failures first: a shard id is "published" once its captions file exists."""
         for kind in ("failures", "captions"):
             if kind in staged:
@@ -329,7 +355,9 @@ class CaptionCache:
         self._failure_index.add(fail_digests)
         self._indexed_shards.add(shard)
 
-    def commit(self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None) -> CommitResult:
+    def commit(
+        self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None
+    ) -> CommitResult:
         """Publish new captions (and failure records) as one shard; rows already in the cache are dropped.
 
         Either the whole shard becomes visible or nothing does.
@@ -357,12 +385,22 @@ def manifest_doc(shard: str, files: dict[str, Path]) -> dict[str, Any]:
     recipes: dict[str, int] = {}
     for kind, path in files.items():
         meta = pq.read_metadata(path)
-        entries[kind] = {"path": f"{kind}/{shard}.parquet", "rows": meta.num_rows, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        entries[kind] = {
+            "path": f"{kind}/{shard}.parquet",
+            "rows": meta.num_rows,
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+        }
         if kind == "captions":
             table = pq.read_table(path, columns=["recipe", "image_sha256"])
             for row in table.group_by("recipe").aggregate([("image_sha256", "count")]).to_pylist():
                 recipes[row["recipe"]] = row["image_sha256_count"]
-    return {"shard": shard, "files": entries, "recipes": recipes, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "shard": shard,
+        "files": entries,
+        "recipes": recipes,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 @dataclass
@@ -376,15 +414,32 @@ class RowBatch:
     offered: int
 
     @classmethod
-    def of(cls, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None, known_recipes: set[str]) -> RowBatch:
-        cap_table = captions if isinstance(captions, pa.Table) else pa.Table.from_pylist(captions, schema=CAPTION_SCHEMA)
-        fail_table = failures if isinstance(failures, pa.Table) else pa.Table.from_pylist(failures or [], schema=FAILURE_SCHEMA)
+    def of(
+        cls,
+        captions: list[dict[str, Any]] | pa.Table,
+        failures: list[dict[str, Any]] | pa.Table | None,
+        known_recipes: set[str],
+    ) -> RowBatch:
+        cap_table = (
+            captions if isinstance(captions, pa.Table) else pa.Table.from_pylist(captions, schema=CAPTION_SCHEMA)
+        )
+        fail_table = (
+            failures if isinstance(failures, pa.Table) else pa.Table.from_pylist(failures or [], schema=FAILURE_SCHEMA)
+        )
         cap_table, fail_table = cap_table.cast(CAPTION_SCHEMA), fail_table.cast(FAILURE_SCHEMA)
-        unknown = (set(cap_table.column("recipe").to_pylist()) | set(fail_table.column("recipe").to_pylist())) - known_recipes
+        unknown = (
+            set(cap_table.column("recipe").to_pylist()) | set(fail_table.column("recipe").to_pylist())
+        ) - known_recipes
         if unknown:
             raise ValueError(f"rows refer to recipes not stored in the cache: {sorted(unknown)}")
         cap_digests = _row_digests(cap_table, CAPTION_KEY)
         keep = first_occurrence(cap_digests)
         fail_digests = _row_digests(fail_table, FAILURE_KEY)
         keep_f = first_occurrence(fail_digests)
-        return cls(cap_table.filter(pa.array(keep)), fail_table.filter(pa.array(keep_f)), cap_digests[keep], fail_digests[keep_f], int(keep.sum()))
+        return cls(
+            cap_table.filter(pa.array(keep)),
+            fail_table.filter(pa.array(keep_f)),
+            cap_digests[keep],
+            fail_digests[keep_f],
+            int(keep.sum()),
+        )

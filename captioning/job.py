@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from captioning.cache import caption_row
-from captioning.remote_cache import open_cache_for_writing
 from captioning.engines import CaptionEngine, CaptionRequest, SamplingConfig
 from captioning.prompts import Prompt, load_prompts, samples_per_prompt
+from captioning.remote_cache import open_cache_for_writing
 from pipeline.core.errors import UserError
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.model_identity import load_config, model_identity
@@ -73,15 +73,27 @@ class CaptionReport:
     failure_reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     engine_start_s: float = 0.0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, captions) of each finished chunk
+    timeline: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # (seconds since start, captions) of each finished chunk
 
     def summary(self, dry_run: bool) -> str:
-        head = f"would caption {self.captioned} images" if dry_run else f"captioned {self.captioned} images ({self.captions} captions)"
+        head = (
+            f"would caption {self.captioned} images"
+            if dry_run
+            else f"captioned {self.captioned} images ({self.captions} captions)"
+        )
         busy = self.seconds - self.engine_start_s
-        rate = f", {self.captions / busy:.1f} captions/s after a {self.engine_start_s:.0f} s engine start" if self.captions and busy > 0 else ""
+        rate = (
+            f", {self.captions / busy:.1f} captions/s after a {self.engine_start_s:.0f} s engine start"
+            if self.captions and busy > 0
+            else ""
+        )
         reasons = "; ".join(f"{k}: {v}" for k, v in sorted(self.failure_reasons.items()))
-        return (f"recipe {self.recipe[:12]}: {self.images_seen} images seen, {head}, {self.already_cached} already cached, "
-                f"{self.failed} failed{f' ({reasons})' if reasons else ''}, {self.other_shards} in other shards{rate}")
+        return (
+            f"recipe {self.recipe[:12]}: {self.images_seen} images seen, {head}, {self.already_cached} already cached, "
+            f"{self.failed} failed{f' ({reasons})' if reasons else ''}, {self.other_shards} in other shards{rate}"
+        )
 
 
 def default_decode_workers() -> int:
@@ -111,7 +123,14 @@ def request_seed(seed: int, image_sha256: str, prompt_id: str) -> int:
     return int(hashlib.sha256(f"{seed}:{image_sha256}:{prompt_id}".encode()).hexdigest()[:8], 16) % 2**31
 
 
-def caption_recipe(cfg: CaptionConfig, prompts: list[Prompt], counts: list[int], engine_name: str, engine_version: str, chat_template: str) -> dict[str, Any]:
+def caption_recipe(
+    cfg: CaptionConfig,
+    prompts: list[Prompt],
+    counts: list[int],
+    engine_name: str,
+    engine_version: str,
+    chat_template: str,
+) -> dict[str, Any]:
     """Everything that changes the captions (not: executor, shard, chunking, devices)."""
     config = load_config(cfg.model, "--model")
     engine_args = {k: cfg.engine_args[k] for k in sorted(cfg.engine_args) if k in _output_affecting(cfg.backend)}
@@ -183,7 +202,10 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
     cache = open_cache_for_writing(cfg.cache, cfg.mirror)
     name, version, template = engine_identity(cfg)
     if engine is not None and (engine.name != name or engine.engine_args != cfg.engine_args):
-        raise ValueError(f"the engine given ({engine.name}, {engine.engine_args}) does not match the config ({cfg.backend}, {cfg.engine_args})")
+        raise ValueError(
+            f"the engine given ({engine.name}, {engine.engine_args}) does not match the config ({cfg.backend}, "
+            f"{cfg.engine_args})"
+        )
     recipe_id = cache.add_recipe(caption_recipe(cfg, prompts, counts, name, version, template), cfg.recipe_name)
     report = CaptionReport(recipe=recipe_id)
     done = cache.complete_images(recipe_id, sum(counts))
@@ -221,7 +243,11 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
     owns_engine = engine is None
     bar = tqdm(unit="image", dynamic_ncols=True)
     workers = default_decode_workers() if cfg.decode_workers is None else cfg.decode_workers
-    pool: Executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 0 else ThreadPoolExecutor(1)
+    pool: Executor = (
+        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        if workers > 0
+        else ThreadPoolExecutor(1)
+    )
     try:
         chunks = _chunked(todo(), cfg.chunk_images)
         decoded = _decode_ahead(pool, chunks, cfg.image_policy)
@@ -259,14 +285,21 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
 
 
 def _checked(report: CaptionReport) -> CaptionReport:
-    """Refuse a run where every image failed (a wrong input, not a few bad files); a rerun with only bad files left is fine."""
+    """Refuse a run where every image failed (a wrong input, not a few bad files); a rerun with only bad files left is
+    fine."""
     if report.failed and report.captioned == 0 and report.already_cached == 0:
         raise UserError(f"every image failed ({report.failed}); first reasons: {report.failure_reasons}")
     return report
 
 
-def caption_images(engine: CaptionEngine, cfg: CaptionConfig, prompts: list[Prompt], counts: list[int], recipe_id: str,
-                   images: list[tuple[str, str, Any]]) -> list[dict[str, Any]]:
+def caption_images(
+    engine: CaptionEngine,
+    cfg: CaptionConfig,
+    prompts: list[Prompt],
+    counts: list[int],
+    recipe_id: str,
+    images: list[tuple[str, str, Any]],
+) -> list[dict[str, Any]]:
     """Cache rows for decoded `(image_sha256, source_id, image)`s: each prompt's samples, seeded per (image, prompt).
 
     Both executors caption through here, so a recipe's captions do not depend on how the work was cut.
@@ -280,7 +313,11 @@ def caption_images(engine: CaptionEngine, cfg: CaptionConfig, prompts: list[Prom
     rows = []
     for request, (image_sha256, source_id), samples in zip(requests, owners, engine.generate(requests, cfg.sampling)):
         for k, g in enumerate(samples):
-            rows.append(caption_row(image_sha256, source_id, recipe_id, request.prompt.id, k, g.text, g.finish_reason, g.num_tokens))
+            rows.append(
+                caption_row(
+                    image_sha256, source_id, recipe_id, request.prompt.id, k, g.text, g.finish_reason, g.num_tokens
+                )
+            )
     return rows
 
 
@@ -300,7 +337,9 @@ def engine_identity(cfg: CaptionConfig) -> tuple[str, str, str]:
     raise UserError(f"--backend {cfg.backend!r}: choose vllm or hf")
 
 
-def _fail(report: CaptionReport, out: list[dict[str, Any]], image_sha256: str | None, source_id: str, reason: str) -> None:
+def _fail(
+    report: CaptionReport, out: list[dict[str, Any]], image_sha256: str | None, source_id: str, reason: str
+) -> None:
     report.failed += 1
     key = reason.split(" (")[0]
     report.failure_reasons[key] = report.failure_reasons.get(key, 0) + 1
@@ -312,7 +351,9 @@ def _chunked(items: Iterator[_Pending], size: int) -> Iterator[list[_Pending]]:
         yield chunk
 
 
-def _decode_ahead(pool: Executor, chunks: Iterator[list[_Pending]], policy: ImagePolicy) -> Iterator[list[tuple[_Pending, Any, str | None]]]:
+def _decode_ahead(
+    pool: Executor, chunks: Iterator[list[_Pending]], policy: ImagePolicy
+) -> Iterator[list[tuple[_Pending, Any, str | None]]]:
     """Decoded chunks, the next one already decoding in `pool` while the caller works on this one."""
     from functools import partial
 

@@ -22,7 +22,11 @@ class Prompt:
 
 DEFAULT_PROMPTS = (
     Prompt("dense", "Describe this image in detail."),
-    Prompt("spatial", "Describe the layout of this image: what is where (left, right, top, bottom, centre) and how the objects are arranged relative to each other."),
+    Prompt(
+        "spatial",
+        "Describe the layout of this image: what is where (left, right, top, bottom, centre) and how the objects are "
+        "arranged relative to each other.",
+    ),
     Prompt("objects", "List the objects in this image with their colours, shapes, sizes, materials and textures."),
     Prompt("setting", "Describe the background and setting of this image."),
 )

@@ -37,13 +37,18 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
-def read_and_decode(batch: dict[str, np.ndarray], cfg: CaptionConfig, shard: tuple[int, int], done: frozenset[str]) -> dict[str, np.ndarray]:
-    """A Ray task: each image read, hashed, sorted into to-caption / other shard / cached / failed, and decoded when to be captioned."""
+def read_and_decode(
+    batch: dict[str, np.ndarray], cfg: CaptionConfig, shard: tuple[int, int], done: frozenset[str]
+) -> dict[str, np.ndarray]:
+    """A Ray task: each image read, hashed, sorted into to-caption / other shard / cached / failed, and decoded when to
+    be captioned."""
     reader = ImageReader()
     status, digests, images, reasons = [], [], [], []
     try:
         for row in range(len(batch["source_id"])):
-            ref = ImageRef(**{name: _plain(batch[name][row]) for name in ("source_id", "kind", "path", "offset", "size", "column")})
+            ref = ImageRef(
+                **{name: _plain(batch[name][row]) for name in ("source_id", "kind", "path", "offset", "size", "column")}
+            )
             image, digest, reason = None, "", ""
             try:
                 data = reader.read(ref)
@@ -67,7 +72,13 @@ def read_and_decode(batch: dict[str, np.ndarray], cfg: CaptionConfig, shard: tup
         reader.close()
     out = np.empty(len(images), dtype=object)
     out[:] = images
-    return {"source_id": batch["source_id"], "status": np.array(status), "image_sha256": np.array(digests), "reason": np.array(reasons), "image": out}
+    return {
+        "source_id": batch["source_id"],
+        "status": np.array(status),
+        "image_sha256": np.array(digests),
+        "reason": np.array(reasons),
+        "image": out,
+    }
 
 
 class CaptionActor:
@@ -84,38 +95,86 @@ class CaptionActor:
         from PIL import Image
 
         to_caption, failures = [], []
-        for source_id, state, digest, reason, image in zip(batch["source_id"], batch["status"], batch["image_sha256"], batch["reason"], batch["image"]):
+        for source_id, state, digest, reason, image in zip(
+            batch["source_id"], batch["status"], batch["image_sha256"], batch["reason"], batch["image"]
+        ):
             if state == TO_CAPTION:
-                to_caption.append((str(digest), str(source_id), Image.fromarray(np.asarray(image, dtype=np.uint8), "RGB")))
+                to_caption.append(
+                    (str(digest), str(source_id), Image.fromarray(np.asarray(image, dtype=np.uint8), "RGB"))
+                )
             elif state == FAILED:
-                failures.append({"image_sha256": str(digest) or None, "source_id": str(source_id), "recipe": self.recipe_id, "reason": str(reason)})
+                failures.append(
+                    {
+                        "image_sha256": str(digest) or None,
+                        "source_id": str(source_id),
+                        "recipe": self.recipe_id,
+                        "reason": str(reason),
+                    }
+                )
         if to_caption and self.engine is None:
             self.engine = make_engine(self.cfg)
-        rows = caption_images(self.engine, self.cfg, self.prompts, self.counts, self.recipe_id, to_caption) if to_caption else []
+        rows = (
+            caption_images(self.engine, self.cfg, self.prompts, self.counts, self.recipe_id, to_caption)
+            if to_caption
+            else []
+        )
         if rows or failures:
             self.cache.commit(rows, failures)
         counts = Counter(str(s) for s in batch["status"])
         reasons = Counter(str(r).split(" (")[0] for s, r in zip(batch["status"], batch["reason"]) if s == FAILED)
-        return {"images": np.array([len(batch["status"])]), "captioned": np.array([len(to_caption)]), "captions": np.array([len(rows)]),
-                "other_shards": np.array([counts[OTHER_SHARD]]), "cached": np.array([counts[CACHED]]), "failed": np.array([counts[FAILED]]),
-                "reasons": np.array([json.dumps(reasons)]), "done": np.array([time.time()])}
+        return {
+            "images": np.array([len(batch["status"])]),
+            "captioned": np.array([len(to_caption)]),
+            "captions": np.array([len(rows)]),
+            "other_shards": np.array([counts[OTHER_SHARD]]),
+            "cached": np.array([counts[CACHED]]),
+            "failed": np.array([counts[FAILED]]),
+            "reasons": np.array([json.dumps(reasons)]),
+            "done": np.array([time.time()]),
+        }
 
 
-def caption_on_ray(cfg: CaptionConfig, refs: list[ImageRef], shard: tuple[int, int], done: set[str], prompts: list[Prompt],
-                   counts: list[int], report: CaptionReport) -> None:
+def caption_on_ray(
+    cfg: CaptionConfig,
+    refs: list[ImageRef],
+    shard: tuple[int, int],
+    done: set[str],
+    prompts: list[Prompt],
+    counts: list[int],
+    report: CaptionReport,
+) -> None:
     """Caption `refs` on a Ray cluster into the cache; fills `report` (images seen, captioned, failures, ...)."""
     import ray.data
     from tqdm import tqdm
 
     start_ray(cfg.ray_address)
     size, resources = actor_resources(cfg.device, cfg.num_workers, int(cfg.engine_args.get("tensor_parallel_size", 1)))
-    items = [{"source_id": r.source_id, "kind": r.kind, "path": r.path, "offset": r.offset, "size": r.size, "column": r.column} for r in refs]
+    items = [
+        {
+            "source_id": r.source_id,
+            "kind": r.kind,
+            "path": r.path,
+            "offset": r.offset,
+            "size": r.size,
+            "column": r.column,
+        }
+        for r in refs
+    ]
     blocks = max(len(items) // cfg.chunk_images, 1)
     dataset = (
         ray.data.from_items(items, override_num_blocks=blocks)
-        .map_batches(read_and_decode, fn_kwargs={"cfg": cfg, "shard": shard, "done": frozenset(done)}, batch_size=cfg.chunk_images)
-        .map_batches(CaptionActor, fn_constructor_args=(cfg, prompts, counts, report.recipe), batch_size=cfg.chunk_images,
-                     compute=ray.data.ActorPoolStrategy(size=size), **resources)
+        .map_batches(
+            read_and_decode,
+            fn_kwargs={"cfg": cfg, "shard": shard, "done": frozenset(done)},
+            batch_size=cfg.chunk_images,
+        )
+        .map_batches(
+            CaptionActor,
+            fn_constructor_args=(cfg, prompts, counts, report.recipe),
+            batch_size=cfg.chunk_images,
+            compute=ray.data.ActorPoolStrategy(size=size),
+            **resources,
+        )
     )
     started, wall = time.perf_counter(), time.time()
     report.images_seen = len(refs)

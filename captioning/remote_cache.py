@@ -66,7 +66,7 @@ def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
 
     A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer).
     """
-    marker = remote_call(url, lambda: fs.cat_file(f"{root}/CACHE.json"))
+    marker = remote_call(url, fs.cat_file, f"{root}/CACHE.json")
     reset_if_rebuilt(local, marker)
     for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
         (local / sub).mkdir(parents=True, exist_ok=True)
@@ -79,7 +79,7 @@ def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
         stem = name.removesuffix(".json")
         if name.endswith(".json") and not (local / "manifests" / name).exists():  # written last: the shard is all here
             path = f"{root}/manifests/{name}"
-            _fetch_cache_shard(fs, root, local, stem, path, parse_json(path, remote_call(url, lambda: fs.cat_file(path))))
+            _fetch_cache_shard(fs, root, local, stem, path, parse_json(path, remote_call(url, fs.cat_file, path)))
             fetched += 1
     log = PublishLog(url, fs, root, local)
     for seq, raw in log.unseen():
@@ -122,11 +122,18 @@ class RemoteCaptionCache(CaptionCache):
     @classmethod
     def open_or_create(cls, url: str, mirror: Path | None = None) -> RemoteCaptionCache:  # type: ignore[override]
         fs, root = writable_filesystem(url, "--cache")
-        if not remote_call(url, lambda: fs.exists(f"{root}/CACHE.json")):
-            others = [n for n in remote_names(fs, url, root) if n not in (*SUBDIRS, LOG, "CACHE.json")]  # another creator may be done
-            if others and not remote_call(url, lambda: fs.exists(f"{root}/CACHE.json")):
-                raise UserError(f"--cache {url} holds other objects ({', '.join(others[:3])}) and no CACHE.json; choose a new prefix")
-        marker = canonical_json({"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex})  # tells mirrors this cache from a later one
+        if not remote_call(url, fs.exists, f"{root}/CACHE.json"):
+            others = [
+                n for n in remote_names(fs, url, root) if n not in (*SUBDIRS, LOG, "CACHE.json")
+            ]  # another creator may be done
+            if others and not remote_call(url, fs.exists, f"{root}/CACHE.json"):
+                raise UserError(
+                    f"--cache {url} holds other objects ({', '.join(others[:3])}) and no CACHE.json; choose a new "
+                    "prefix"
+                )
+        marker = canonical_json(
+            {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex}
+        )  # tells mirrors this cache from a later one
         create_if_absent(fs, url, f"{root}/CACHE.json", marker)
         local = mirror_path(url, mirror)
         local.mkdir(parents=True, exist_ok=True)
@@ -150,7 +157,7 @@ class RemoteCaptionCache(CaptionCache):
 
     def _upload(self, shard: str, staged: dict[str, Path]) -> None:
         for kind, tmp in staged.items():
-            remote_call(self.url, lambda: self._fs.put_file(str(tmp), f"{self._remote}/{kind}/{shard}.parquet"))
+            remote_call(self.url, self._fs.put_file, str(tmp), f"{self._remote}/{kind}/{shard}.parquet")
 
     def _withdraw(self, shard: str, staged: dict[str, Path]) -> None:
         """Remove an upload that lost the race for its log entry (never read: no entry names it)."""
@@ -159,7 +166,9 @@ class RemoteCaptionCache(CaptionCache):
                 self._fs.rm_file(f"{self._remote}/{kind}/{shard}.parquet")
             tmp.unlink(missing_ok=True)
 
-    def commit(self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None) -> CommitResult:
+    def commit(
+        self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None
+    ) -> CommitResult:
         """Publish new rows as one shard on the remote and in the mirror; rows published by anyone are dropped."""
         batch = RowBatch.of(captions, failures, set(self.recipes()))
         with self._lock():

@@ -40,8 +40,10 @@ class CacheVerifyReport:
 
     def summary(self) -> str:
         notes = "".join(f"; note: {n}" for n in self.notes)
-        return (f"ok: {self.recipes} recipes, {self.shards} shards, {self.captions} captions, {self.failures} failures, "
-                f"{self.bytes_hashed / 2**20:.1f} MiB hashed in {self.seconds:.1f} s{notes}")
+        return (
+            f"ok: {self.recipes} recipes, {self.shards} shards, {self.captions} captions, {self.failures} failures, "
+            f"{self.bytes_hashed / 2**20:.1f} MiB hashed in {self.seconds:.1f} s{notes}"
+        )
 
 
 def _verify_recipes(root: Path) -> set[str]:
@@ -53,7 +55,9 @@ def _verify_recipes(root: Path) -> set[str]:
         except (ValueError, KeyError, TypeError):
             raise DataProblem(f"{path}: not a recipe record (needs JSON with 'hash' and 'recipe')") from None
         if not recorded == actual == path.stem:
-            raise DataProblem(f"{path}: file name, recorded hash {str(recorded)[:12]} and content hash {actual[:12]} disagree")
+            raise DataProblem(
+                f"{path}: file name, recorded hash {str(recorded)[:12]} and content hash {actual[:12]} disagree"
+            )
         known.add(actual)
     return known
 
@@ -63,10 +67,13 @@ def _schema_difference(actual: pa.Schema, expected: pa.Schema) -> str:
         return f"columns {actual.names}, expected {expected.names}"
     field = next(f for f, g in zip(actual, expected) if not f.equals(g))
     want = expected.field(field.name)
-    return f"column {field.name!r} is {field.type}{'' if field.nullable else ' not null'}, expected {want.type}{'' if want.nullable else ' not null'}"
+    have = f"{field.type}{'' if field.nullable else ' not null'}"
+    return f"column {field.name!r} is {have}, expected {want.type}{'' if want.nullable else ' not null'}"
 
 
-def _verify_file(root: Path, shard: str, kind: str, entry: dict[str, Any] | None, schema: pa.Schema, report: CacheVerifyReport) -> pa.Table | None:
+def _verify_file(
+    root: Path, shard: str, kind: str, entry: dict[str, Any] | None, schema: pa.Schema, report: CacheVerifyReport
+) -> pa.Table | None:
     """Check one shard file against its manifest entry and the schema; returns its table."""
     path = root / kind / f"{shard}.parquet"
     if entry is None:
@@ -96,7 +103,10 @@ def _verify_shard(root: Path, shard: str, known: set[str], report: CacheVerifyRe
     """Check one shard and its manifest; returns the 16-byte digests of its caption keys."""
     manifest_path = root / "manifests" / f"{shard}.json"
     if not manifest_path.exists():
-        raise DataProblem(f"captions/{shard}.parquet has no manifest (a writer died before writing it; the next `tcjepa caption` into this cache rebuilds it)")
+        raise DataProblem(
+            f"captions/{shard}.parquet has no manifest (a writer died before writing it; the next `tcjepa caption` "
+            "into this cache rebuilds it)"
+        )
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = manifest["files"]
@@ -116,13 +126,18 @@ def _verify_shard(root: Path, shard: str, known: set[str], report: CacheVerifyRe
         recipes_seen |= set(failures.column("recipe").to_pylist())
         report.failures += failures.num_rows
     if recipes_seen - known:
-        raise DataProblem(f"captions/{shard}.parquet: rows of recipe {sorted(recipes_seen - known)[0][:12]}, which the cache does not store")
+        raise DataProblem(
+            f"captions/{shard}.parquet: rows of recipe {sorted(recipes_seen - known)[0][:12]}, which the cache does "
+            "not store"
+        )
     counts: dict[str, int] = {}
     for recipe in captions.column("recipe").to_pylist():
         counts[recipe] = counts.get(recipe, 0) + 1
     if counts != manifest.get("recipes"):
         raise DataProblem(f"{manifest_path}: per-recipe counts differ from the shard's rows")
-    for i, (text, recorded) in enumerate(zip(captions.column("text").to_pylist(), captions.column("text_sha256").to_pylist())):
+    for i, (text, recorded) in enumerate(
+        zip(captions.column("text").to_pylist(), captions.column("text_sha256").to_pylist())
+    ):
         if text_key(text).hex() != recorded:
             raise DataProblem(f"captions/{shard}.parquet row {i}: text_sha256 is not the hash of its text")
     report.shards += 1
@@ -136,6 +151,7 @@ def _snapshot(cache: CaptionCache) -> tuple[list[str], set[str]]:
     Published shards are immutable, so checking them afterwards needs no lock. A cache that
     cannot be locked (a read-only copy) has no writers, and is listed as it is.
     """
+
     def listing() -> tuple[list[str], set[str]]:
         return cache.shard_ids(), {p.stem for p in (cache.root / "manifests").glob("*.json")}
 
@@ -170,7 +186,9 @@ def _verify_local_cache(root: Path, progress: bool) -> CacheVerifyReport:
     shards, manifests = _snapshot(cache)
     orphans = sorted(manifests - set(shards))
     if orphans:
-        raise DataProblem(f"manifests/{orphans[0]}.json records a shard whose captions file is missing (deleted or lost?)")
+        raise DataProblem(
+            f"manifests/{orphans[0]}.json records a shard whose captions file is missing (deleted or lost?)"
+        )
     digests, owners = [], []
     for i, shard in enumerate(tqdm(shards, unit="shard", disable=not progress, dynamic_ncols=True, desc="verify")):
         d = _verify_shard(cache.root, shard, known, report)

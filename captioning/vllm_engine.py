@@ -15,7 +15,15 @@ from captioning.engines import CaptionRequest, Generated, SamplingConfig, chat_p
 from pipeline.core.errors import UserError
 
 # Engine options that change the generated text, and so belong in the recipe.
-OUTPUT_AFFECTING_ARGS = ("dtype", "quantization", "max_model_len", "mm_processor_kwargs", "hf_overrides", "tokenizer", "revision")
+OUTPUT_AFFECTING_ARGS = (
+    "dtype",
+    "quantization",
+    "max_model_len",
+    "mm_processor_kwargs",
+    "hf_overrides",
+    "tokenizer",
+    "revision",
+)
 
 
 def is_cpu_build() -> bool:
@@ -55,7 +63,9 @@ class VLLMEngine:
         try:
             self.llm = vllm.LLM(model=model, trust_remote_code=trust_remote_code, **args)
         except (TypeError, ValueError) as exc:
-            raise UserError(f"vLLM refused the engine options {sorted(engine_args)}: {str(exc).splitlines()[0]}") from None
+            raise UserError(
+                f"vLLM refused the engine options {sorted(engine_args)}: {str(exc).splitlines()[0]}"
+            ) from None
 
     def generate(self, requests: list[CaptionRequest], sampling: SamplingConfig) -> list[list[Generated]]:
         from vllm import SamplingParams
@@ -66,8 +76,15 @@ class VLLMEngine:
             if r.prompt.id not in prompts:
                 prompts[r.prompt.id] = chat_prompt(self.processor, r.prompt)
             inputs.append({"prompt": prompts[r.prompt.id], "multi_modal_data": {"image": r.image}})
-            params.append(SamplingParams(n=r.n, seed=r.seed, max_tokens=sampling.max_tokens,
-                                         temperature=sampling.temperature, top_p=sampling.top_p))
+            params.append(
+                SamplingParams(
+                    n=r.n,
+                    seed=r.seed,
+                    max_tokens=sampling.max_tokens,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                )
+            )
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         result = []
         for out in outputs:

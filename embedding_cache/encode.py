@@ -24,7 +24,9 @@ FLOAT16_MAX = 65504.0
 def encoder_recipe(model: str, max_length: int, eos: bool, compute_dtype: str) -> tuple[dict[str, Any], int]:
     """Everything that changes the stored vectors, and the model width; reads files, loads no weights."""
     if compute_dtype not in COMPUTE_DTYPES:
-        raise UserError(f"--dtype {compute_dtype}: T5 must run in one of {', '.join(COMPUTE_DTYPES)} (it overflows in float16)")
+        raise UserError(
+            f"--dtype {compute_dtype}: T5 must run in one of {', '.join(COMPUTE_DTYPES)} (it overflows in float16)"
+        )
     if max_length < 2:
         raise UserError(f"--max-length must be at least 2 (got {max_length})")
     config = load_config(model, "--model")
@@ -62,7 +64,10 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int, eos: bool) -> tu
 def plan_batches(lengths: np.ndarray, token_budget: int) -> list[np.ndarray]:
     """Indices grouped into batches, sorted by length, with batch size × longest ≤ token_budget."""
     if token_budget < int(lengths.max(initial=1)):
-        raise UserError(f"--token-budget {token_budget} is smaller than the longest caption ({int(lengths.max())} tokens); raise it or lower --max-length")
+        raise UserError(
+            f"--token-budget {token_budget} is smaller than the longest caption ({int(lengths.max())} tokens); raise "
+            "it or lower --max-length"
+        )
     order = np.argsort(lengths, kind="stable")
     batches, start = [], 0
     while start < len(order):
@@ -89,7 +94,9 @@ class T5Encoder:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the embed job shows its own progress
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+        dev = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        )
         dtype = getattr(torch, compute_dtype)
         net = T5EncoderModel.from_pretrained(model, dtype=dtype).to(dev).eval()
         return cls(net, dev, dtype)
@@ -105,7 +112,9 @@ class T5Encoder:
             ids[i, : len(x)] = torch.tensor(x)
             mask[i, : len(x)] = 1
         with torch.inference_mode():
-            hidden = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state.float()
+            hidden = self.model(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
+            ).last_hidden_state.float()
         valid = mask.to(self.device).bool()
         bad = (~torch.isfinite(hidden) | (hidden.abs() > FLOAT16_MAX)).any(-1) & valid
         if bad.any():

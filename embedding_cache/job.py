@@ -60,13 +60,16 @@ class EmbedReport:
     segments: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_added: int = 0
-    timeline: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, captions) of each finished batch
+    timeline: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # (seconds since start, captions) of each finished batch
 
     def summary(self, dry_run: bool) -> str:
         head = "would encode" if dry_run else "encoded"
         rate = f", {self.tokens / self.seconds:,.0f} tokens/s" if self.seconds > 0 and not dry_run else ""
         return (
-            f"{self.captions_selected} captions, {self.unique_texts} distinct texts, {self.already_stored} already stored; "
+            f"{self.captions_selected} captions, {self.unique_texts} distinct texts, {self.already_stored} already "
+            "stored; "
             f"{head} {self.encoded} captions, {self.tokens} tokens ({self.bytes_added / 2**20:.1f} MiB), "
             f"{self.truncated} truncated to --max-length{rate}; segments published: {len(self.segments)}"
         )
@@ -102,13 +105,19 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     report = EmbedReport(captions_selected=n_rows, unique_texts=len(texts))
 
     # A dry run creates nothing, but refuses a mismatched store all the same.
-    store = open_existing_store(cfg.store, recipe, cfg.mirror) if cfg.dry_run else open_store_for_writing(cfg.store, recipe, d_model, cfg.mirror)
+    store = (
+        open_existing_store(cfg.store, recipe, cfg.mirror)
+        if cfg.dry_run
+        else open_store_for_writing(cfg.store, recipe, d_model, cfg.mirror)
+    )
     todo = np.arange(len(texts)) if store is None else np.flatnonzero(~store.published().contains(keys))
     report.already_stored = len(texts) - len(todo)
 
     if cfg.dry_run:
         for start in range(0, len(todo), cfg.window):
-            ids, truncated = tokenize(tokenizer, [texts[i] for i in todo[start : start + cfg.window]], cfg.max_length, cfg.eos)
+            ids, truncated = tokenize(
+                tokenizer, [texts[i] for i in todo[start : start + cfg.window]], cfg.max_length, cfg.eos
+            )
             report.encoded += len(ids)
             report.tokens += sum(len(x) for x in ids)
             report.truncated += truncated
@@ -157,7 +166,9 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
         for start in range(0, len(todo), cfg.window):
             window = todo[start : start + cfg.window]
             window = window[~store.published().contains(keys[window])]
-            outputs, truncated = encode_window(encoder, tokenizer, [texts[i] for i in window], keys[window], cfg, progress)
+            outputs, truncated = encode_window(
+                encoder, tokenizer, [texts[i] for i in window], keys[window], cfg, progress
+            )
             report.truncated += truncated
             truncated_in_segment += truncated
             for j, out in enumerate(outputs):
@@ -179,8 +190,14 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
     return report
 
 
-def encode_window(encoder: T5Encoder, tokenizer: Any, texts: list[str], keys: np.ndarray, cfg: EmbedConfig,
-                  progress: Callable[[int, int], None] | None = None) -> tuple[list[np.ndarray], int]:
+def encode_window(
+    encoder: T5Encoder,
+    tokenizer: Any,
+    texts: list[str],
+    keys: np.ndarray,
+    cfg: EmbedConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[np.ndarray], int]:
     """Token embeddings of `texts`, in their order, and how many were truncated; encoder batches grouped by length.
 
     Both executors encode through here, so their vectors agree. `progress(captions, tokens)` follows each batch.
@@ -195,7 +212,8 @@ def encode_window(encoder: T5Encoder, tokenizer: Any, texts: list[str], keys: np
         except NonFiniteEmbedding as exc:
             i = batch[exc.index]
             raise UserError(
-                f"caption {keys[i].tobytes().hex()[:16]} ({texts[i][:60]!r}) encodes to non-finite or float16-overflowing "
+                f"caption {keys[i].tobytes().hex()[:16]} ({texts[i][:60]!r}) encodes to non-finite or "
+                "float16-overflowing "
                 f"values with --dtype {cfg.compute_dtype}; try --dtype float32 or check the model weights"
             ) from None
         for j, out in zip(batch, encoded):

@@ -41,7 +41,9 @@ class SegmentPerBatch:
         keys = np.frombuffer(b"".join(batch.column("key").to_pylist()), dtype=np.uint8).reshape(-1, KEY_BYTES)
         fresh = np.flatnonzero(~self.store.published().contains(keys))  # a retried batch may be published already
         texts = batch.column("text").to_pylist()
-        outputs, truncated = encode_window(self.encoder, self.tokenizer, [texts[i] for i in fresh], keys[fresh], self.cfg)
+        outputs, truncated = encode_window(
+            self.encoder, self.tokenizer, [texts[i] for i in fresh], keys[fresh], self.cfg
+        )
         published = {"segment": "", "captions": 0, "tokens": 0}
         if len(fresh):
             writer = self.store.new_segment(self.layout)
@@ -54,23 +56,48 @@ class SegmentPerBatch:
                 writer.discard()
                 raise
             published = {"segment": result.segment or "", "captions": result.captions, "tokens": result.tokens}
-        return pa.table({"segment": [published["segment"]], "captions": [published["captions"]], "tokens": [published["tokens"]],
-                         "truncated": [truncated], "offered": [batch.num_rows], "done": [time.time()]})
+        return pa.table(
+            {
+                "segment": [published["segment"]],
+                "captions": [published["captions"]],
+                "tokens": [published["tokens"]],
+                "truncated": [truncated],
+                "offered": [batch.num_rows],
+                "done": [time.time()],
+            }
+        )
 
 
-def embed_on_ray(cfg: EmbedConfig, texts: list[str], keys: np.ndarray, todo: np.ndarray, recipe: dict[str, Any], d_model: int,
-                 layout: TokenLayout, report: EmbedReport) -> None:
-    """Encode `texts[todo]` on a Ray cluster, publishing one segment per batch of `cfg.window` captions; fills `report`."""
+def embed_on_ray(
+    cfg: EmbedConfig,
+    texts: list[str],
+    keys: np.ndarray,
+    todo: np.ndarray,
+    recipe: dict[str, Any],
+    d_model: int,
+    layout: TokenLayout,
+    report: EmbedReport,
+) -> None:
+    """Encode `texts[todo]` on a Ray cluster, publishing one segment per batch of `cfg.window` captions; fills
+    `report`."""
     import ray.data
     from tqdm import tqdm
 
     start_ray(cfg.ray_address)
     size, resources = actor_resources(cfg.device, cfg.num_workers)
-    table = pa.table({"key": pa.array([keys[i].tobytes() for i in todo], pa.binary(KEY_BYTES)), "text": [texts[i] for i in todo]})
-    blocks = [table.slice(start, cfg.window) for start in range(0, table.num_rows, cfg.window)]  # a block per batch: all actors busy
+    table = pa.table(
+        {"key": pa.array([keys[i].tobytes() for i in todo], pa.binary(KEY_BYTES)), "text": [texts[i] for i in todo]}
+    )
+    blocks = [
+        table.slice(start, cfg.window) for start in range(0, table.num_rows, cfg.window)
+    ]  # a block per batch: all actors busy
     dataset = ray.data.from_arrow(blocks).map_batches(
-        SegmentPerBatch, fn_constructor_args=(cfg, recipe, d_model, layout), batch_size=cfg.window, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=size), **resources,
+        SegmentPerBatch,
+        fn_constructor_args=(cfg, recipe, d_model, layout),
+        batch_size=cfg.window,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=size),
+        **resources,
     )
     started, wall = time.perf_counter(), time.time()
     with tqdm(total=len(todo), unit="caption", disable=not cfg.progress, dynamic_ncols=True) as bar:

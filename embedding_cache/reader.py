@@ -62,9 +62,14 @@ def _map_tokens(array_dir: Path, d_model: int) -> tuple[int, list[np.ndarray | N
     config = codec["configuration"]
     inner_codecs = [c["name"] for c in config["codecs"]]
     index_codecs = [c["name"] for c in config["index_codecs"]]
-    if (codec["name"] != "sharding_indexed" or meta["data_type"] != "float16" or inner_codecs != ["bytes"]
-            or config["codecs"][0].get("configuration", {}).get("endian", "little") != "little"
-            or index_codecs != ["bytes", "crc32c"] or config.get("index_location", "end") != "end"):
+    if (
+        codec["name"] != "sharding_indexed"
+        or meta["data_type"] != "float16"
+        or inner_codecs != ["bytes"]
+        or config["codecs"][0].get("configuration", {}).get("endian", "little") != "little"
+        or index_codecs != ["bytes", "crc32c"]
+        or config.get("index_location", "end") != "end"
+    ):
         raise UserError(f"{array_dir}: tokens must be float16, uncompressed, sharded with the index at the end")
     shard_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
     chunk_rows, chunk_cols = config["chunk_shape"]
@@ -118,7 +123,9 @@ class StoreKeys:
         """The segments that hold `keys`, in store order; every key must be there."""
         rows = self.locate(keys)
         if (rows < 0).any():
-            raise UserError(f"{int((rows < 0).sum())} caption keys are not in the store (it was changed since the index was made)")
+            raise UserError(
+                f"{int((rows < 0).sum())} caption keys are not in the store (it was changed since the index was made)"
+            )
         held = np.unique(np.searchsorted(self.starts, rows, side="right") - 1)
         return [self.segment_ids[i] for i in held.tolist()]
 
@@ -194,7 +201,9 @@ class EmbeddingReader:
         np.cumsum(stops - starts, out=offsets[1:])
         out = np.empty((int(offsets[-1]), self.d_model), dtype=np.float16)
         segments = self._segments
-        for seg, start, stop, lo, hi in zip(segs.tolist(), starts.tolist(), stops.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()):
+        for seg, start, stop, lo, hi in zip(
+            segs.tolist(), starts.tolist(), stops.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
+        ):
             out[lo:hi] = segments[seg].rows(start, stop)
         return out, offsets
 

@@ -24,8 +24,8 @@ import shutil
 import sys
 import tempfile
 import uuid
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,7 +61,7 @@ def remote_store_segments(url: str, fs: Any, root: str, local: Path) -> tuple[by
 
     Log entries are copied under `local` as they are read (call under `mirror_lock`).
     """
-    root_raw = remote_call(url, lambda: fs.cat_file(f"{root}/zarr.json"))
+    root_raw = remote_call(url, fs.cat_file, f"{root}/zarr.json")
     meta = parse_json(f"{url}/zarr.json", root_raw).get("attributes", {}).get("tcjepa", {})
     segments = meta.get("segments")
     if not isinstance(segments, list) or not all(plain_name(s) for s in segments):
@@ -94,8 +94,10 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
             only = set(only)
             unknown = sorted(only - set(segments))
             if unknown:
-                raise DataProblem(f"{url}: segment {unknown[0]} is not published there ({len(unknown)} missing); "
-                                  f"the store was rebuilt since the run's index was made: train with a new --out")
+                raise DataProblem(
+                    f"{url}: segment {unknown[0]} is not published there ({len(unknown)} missing); "
+                    f"the store was rebuilt since the run's index was made: train with a new --out"
+                )
         wanted = segments if only is None else [s for s in segments if s in only]
         (local / "segments").mkdir(exist_ok=True)
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
@@ -106,7 +108,9 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
             doc["attributes"]["tcjepa"]["segments"] = listed
             atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
 
-        list_locally([s for s in segments if (local / "segments" / s).exists()])  # a reader meanwhile sees only whole segments
+        list_locally(
+            [s for s in segments if (local / "segments" / s).exists()]
+        )  # a reader meanwhile sees only whole segments
         fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
         store = EmbeddingStore(local)
         fetched = 0
@@ -128,7 +132,8 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
 
 
 def local_store(location: str | Path, mirror: Path | None = None, only: Collection[str] | None = None) -> Path:
-    """The local directory of the store at `location`: a path as given, a URL mirrored first (every segment, or `only`)."""
+    """The local directory of the store at `location`: a path as given, a URL mirrored first (every segment, or
+    `only`)."""
     if is_remote(str(location)):
         return mirror_store(str(location), mirror, only)
     return Path(location)
@@ -143,10 +148,13 @@ class RemoteEmbeddingStore(EmbeddingStore):
         self._log = PublishLog(url, fs, root, local)
 
     @classmethod
-    def open(cls, url: str, mirror: Path | None = None, encoder: dict[str, Any] | None = None, d_model: int | None = None) -> RemoteEmbeddingStore:
-        """Open the store at `url` (creating it when `encoder` and `d_model` are given) and bring its keys mirror up to date."""
+    def open(
+        cls, url: str, mirror: Path | None = None, encoder: dict[str, Any] | None = None, d_model: int | None = None
+    ) -> RemoteEmbeddingStore:
+        """Open the store at `url` (creating it when `encoder` and `d_model` are given) and bring its keys mirror up to
+        date."""
         fs, root = writable_filesystem(url, "--store")
-        if not remote_call(url, lambda: fs.exists(f"{root}/zarr.json")):
+        if not remote_call(url, fs.exists, f"{root}/zarr.json"):
             if encoder is None or d_model is None:
                 raise UserError(f"--store {url} is not an embedding store (no zarr.json)")
             _create(url, fs, root, encoder, d_model)
@@ -163,7 +171,9 @@ class RemoteEmbeddingStore(EmbeddingStore):
             for name in files:
                 local = Path(dirpath) / name
                 relative = local.relative_to(segment.staging).as_posix()
-                remote_call(self.url, lambda: self._fs.put_file(str(local), f"{self._remote}/segments/{segment.segment_id}/{relative}"))
+                remote_call(
+                    self.url, self._fs.put_file, str(local), f"{self._remote}/segments/{segment.segment_id}/{relative}"
+                )
 
     def publish(self, writer: SegmentWriter) -> PublishResult:
         """Upload a finished staging segment and publish it in the log; captions published by anyone are dropped."""
@@ -206,15 +216,19 @@ class RemoteEmbeddingStore(EmbeddingStore):
             doc = json.loads(root_raw)
             if doc["attributes"]["tcjepa"]["segments"] != segments:
                 doc["attributes"]["tcjepa"]["segments"] = segments
-                remote_call(self.url, lambda: self._fs.pipe_file(f"{self._remote}/zarr.json", json.dumps(doc, indent=2).encode()))
+                remote_call(
+                    self.url, self._fs.pipe_file, f"{self._remote}/zarr.json", json.dumps(doc, indent=2).encode()
+                )
             if set(self._log.remote()) <= seen:
                 return
 
 
 def _create(url: str, fs: Any, root: str, encoder: dict[str, Any], d_model: int) -> None:
     """Create the remote root unless another writer did; refuse a prefix holding anything else."""
-    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json")]  # another creator may be done
-    if remote_call(url, lambda: fs.exists(f"{root}/zarr.json")):
+    others = [
+        n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json")
+    ]  # another creator may be done
+    if remote_call(url, fs.exists, f"{root}/zarr.json"):
         return
     if others or any(n != "zarr.json" for n in remote_names(fs, url, f"{root}/segments")):
         raise UserError(f"--store {url} holds other objects and no zarr.json; choose a new prefix")
@@ -222,8 +236,10 @@ def _create(url: str, fs: Any, root: str, encoder: dict[str, Any], d_model: int)
         write_empty_root(Path(tmp), encoder, d_model)
         segments_group = (Path(tmp) / "segments" / "zarr.json").read_bytes()
         doc = json.loads((Path(tmp) / "zarr.json").read_bytes())
-        doc["attributes"]["tcjepa"]["id"] = uuid.uuid4().hex  # tells mirrors this store from one made later under the same URL
-        remote_call(url, lambda: fs.pipe_file(f"{root}/segments/zarr.json", segments_group))
+        doc["attributes"]["tcjepa"]["id"] = (
+            uuid.uuid4().hex
+        )  # tells mirrors this store from one made later under the same URL
+        remote_call(url, fs.pipe_file, f"{root}/segments/zarr.json", segments_group)
         create_if_absent(fs, url, f"{root}/zarr.json", json.dumps(doc, indent=2).encode())
 
 
@@ -290,24 +306,32 @@ def _check_keys(url: str, segment: str, into: Path, encoder_hash: str) -> None:
 
     attrs = json.loads((into / "zarr.json").read_bytes()).get("attributes", {})
     if attrs.get("encoder_hash") != encoder_hash:
-        raise DataProblem(f"{url}/segments/{segment}: written for encoder {str(attrs.get('encoder_hash'))[:12]}, not the store's")
+        raise DataProblem(
+            f"{url}/segments/{segment}: written for encoder {str(attrs.get('encoder_hash'))[:12]}, not the store's"
+        )
     keys = zarr.open_array(str(into / "keys"), mode="r")[:]
     if array_sha256(np.asarray(keys)) != attrs.get("sha256", {}).get("keys"):
-        raise DataProblem(f"{url}/segments/{segment}: keys do not match the sha256 recorded when they were written; not used")
+        raise DataProblem(
+            f"{url}/segments/{segment}: keys do not match the sha256 recorded when they were written; not used"
+        )
 
 
-def open_store_for_writing(location: str | Path, encoder: dict[str, Any], d_model: int, mirror: Path | None = None) -> EmbeddingStore:
+def open_store_for_writing(
+    location: str | Path, encoder: dict[str, Any], d_model: int, mirror: Path | None = None
+) -> EmbeddingStore:
     """A local store directory (created if missing), or an s3:// store through its keys mirror."""
     if is_remote(str(location)):
         return RemoteEmbeddingStore.open(str(location), mirror, encoder, d_model)
     return EmbeddingStore.open_or_create(Path(location), encoder, d_model)
 
 
-def open_existing_store(location: str | Path, encoder: dict[str, Any], mirror: Path | None = None) -> EmbeddingStore | None:
+def open_existing_store(
+    location: str | Path, encoder: dict[str, Any], mirror: Path | None = None
+) -> EmbeddingStore | None:
     """The store at `location` checked against `encoder`, or None when there is none yet (a dry run creates nothing)."""
     if is_remote(str(location)):
         fs, root = writable_filesystem(str(location), "--store")
-        if not remote_call(str(location), lambda: fs.exists(f"{root}/zarr.json")):
+        if not remote_call(str(location), fs.exists, f"{root}/zarr.json"):
             return None
         store: EmbeddingStore = RemoteEmbeddingStore.open(str(location), mirror)
     elif (Path(location) / "zarr.json").exists():

@@ -90,7 +90,14 @@ def write_empty_root(directory: Path, encoder: dict[str, Any], d_model: int) -> 
 
     root = zarr.open_group(str(directory), mode="w", zarr_format=3)
     root.create_group("segments")
-    root.attrs["tcjepa"] = {"format": FORMAT, "version": VERSION, "encoder": encoder, "encoder_hash": recipe_hash(encoder), "d_model": d_model, "segments": []}
+    root.attrs["tcjepa"] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "encoder": encoder,
+        "encoder_hash": recipe_hash(encoder),
+        "d_model": d_model,
+        "segments": [],
+    }
 
 
 def _attrs(group: Any) -> dict[str, Any]:
@@ -105,12 +112,17 @@ class EmbeddingStore:
 
         self.path = Path(path)
         if not (self.path / "zarr.json").is_file():
-            raise UserError(f"{self.path} is not an embedding store (no zarr.json); `tcjepa embed --store {self.path}` creates one")
+            raise UserError(
+                f"{self.path} is not an embedding store (no zarr.json); `tcjepa embed --store {self.path}` creates one"
+            )
         meta = _attrs(zarr.open_group(str(self.path), mode="r", zarr_format=3))
         if meta.get("format") != FORMAT:
             raise UserError(f"{self.path} is a zarr group but not a tcjepa embedding store")
         if meta.get("version") != VERSION:
-            raise UserError(f"{self.path}: embedding store version {meta.get('version')} is not supported (this tcjepa reads {VERSION})")
+            raise UserError(
+                f"{self.path}: embedding store version {meta.get('version')} is not supported (this tcjepa reads "
+                f"{VERSION})"
+            )
         self.encoder: dict[str, Any] = meta["encoder"]
         self.encoder_hash: str = meta["encoder_hash"]
         self.d_model: int = int(meta["d_model"])
@@ -146,7 +158,8 @@ class EmbeddingStore:
         if self.encoder_hash != wanted:
             diff = sorted(k for k in set(encoder) | set(self.encoder) if encoder.get(k) != self.encoder.get(k))
             raise UserError(
-                f"--store {self.path} holds embeddings from another encoder recipe ({self.encoder_hash[:12]} vs {wanted[:12]}; "
+                f"--store {self.path} holds embeddings from another encoder recipe ({self.encoder_hash[:12]} vs "
+                f"{wanted[:12]}; "
                 f"differs in: {', '.join(diff)}); use a new --store for this encoder"
             )
 
@@ -205,7 +218,8 @@ class EmbeddingStore:
                 shutil.rmtree(entry, ignore_errors=True)
 
     def drop_empty_staging(self) -> None:
-        """Remove `.staging` once no writer uses it; another writer staging (or one that just removed it) is not an error."""
+        """Remove `.staging` once no writer uses it; another writer staging (or one that just removed it) is not an
+        error."""
         with contextlib.suppress(OSError):
             (self.path / STAGING).rmdir()
 
@@ -270,8 +284,14 @@ class SegmentWriter:
         self._group = zarr.open_group(str(self.staging), mode="w", zarr_format=3)
         d = self.store.d_model
         self._tokens = self._group.create_array(
-            "tokens", shape=(0, d), chunks=(self.layout.chunk_tokens, d), shards=(self.layout.shard_tokens, d),
-            dtype="float16", compressors=None, fill_value=0, config={"write_empty_chunks": True},
+            "tokens",
+            shape=(0, d),
+            chunks=(self.layout.chunk_tokens, d),
+            shards=(self.layout.shard_tokens, d),
+            dtype="float16",
+            compressors=None,
+            fill_value=0,
+            config={"write_empty_chunks": True},
         )
         self._pending: list[np.ndarray] = []
         self._pending_rows = 0
@@ -283,7 +303,12 @@ class SegmentWriter:
 
     def append(self, key: bytes, tokens: np.ndarray) -> None:
         """Add one caption's `[length, d_model]` float16 embeddings."""
-        if len(key) != KEY_BYTES or tokens.ndim != 2 or tokens.shape[1] != self.store.d_model or tokens.dtype != np.float16:
+        if (
+            len(key) != KEY_BYTES
+            or tokens.ndim != 2
+            or tokens.shape[1] != self.store.d_model
+            or tokens.dtype != np.float16
+        ):
             raise ValueError(f"bad caption entry: key of {len(key)} bytes, tokens {tokens.shape} {tokens.dtype}")
         self._keys.append(key)
         self._lengths.append(len(tokens))
@@ -325,9 +350,21 @@ class SegmentWriter:
         self._group.create_array("offsets", data=offsets, chunks=(chunk_rows + 1,), compressors=None)
         self._group.create_array("keys", data=keys, chunks=(chunk_rows, KEY_BYTES), compressors=None)
         self.attrs.update(attrs)
-        checksums = {"tokens": self._tokens_sha256.hexdigest(), "offsets": array_sha256(offsets), "keys": array_sha256(keys)}
-        self._group.attrs.update({"captions": n, "tokens": int(offsets[-1]), "encoder_hash": self.store.encoder_hash,
-                                  "sha256": checksums, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **self.attrs})
+        checksums = {
+            "tokens": self._tokens_sha256.hexdigest(),
+            "offsets": array_sha256(offsets),
+            "keys": array_sha256(keys),
+        }
+        self._group.attrs.update(
+            {
+                "captions": n,
+                "tokens": int(offsets[-1]),
+                "encoder_hash": self.store.encoder_hash,
+                "sha256": checksums,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **self.attrs,
+            }
+        )
         for dirpath, _, files in os.walk(self.staging):
             for name in files:
                 with open(os.path.join(dirpath, name), "rb") as f:

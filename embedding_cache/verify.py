@@ -45,12 +45,19 @@ class StoreVerifyReport:
         if self.deep_compared:
             deep = f"; deep: {self.deep_compared} captions re-encoded, lowest token cosine {self.deep_min_cosine:.4f}"
         notes = "".join(f"; note: {n}" for n in self.notes)
-        return (f"ok: {self.segments} segments, {self.captions} captions, {self.tokens} tokens, "
-                f"{self.bytes_hashed / 2**20:.1f} MiB hashed in {self.seconds:.1f} s{deep}{notes}")
+        return (
+            f"ok: {self.segments} segments, {self.captions} captions, {self.tokens} tokens, "
+            f"{self.bytes_hashed / 2**20:.1f} MiB hashed in {self.seconds:.1f} s{deep}{notes}"
+        )
 
 
-def verify_segment(store: EmbeddingStore, segment: str, path: Path | None = None, report: StoreVerifyReport | None = None,
-                   bar: Any = None) -> np.ndarray:
+def verify_segment(
+    store: EmbeddingStore,
+    segment: str,
+    path: Path | None = None,
+    report: StoreVerifyReport | None = None,
+    bar: Any = None,
+) -> np.ndarray:
     """Check one segment (at `path`, by default its place in the store); returns its keys, raises DataProblem."""
     import zarr
 
@@ -70,13 +77,22 @@ def verify_segment(store: EmbeddingStore, segment: str, path: Path | None = None
     except (FileNotFoundError, KeyError, ValueError) as exc:
         raise problem(f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     if attrs.get("encoder_hash") != store.encoder_hash:
-        raise problem(f"written for encoder {str(attrs.get('encoder_hash'))[:12]}, the store's is {store.encoder_hash[:12]}")
+        raise problem(
+            f"written for encoder {str(attrs.get('encoder_hash'))[:12]}, the store's is {store.encoder_hash[:12]}"
+        )
     n, n_tokens = int(attrs.get("captions", -1)), int(attrs.get("tokens", -1))
     if offsets.dtype != np.int64 or offsets.shape != (n + 1,):
         raise problem(f"offsets are {offsets.dtype}{list(offsets.shape)}, expected int64[{n + 1}] for {n} captions")
     if offsets[0] != 0 or (np.diff(offsets) < 1).any() or offsets[-1] != n_tokens:
-        bad = "do not start at 0" if offsets[0] != 0 else ("do not end at the token count" if offsets[-1] != n_tokens else
-                                                           f"do not grow at caption {int(np.flatnonzero(np.diff(offsets) < 1)[0])}")
+        bad = (
+            "do not start at 0"
+            if offsets[0] != 0
+            else (
+                "do not end at the token count"
+                if offsets[-1] != n_tokens
+                else f"do not grow at caption {int(np.flatnonzero(np.diff(offsets) < 1)[0])}"
+            )
+        )
         raise problem(f"offsets {bad}")
     if keys.dtype != np.uint8 or keys.shape != (n, KEY_BYTES):
         raise problem(f"keys are {keys.dtype}{list(keys.shape)}, expected uint8[{n}, {KEY_BYTES}]")
@@ -91,13 +107,21 @@ def verify_segment(store: EmbeddingStore, segment: str, path: Path | None = None
         if not np.isfinite(block).all():
             row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
             caption = int(np.searchsorted(offsets, row, side="right")) - 1
-            raise problem(f"non-finite value in token row {row} (caption {caption}, key {keys[caption].tobytes().hex()[:16]})")
+            raise problem(
+                f"non-finite value in token row {row} (caption {caption}, key {keys[caption].tobytes().hex()[:16]})"
+            )
         digest.update(np.ascontiguousarray(block, dtype="<f2"))
         if bar is not None:
             bar.update(len(block))
-    for name, actual in (("tokens", digest.hexdigest()), ("offsets", array_sha256(offsets)), ("keys", array_sha256(keys))):
+    for name, actual in (
+        ("tokens", digest.hexdigest()),
+        ("offsets", array_sha256(offsets)),
+        ("keys", array_sha256(keys)),
+    ):
         if recorded.get(name) != actual:
-            raise problem(f"{name} do not match the sha256 recorded when the segment was written (changed or corrupted on disk)")
+            raise problem(
+                f"{name} do not match the sha256 recorded when the segment was written (changed or corrupted on disk)"
+            )
     if report is not None:
         report.segments += 1
         report.captions += n
@@ -106,8 +130,16 @@ def verify_segment(store: EmbeddingStore, segment: str, path: Path | None = None
     return keys
 
 
-def _deep_check(store: EmbeddingStore, all_keys: np.ndarray, cache: Path, model: str | None, sample: int, seed: int,
-                device: str, report: StoreVerifyReport) -> None:
+def _deep_check(
+    store: EmbeddingStore,
+    all_keys: np.ndarray,
+    cache: Path,
+    model: str | None,
+    sample: int,
+    seed: int,
+    device: str,
+    report: StoreVerifyReport,
+) -> None:
     """Re-encode `sample` stored captions found in `cache` and compare token by token."""
     from captioning.cache import CaptionCache
     from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
@@ -116,16 +148,23 @@ def _deep_check(store: EmbeddingStore, all_keys: np.ndarray, cache: Path, model:
     enc = store.encoder
     model = model or enc.get("model")
     if not model or ("weights_sha256" in enc and not Path(model).is_dir()):
-        raise UserError(f"--deep: the store's encoder is a local model ({enc.get('model')!r}); pass its directory with --model")
+        raise UserError(
+            f"--deep: the store's encoder is a local model ({enc.get('model')!r}); pass its directory with --model"
+        )
     recipe, _ = encoder_recipe(model, int(enc["max_length"]), bool(enc["eos"]), str(enc["compute_dtype"]))
     if recipe_hash(recipe) != store.encoder_hash:
-        raise UserError(f"--model {model} is not the encoder this store was written with (recipe {recipe_hash(recipe)[:12]} vs {store.encoder_hash[:12]})")
+        raise UserError(
+            f"--model {model} is not the encoder this store was written with (recipe {recipe_hash(recipe)[:12]} vs "
+            f"{store.encoder_hash[:12]})"
+        )
     table = CaptionCache(cache).read_captions(columns=["text", "text_sha256"])
     texts = dict(zip(table.column("text_sha256").to_pylist(), table.column("text").to_pylist()))
     stored = [k.tobytes().hex() for k in all_keys]
     known = [h for h in stored if h in texts]
     if not known:
-        raise UserError(f"--deep: none of the store's captions are in --cache {cache}; pass the cache the store was embedded from")
+        raise UserError(
+            f"--deep: none of the store's captions are in --cache {cache}; pass the cache the store was embedded from"
+        )
     rng = np.random.default_rng(seed)
     chosen = [known[i] for i in sorted(rng.choice(len(known), size=min(sample, len(known)), replace=False))]
     tokenizer = load_tokenizer(model)
@@ -137,28 +176,44 @@ def _deep_check(store: EmbeddingStore, all_keys: np.ndarray, cache: Path, model:
         fresh = encoder.encode([x])[0].astype(np.float32)
         kept = reader.get_key(bytes.fromhex(h)).astype(np.float32)
         if fresh.shape != kept.shape:
-            raise DataProblem(f"caption {h[:16]} ({texts[h][:40]!r}): stored {kept.shape[0]} tokens, re-encoding gives {fresh.shape[0]}")
+            raise DataProblem(
+                f"caption {h[:16]} ({texts[h][:40]!r}): stored {kept.shape[0]} tokens, re-encoding gives "
+                f"{fresh.shape[0]}"
+            )
         cos = (fresh * kept).sum(1) / np.maximum(np.linalg.norm(fresh, axis=1) * np.linalg.norm(kept, axis=1), 1e-12)
         lowest = min(lowest, float(cos.min()))
         if cos.min() < DEEP_MIN_COSINE:
-            raise DataProblem(f"caption {h[:16]} ({texts[h][:40]!r}): stored vectors differ from re-encoded ones "
-                              f"(token {int(cos.argmin())} cosine {float(cos.min()):.3f} < {DEEP_MIN_COSINE})")
+            raise DataProblem(
+                f"caption {h[:16]} ({texts[h][:40]!r}): stored vectors differ from re-encoded ones "
+                f"(token {int(cos.argmin())} cosine {float(cos.min()):.3f} < {DEEP_MIN_COSINE})"
+            )
     report.deep_compared = len(chosen)
     report.deep_min_cosine = lowest
 
 
-def verify_store(location: str | Path, deep: bool = False, cache: Path | None = None, model: str | None = None,
-                 sample: int = 64, seed: int = 0, device: str = "auto", progress: bool = True) -> StoreVerifyReport:
+def verify_store(
+    location: str | Path,
+    deep: bool = False,
+    cache: Path | None = None,
+    model: str | None = None,
+    sample: int = 64,
+    seed: int = 0,
+    device: str = "auto",
+    progress: bool = True,
+) -> StoreVerifyReport:
     """Check the store at `location` end to end (a directory, or a URL: every segment fetched afresh and checked);
     raises DataProblem at the first inconsistency."""
     from embedding_cache.remote_store import local_store
 
     with tempfile.TemporaryDirectory() as fresh:
-        return _verify_local_store(local_store(location, Path(fresh)), deep, cache, model, sample, seed, device, progress)
+        return _verify_local_store(
+            local_store(location, Path(fresh)), deep, cache, model, sample, seed, device, progress
+        )
 
 
-def _verify_local_store(path: Path, deep: bool, cache: Path | None, model: str | None, sample: int, seed: int,
-                        device: str, progress: bool) -> StoreVerifyReport:
+def _verify_local_store(
+    path: Path, deep: bool, cache: Path | None, model: str | None, sample: int, seed: int, device: str, progress: bool
+) -> StoreVerifyReport:
     from tqdm import tqdm
 
     if deep and cache is None:
@@ -168,7 +223,9 @@ def _verify_local_store(path: Path, deep: bool, cache: Path | None, model: str |
     started = time.perf_counter()
     store = EmbeddingStore(path)
     if recipe_hash(store.encoder) != store.encoder_hash:
-        raise DataProblem(f"{path}/zarr.json: encoder_hash does not match the recorded encoder recipe (edited by hand?)")
+        raise DataProblem(
+            f"{path}/zarr.json: encoder_hash does not match the recorded encoder recipe (edited by hand?)"
+        )
     report = StoreVerifyReport()
     segments = store.segment_ids()
     if len(set(segments)) != len(segments):

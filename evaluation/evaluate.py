@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.errors import UserError
-from pipeline.core.fsutil import atomic_write_bytes
-from pipeline.core.sources import list_images
 from evaluation.features import extract_features, resolve_device
 from evaluation.labels import Labels, patch_labels, read_labels
 from evaluation.probes import ProbeResult, Split, attentive_probe, dense_probe, knn_probe, linear_probe, random_split
+from pipeline.core.errors import UserError
+from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.sources import list_images
 
 PROBES = ("linear", "knn", "dense", "attentive")
 EVAL_DIR = "eval"
@@ -92,13 +92,23 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
     labels = read_labels(cfg.labels, refs, cfg.image_root)
     probes = tuple(p for p in PROBES if p in cfg.probes and (p != "dense" or labels.has_cells or not default_probes))
     if "dense" in probes and not labels.has_cells:
-        raise UserError(f"--probe dense needs per-cell labels (\"cells\" and \"cell_size\" in {cfg.labels}); none has them")
+        raise UserError(f'--probe dense needs per-cell labels ("cells" and "cell_size" in {cfg.labels}); none has them')
     need_patches = "dense" in probes or "attentive" in probes
-    features = extract_features(cfg.run, [refs[i] for i in labels.image_index], with_patches=need_patches,
-                                device=cfg.device, batch_size=cfg.batch_size, workers=cfg.workers, progress=cfg.progress)
+    features = extract_features(
+        cfg.run,
+        [refs[i] for i in labels.image_index],
+        with_patches=need_patches,
+        device=cfg.device,
+        batch_size=cfg.batch_size,
+        workers=cfg.workers,
+        progress=cfg.progress,
+    )
     usable = np.flatnonzero(features.decoded)
     if len(usable) < len(labels.label):
-        print(f"eval: {len(labels.label) - len(usable)} labelled images could not be read or decoded; left out", file=sys.stderr)
+        print(
+            f"eval: {len(labels.label) - len(usable)} labelled images could not be read or decoded; left out",
+            file=sys.stderr,
+        )
     try:
         split = _split(labels, usable, cfg)
         results: dict[str, ProbeResult] = {}
@@ -111,15 +121,25 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
                 dense = _dense_labels(labels, features.sizes, features.grid)
                 results[name] = dense_probe(features.patches, dense, split, cfg.seed)
             else:
-                results[name] = attentive_probe(features.patches, labels.label, split, cfg.seed, resolve_device(cfg.device))
+                results[name] = attentive_probe(
+                    features.patches, labels.label, split, cfg.seed, resolve_device(cfg.device)
+                )
     except ValueError as exc:
         raise UserError(f"eval: {exc}") from None
     report = {
-        "run": str(cfg.run), "step": features.step, "labels": str(cfg.labels), "seed": cfg.seed,
-        "images": len(refs), "labelled": len(labels.label), "unmatched_labels": labels.unmatched,
-        "undecodable": int(len(labels.label) - len(usable)), "classes": len(labels.classes),
-        "split": split.sizes(), "split_source": "labels file" if labels.split is not None else "random",
-        "features": str(features.directory), "probes": {k: v.to_dict() for k, v in results.items()},
+        "run": str(cfg.run),
+        "step": features.step,
+        "labels": str(cfg.labels),
+        "seed": cfg.seed,
+        "images": len(refs),
+        "labelled": len(labels.label),
+        "unmatched_labels": labels.unmatched,
+        "undecodable": int(len(labels.label) - len(usable)),
+        "classes": len(labels.classes),
+        "split": split.sizes(),
+        "split_source": "labels file" if labels.split is not None else "random",
+        "features": str(features.directory),
+        "probes": {k: v.to_dict() for k, v in results.items()},
     }
     out = cfg.report or Path(cfg.run) / EVAL_DIR / f"{Path(cfg.labels).stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

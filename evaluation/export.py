@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from evaluation.features import load_trained_encoder
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from train.data import IMAGENET_MEAN, IMAGENET_STD
-from evaluation.features import load_trained_encoder
 from train.vit import VisionTransformer
 
 WEIGHTS = "model.safetensors"
@@ -39,8 +39,10 @@ FORMAT = "tcjepa-encoder"
 
 def to_timm_names(state: dict[str, torch.Tensor], pos_embed: torch.Tensor) -> dict[str, torch.Tensor]:
     """Our encoder's state dict under timm's names, plus the position embedding as a `[1, L, D]` tensor."""
-    out = {("patch_embed.proj." + k.removeprefix("patch_embed.") if k.startswith("patch_embed.") else k): v
-           for k, v in state.items()}
+    out = {
+        ("patch_embed.proj." + k.removeprefix("patch_embed.") if k.startswith("patch_embed.") else k): v
+        for k, v in state.items()
+    }
     out["pos_embed"] = pos_embed[None]
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
@@ -53,8 +55,14 @@ def from_timm_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def encoder_config(encoder: VisionTransformer, image_size: int) -> dict[str, Any]:
     depth = len(encoder.blocks)
     mlp_ratio = encoder.blocks[0].mlp.fc1.out_features / encoder.width
-    return {"image_size": image_size, "patch_size": encoder.patch_size, "width": encoder.width, "depth": depth,
-            "heads": encoder.heads, "mlp_ratio": mlp_ratio}
+    return {
+        "image_size": image_size,
+        "patch_size": encoder.patch_size,
+        "width": encoder.width,
+        "depth": depth,
+        "heads": encoder.heads,
+        "mlp_ratio": mlp_ratio,
+    }
 
 
 def export_run(run: Path, out: Path) -> dict[str, Any]:
@@ -70,9 +78,18 @@ def export_run(run: Path, out: Path) -> dict[str, Any]:
         "conditioning": cfg.conditioning,
         "encoder": ours,
         "normalise": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
-        "timm": {"img_size": cfg.image_size, "patch_size": enc.patch_size, "embed_dim": enc.width, "depth": ours["depth"],
-                 "num_heads": enc.heads, "mlp_ratio": ours["mlp_ratio"], "class_token": False, "global_pool": "avg",
-                 "fc_norm": False, "num_classes": 0},
+        "timm": {
+            "img_size": cfg.image_size,
+            "patch_size": enc.patch_size,
+            "embed_dim": enc.width,
+            "depth": ours["depth"],
+            "num_heads": enc.heads,
+            "mlp_ratio": ours["mlp_ratio"],
+            "class_token": False,
+            "global_pool": "avg",
+            "fc_norm": False,
+            "num_classes": 0,
+        },
     }
     out = Path(out)
     if out.exists() and not out.is_dir():

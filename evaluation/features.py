@@ -135,15 +135,17 @@ def cache_key(step: int, image_size: int, refs: list[ImageRef]) -> str:
     for ref in refs:
         if ref.path not in stats:
             stats[ref.path] = _stat(ref.path)
-        h.update(f"{ref.source_id}\0{ref.kind}\0{ref.path}\0{ref.offset}\0{ref.size}\0{ref.column}\0{stats[ref.path]}\n".encode())
+        h.update(
+            f"{ref.source_id}\0{ref.kind}\0{ref.path}\0{ref.offset}\0{ref.size}\0{ref.column}\0{stats[ref.path]}\n".encode()
+        )
     return h.hexdigest()[:16]
 
 
 @dataclass
 class Features:
-    pooled: np.ndarray            # float32 [n, D]: mean over patches of the layer-normed tokens
-    patches: np.ndarray | None    # float16 [n, L, D] (memory-mapped), when asked for
-    sizes: np.ndarray             # int64 [n, 2]: original (width, height); (0, 0) where it could not be read or decoded
+    pooled: np.ndarray  # float32 [n, D]: mean over patches of the layer-normed tokens
+    patches: np.ndarray | None  # float16 [n, L, D] (memory-mapped), when asked for
+    sizes: np.ndarray  # int64 [n, 2]: original (width, height); (0, 0) where it could not be read or decoded
     step: int
     grid: tuple[int, int]
     directory: Path
@@ -161,8 +163,15 @@ def _load(directory: Path, with_patches: bool, step: int, grid: tuple[int, int])
     return Features(np.load(directory / "pooled.npy"), patches, np.load(directory / "sizes.npy"), step, grid, directory)
 
 
-def extract_features(run: Path, refs: list[ImageRef], with_patches: bool = False, device: str = "auto",
-                     batch_size: int = 64, workers: int = 2, progress: bool = True) -> Features:
+def extract_features(
+    run: Path,
+    refs: list[ImageRef],
+    with_patches: bool = False,
+    device: str = "auto",
+    batch_size: int = 64,
+    workers: int = 2,
+    progress: bool = True,
+) -> Features:
     """Target-encoder features of `refs`, from the cache when it has them, else extracted and cached."""
     trained = load_run(run)
     cfg, grid = trained.config, trained.grid
@@ -179,12 +188,21 @@ def extract_features(run: Path, refs: list[ImageRef], with_patches: bool = False
     tmp.mkdir(parents=True)
     pooled = np.zeros((n, dim), dtype=np.float32)
     sizes = np.zeros((n, 2), dtype=np.int64)
-    patches = np.lib.format.open_memmap(tmp / "patches.npy", "w+", np.float16, (n, encoder.num_patches, dim)) if with_patches else None
-    loader = torch.utils.data.DataLoader(ResizedImages(refs, cfg.image_size), batch_size=batch_size, num_workers=workers,
-                                         pin_memory=dev.type == "cuda")
+    patches = (
+        np.lib.format.open_memmap(tmp / "patches.npy", "w+", np.float16, (n, encoder.num_patches, dim))
+        if with_patches
+        else None
+    )
+    loader = torch.utils.data.DataLoader(
+        ResizedImages(refs, cfg.image_size), batch_size=batch_size, num_workers=workers, pin_memory=dev.type == "cuda"
+    )
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     done = 0
-    with torch.no_grad(), autocast, tqdm(total=n, desc="features", unit="img", disable=not progress, file=sys.stderr) as bar:
+    with (
+        torch.no_grad(),
+        autocast,
+        tqdm(total=n, desc="features", unit="img", disable=not progress, file=sys.stderr) as bar,
+    ):
         for images, original in loader:
             tokens = encoder(normalise(images.to(dev, non_blocking=True))).float()
             rows = slice(done, done + len(images))
@@ -199,8 +217,16 @@ def extract_features(run: Path, refs: list[ImageRef], with_patches: bool = False
         del patches
     np.save(tmp / "pooled.npy", pooled)
     np.save(tmp / "sizes.npy", sizes)
-    meta: dict[str, Any] = {"run": str(run), "step": trained.step, "images": n, "decoded": int((sizes[:, 0] > 0).sum()),
-                            "image_size": cfg.image_size, "grid": list(grid), "width": dim, "patches": with_patches}
+    meta: dict[str, Any] = {
+        "run": str(run),
+        "step": trained.step,
+        "images": n,
+        "decoded": int((sizes[:, 0] > 0).sum()),
+        "image_size": cfg.image_size,
+        "grid": list(grid),
+        "width": dim,
+        "patches": with_patches,
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     finished = _load(directory, with_patches, trained.step, grid)
     if finished is not None:  # another process finished the same extraction first

@@ -28,13 +28,13 @@ from pipeline.core.sources import ImageRef
 
 @dataclass
 class Labels:
-    image_index: np.ndarray         # int64 [m]: index into the image list of each labelled image
-    classes: list[str]              # image-level class names; label ids index into it
-    label: np.ndarray               # int64 [m]
+    image_index: np.ndarray  # int64 [m]: index into the image list of each labelled image
+    classes: list[str]  # image-level class names; label ids index into it
+    label: np.ndarray  # int64 [m]
     cells: list[np.ndarray | None]  # per labelled image: int [rows, cols] cell classes, or None
-    cell_size: list[int]            # per labelled image: cell side in original pixels (0 without cells)
-    split: list[str] | None         # per labelled image: "train" | "val" | "test", when the file gives splits
-    unmatched: int                  # label lines whose image is not among the images given
+    cell_size: list[int]  # per labelled image: cell side in original pixels (0 without cells)
+    split: list[str] | None  # per labelled image: "train" | "val" | "test", when the file gives splits
+    unmatched: int  # label lines whose image is not among the images given
 
     @property
     def has_cells(self) -> bool:
@@ -91,14 +91,23 @@ def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None
             raise _line_error(path, number, f"split must be train, val or test, got {row['split']!r}")
         split.append(row.get("split"))
     if not index:
-        raise UserError(f"--labels {path}: none of its {unmatched} images is among the images given; "
-                        "image paths are read relative to the labels file (or --image-root)")
+        raise UserError(
+            f"--labels {path}: none of its {unmatched} images is among the images given; "
+            "image paths are read relative to the labels file (or --image-root)"
+        )
     if any(s is not None for s in split) and any(s is None for s in split):
         raise UserError(f"--labels {path}: some lines give a split and others do not; give it on every line or none")
     classes = sorted(set(raw))
     ids = {c: k for k, c in enumerate(classes)}
-    return Labels(np.array(index, dtype=np.int64), classes, np.array([ids[r] for r in raw], dtype=np.int64),
-                  cells, cell_size, split if split and split[0] is not None else None, unmatched)
+    return Labels(
+        np.array(index, dtype=np.int64),
+        classes,
+        np.array([ids[r] for r in raw], dtype=np.int64),
+        cells,
+        cell_size,
+        split if split and split[0] is not None else None,
+        unmatched,
+    )
 
 
 def _cells(row: dict, path: Path, number: int) -> tuple[np.ndarray | None, int]:

@@ -57,17 +57,23 @@ def random_split(n: int, test_fraction: float, val_fraction: float, seed: int) -
 @dataclass
 class ProbeResult:
     probe: str
-    metrics: dict[str, float]          # on the test split
+    metrics: dict[str, float]  # on the test split
     split: dict[str, int]
-    chosen: dict[str, Any] = field(default_factory=dict)   # the hyper-parameter picked on validation
+    chosen: dict[str, Any] = field(default_factory=dict)  # the hyper-parameter picked on validation
     validation: dict[str, float] = field(default_factory=dict)  # validation score of each candidate
 
     def to_dict(self) -> dict[str, Any]:
-        return {"probe": self.probe, "metrics": self.metrics, "split": self.split, "chosen": self.chosen,
-                "validation": self.validation}
+        return {
+            "probe": self.probe,
+            "metrics": self.metrics,
+            "split": self.split,
+            "chosen": self.chosen,
+            "validation": self.validation,
+        }
 
 
-def _logistic(c: float, seed: int):  # noqa: ANN202 - a scikit-learn pipeline
+def _logistic(c: float, seed: int) -> Any:
+    """A scikit-learn pipeline: standardise, then logistic regression with inverse regularisation `c`."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -75,8 +81,15 @@ def _logistic(c: float, seed: int):  # noqa: ANN202 - a scikit-learn pipeline
     return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000, random_state=seed))
 
 
-def _fit_logistic(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y_val: np.ndarray,
-                  x_all: np.ndarray, y_all: np.ndarray, seed: int):  # noqa: ANN202
+def _fit_logistic(
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_val: np.ndarray,
+    y_val: np.ndarray,
+    x_all: np.ndarray,
+    y_all: np.ndarray,
+    seed: int,
+) -> tuple[Any, float, dict[str, float]]:
     """Sweep C on validation, refit on train + validation with the best; returns (model, best C, sweep)."""
     sweep = {}
     for c in LINEAR_C:
@@ -88,8 +101,12 @@ def _fit_logistic(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, y
 def linear_probe(x: np.ndarray, y: np.ndarray, split: Split, seed: int) -> ProbeResult:
     """Multinomial logistic regression on pooled features; test top-1 accuracy."""
     trainval = np.concatenate([split.train, split.val])
-    model, best, sweep = _fit_logistic(x[split.train], y[split.train], x[split.val], y[split.val], x[trainval], y[trainval], seed)
-    return ProbeResult("linear", {"top1": float(model.score(x[split.test], y[split.test]))}, split.sizes(), {"C": best}, sweep)
+    model, best, sweep = _fit_logistic(
+        x[split.train], y[split.train], x[split.val], y[split.val], x[trainval], y[trainval], seed
+    )
+    return ProbeResult(
+        "linear", {"top1": float(model.score(x[split.test], y[split.test]))}, split.sizes(), {"C": best}, sweep
+    )
 
 
 def knn_probe(x: np.ndarray, y: np.ndarray, split: Split, k: int = KNN_K) -> ProbeResult:
@@ -111,8 +128,9 @@ def mean_iou(pred: np.ndarray, truth: np.ndarray, classes: int) -> float:
     return float((inter[present] / union[present]).mean())
 
 
-def _patch_rows(patches: np.ndarray, labels: np.ndarray, images: np.ndarray, limit: int | None,
-                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _patch_rows(
+    patches: np.ndarray, labels: np.ndarray, images: np.ndarray, limit: int | None, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """(features, classes) of the labelled patches of `images`, at most `limit` of them drawn at random."""
     img, pos = np.nonzero(labels[images] >= 0)
     if limit is not None and len(img) > limit:
@@ -122,8 +140,9 @@ def _patch_rows(patches: np.ndarray, labels: np.ndarray, images: np.ndarray, lim
     return np.asarray(patches[rows, pos], dtype=np.float32), labels[rows, pos]
 
 
-def dense_probe(patches: np.ndarray, labels: np.ndarray, split: Split, seed: int,
-                max_patches: int = DENSE_MAX_PATCHES) -> ProbeResult:
+def dense_probe(
+    patches: np.ndarray, labels: np.ndarray, split: Split, seed: int, max_patches: int = DENSE_MAX_PATCHES
+) -> ProbeResult:
     """Per-patch logistic regression (`patches` `[m, L, D]`, `labels` `[m, L]`, -1 = unlabelled): accuracy and mIoU."""
     rng = np.random.default_rng([seed, _SPLIT_STREAM, 1])
     x_train, y_train = _patch_rows(patches, labels, split.train, max_patches, rng)
@@ -166,7 +185,9 @@ def _heads(dim: int) -> int:
     return next(h for h in (8, 6, 4, 3, 2, 1) if dim % h == 0)
 
 
-def _accuracy(model: AttentiveProbe, patches: np.ndarray, y: np.ndarray, rows: np.ndarray, device: torch.device) -> float:
+def _accuracy(
+    model: AttentiveProbe, patches: np.ndarray, y: np.ndarray, rows: np.ndarray, device: torch.device
+) -> float:
     model.eval()
     correct = 0
     with torch.no_grad():
@@ -176,8 +197,16 @@ def _accuracy(model: AttentiveProbe, patches: np.ndarray, y: np.ndarray, rows: n
     return correct / max(len(rows), 1)
 
 
-def _train_attentive(patches: np.ndarray, y: np.ndarray, rows: np.ndarray, classes: int, lr: float, epochs: int,
-                     seed: int, device: torch.device) -> AttentiveProbe:
+def _train_attentive(
+    patches: np.ndarray,
+    y: np.ndarray,
+    rows: np.ndarray,
+    classes: int,
+    lr: float,
+    epochs: int,
+    seed: int,
+    device: torch.device,
+) -> AttentiveProbe:
     """AdamW with a cosine schedule for `epochs` passes, and at least ATTENTIVE_MIN_STEPS steps on small sets."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
@@ -202,8 +231,9 @@ def _train_attentive(patches: np.ndarray, y: np.ndarray, rows: np.ndarray, class
     return model
 
 
-def attentive_probe(patches: np.ndarray, y: np.ndarray, split: Split, seed: int, device: torch.device,
-                    epochs: int = ATTENTIVE_EPOCHS) -> ProbeResult:
+def attentive_probe(
+    patches: np.ndarray, y: np.ndarray, split: Split, seed: int, device: torch.device, epochs: int = ATTENTIVE_EPOCHS
+) -> ProbeResult:
     """Attentive probe on patch tokens `[m, L, D]`; the learning rate is picked on validation; test top-1 accuracy."""
     classes = int(y.max()) + 1
     sweep: dict[str, float] = {}

@@ -21,15 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from evaluation.features import load_run, resize_whole
 from pipeline.core.errors import UserError
 from pipeline.core.images import decode
 from train.config import TrainConfig
 from train.data import image_policy, mask_config, normalise
-from evaluation.features import load_run, resize_whole
-from train.jepa import build_models
+from train.jepa import JEPA, build_models
 from train.losses import target_features
 from train.masks import sample_masks
 from train.predictor import TextBatch
+from train.vit import VisionTransformer
 
 MASK_DRAWS = 64
 TOP_WORDS = 8
@@ -37,14 +38,15 @@ TOP_WORDS = 8
 
 @dataclass
 class EncodedCaptions:
-    tokens: torch.Tensor      # float32 [1, N, S, d]
-    lengths: torch.Tensor     # int64 [1, N]
-    words: list[list[str]]    # per caption, its words
+    tokens: torch.Tensor  # float32 [1, N, S, d]
+    lengths: torch.Tensor  # int64 [1, N]
+    words: list[list[str]]  # per caption, its words
     word_of_token: list[np.ndarray]  # per caption, int [S_i]: index of each token's word (-1: EOS)
 
 
 def encode_captions(groups: list[list[str]], text_model: Path, store: Path) -> list[EncodedCaptions]:
-    """T5 token embeddings of each group of captions, made exactly as `tcjepa embed` made the store's (one model load)."""
+    """T5 token embeddings of each group of captions, made exactly as `tcjepa embed` made the store's (one model
+    load)."""
     from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
     from embedding_cache.store import EmbeddingStore
     from pipeline.core.recipes import recipe_hash
@@ -52,8 +54,10 @@ def encode_captions(groups: list[list[str]], text_model: Path, store: Path) -> l
     recipe = EmbeddingStore(store).encoder
     mine, _ = encoder_recipe(str(text_model), recipe["max_length"], recipe["eos"], recipe["compute_dtype"])
     if recipe_hash(mine) != recipe_hash(recipe):
-        raise UserError(f"--text-model {text_model} is not the encoder that made {store} (recipe {recipe.get('model')!r}); "
-                        "pass the same T5 directory given to `tcjepa embed`")
+        raise UserError(
+            f"--text-model {text_model} is not the encoder that made {store} (recipe {recipe.get('model')!r}); "
+            "pass the same T5 directory given to `tcjepa embed`"
+        )
     tokenizer = load_tokenizer(str(text_model))
     encoder = T5Encoder.load(str(text_model), "cpu", recipe["compute_dtype"])
     out = []
@@ -94,7 +98,7 @@ def load_image(path: Path, size: int) -> tuple[np.ndarray, torch.Tensor]:
     return pixels, normalise(torch.from_numpy(pixels.transpose(2, 0, 1).copy())[None])
 
 
-def word_similarity(model, image: torch.Tensor, text: TextBatch, grid: tuple[int, int]) -> torch.Tensor:  # noqa: ANN001
+def word_similarity(model: JEPA, image: torch.Tensor, text: TextBatch, grid: tuple[int, int]) -> torch.Tensor:
     """float `[N, S, L]`: layer-mean cosine between each caption token and the query token at each patch."""
     n = grid[0] * grid[1]
     everything = torch.arange(n)[None]
@@ -103,8 +107,15 @@ def word_similarity(model, image: torch.Tensor, text: TextBatch, grid: tuple[int
     return cos.permute(1, 2, 0)
 
 
-def patch_errors(model, target, image: torch.Tensor, texts: dict[str, TextBatch | None], cfg: TrainConfig,  # noqa: ANN001
-                 grid: tuple[int, int], draws: int = MASK_DRAWS) -> dict[str, np.ndarray]:
+def patch_errors(
+    model: JEPA,
+    target: VisionTransformer,
+    image: torch.Tensor,
+    texts: dict[str, TextBatch | None],
+    cfg: TrainConfig,
+    grid: tuple[int, int],
+    draws: int = MASK_DRAWS,
+) -> dict[str, np.ndarray]:
     """Mean squared prediction error at each patch (over the masks that made it a target), per caption condition."""
     features = target(image)
     masks = sample_masks(mask_config(cfg), grid, cfg.seed, 0, draws)
@@ -114,7 +125,9 @@ def patch_errors(model, target, image: torch.Tensor, texts: dict[str, TextBatch 
     truth = target_features(features.expand(draws, -1, -1), tgt)
     out = {}
     for name, text in texts.items():
-        batch = None if text is None else TextBatch(text.tokens.expand(draws, -1, -1, -1), text.lengths.expand(draws, -1))
+        batch = (
+            None if text is None else TextBatch(text.tokens.expand(draws, -1, -1, -1), text.lengths.expand(draws, -1))
+        )
         pred = model(images, ctx, tgt, batch).prediction
         err = ((pred - truth) ** 2).mean(-1).flatten()
         total = torch.zeros(grid[0] * grid[1]).index_add_(0, tgt.flatten(), err)
@@ -150,7 +163,10 @@ def render(run: Path, image_path: Path, captions: list[str], text_model: Path, o
     trained = load_run(run)
     state, cfg = trained.state, trained.config
     if cfg.conditioning != "cross":
-        raise UserError(f"{run} was trained with --conditioning {cfg.conditioning}; viz needs a cross-mode run (it shows the cross-attention)")
+        raise UserError(
+            f"{run} was trained with --conditioning {cfg.conditioning}; viz needs a cross-mode run (it shows the "
+            "cross-attention)"
+        )
     if cfg.store is None:
         raise UserError(f"{run}'s config names no embedding store")
     enc, shuffled = encode_captions([captions, _shuffle_words(captions, cfg.seed)], text_model, Path(cfg.store))
@@ -164,8 +180,14 @@ def render(run: Path, image_path: Path, captions: list[str], text_model: Path, o
     with torch.no_grad():
         text = TextBatch(enc.tokens, enc.lengths)
         sim = word_similarity(model, image, text, grid)
-        errors = patch_errors(model, target, image, {"captions": text, "words shuffled": TextBatch(shuffled.tokens, shuffled.lengths),
-                                                     "no text": None}, cfg, grid)
+        errors = patch_errors(
+            model,
+            target,
+            image,
+            {"captions": text, "words shuffled": TextBatch(shuffled.tokens, shuffled.lengths), "no text": None},
+            cfg,
+            grid,
+        )
     maps = _word_maps(sim, enc, top)
 
     cols = max(len(maps), 4)
@@ -187,11 +209,18 @@ def render(run: Path, image_path: Path, captions: list[str], text_model: Path, o
         ax.imshow(pixels)
         ax.imshow(e, cmap="viridis", alpha=0.7, extent=extent, interpolation="nearest", vmin=0, vmax=vmax)
         ax.set_title(f"error, {name}: {means[name]:.3f}", fontsize=9)
-    fig.suptitle(f"{Path(image_path).name}: patch–word cosine (top row), prediction error (bottom row); step {state['step']}", fontsize=10)
+    fig.suptitle(
+        f"{Path(image_path).name}: patch–word cosine (top row), prediction error (bottom row); step {state['step']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return {"out": str(out), "step": int(state["step"]), "mean_error": means,
-            "top_words": [{"word": w, "peak_cosine": round(float(m.max()), 4)} for w, m in maps]}
+    return {
+        "out": str(out),
+        "step": int(state["step"]),
+        "mean_error": means,
+        "top_words": [{"word": w, "peak_cosine": round(float(m.max()), 4)} for w, m in maps],
+    }

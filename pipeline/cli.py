@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -30,9 +30,19 @@ app.add_typer(store_app, name="store")
 @app.command("tiny-models")
 def tiny_models(
     out: Annotated[Path, typer.Option(help="Directory to write `t5/` and `vlm/` into.")],
-    t5_corpus: Annotated[Optional[Path], typer.Option(help="captions.jsonl to train the tiny T5 on (span corruption); without it the T5 stays random.")] = None,
+    t5_corpus: Annotated[
+        Path | None,
+        typer.Option(help="captions.jsonl to train the tiny T5 on (span corruption); without it the T5 stays random."),
+    ] = None,
     t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5 (with --t5-corpus).")] = 800,
-    t5_phrase_tags: Annotated[bool, typer.Option(help="Also train the T5 to tag each token of an object's phrase in fresh `tcjepa synth` captions with the object's cell and class, so its vectors bind attributes to positions as a pretrained T5's do; off: span corruption alone, which binds weakly.")] = True,
+    t5_phrase_tags: Annotated[
+        bool,
+        typer.Option(
+            help="Also train the T5 to tag each token of an object's phrase in fresh `tcjepa synth` captions with the "
+            "object's cell and class, so its vectors bind attributes to positions as a pretrained T5's do; off: span "
+            "corruption alone, which binds weakly."
+        ),
+    ] = True,
     seed: Annotated[int, typer.Option(help="Seed for weights and training; same arguments give identical files.")] = 0,
 ) -> None:
     """Build a tiny T5 encoder and a tiny Qwen2-VL (with tokenizers) for tests, the demo and benchmarks."""
@@ -71,32 +81,101 @@ def check_executor(name: str) -> str:
 
 @app.command()
 def caption(
-    images: Annotated[Optional[list[Path]], typer.Argument(help="Image folders (recursive), Parquet files, HF datasets directories, tar shards or image files.")] = None,
-    cache: Annotated[str, typer.Option(help="Caption cache (created if missing): a directory, or an s3:// URL that several hosts may write at once.")] = ...,
-    model: Annotated[Optional[str], typer.Option(help="Vision-language chat model: a local directory or a hub id.")] = None,
-    captions_per_image: Annotated[int, typer.Option(help="N captions per image, spread over the prompts (K prompts × n samples).")] = 8,
-    prompts: Annotated[Optional[Path], typer.Option(help="Prompt templates: .json/.yaml list of strings or {id, text}, or one per line (default: dense, spatial, objects, setting).")] = None,
-    recipe_name: Annotated[Optional[str], typer.Option(help="Human name for this recipe in the cache.")] = None,
-    seed: Annotated[int, typer.Option(help="Base seed; each (image, prompt) gets a seed derived from it and the image hash.")] = 0,
-    shard: Annotated[str, typer.Option(help="Caption only images whose hash falls in shard i of n (one process per GPU).")] = "0/1",
-    backend: Annotated[str, typer.Option(help="vllm (default) or hf (transformers generate, for models vLLM lacks).")] = "vllm",
-    vllm_arg: Annotated[Optional[list[str]], typer.Option(help="Engine option key=value passed to vllm.LLM (repeatable), e.g. tensor_parallel_size=2.")] = None,
+    images: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Image folders (recursive), Parquet files, HF datasets directories, tar shards or image files."
+        ),
+    ] = None,
+    cache: Annotated[
+        str,
+        typer.Option(
+            help="Caption cache (created if missing): a directory, or an s3:// URL that several hosts may write at "
+            "once."
+        ),
+    ] = ...,
+    model: Annotated[
+        str | None, typer.Option(help="Vision-language chat model: a local directory or a hub id.")
+    ] = None,
+    captions_per_image: Annotated[
+        int, typer.Option(help="N captions per image, spread over the prompts (K prompts × n samples).")
+    ] = 8,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            help="Prompt templates: .json/.yaml list of strings or {id, text}, or one per line (default: dense, "
+            "spatial, objects, setting)."
+        ),
+    ] = None,
+    recipe_name: Annotated[str | None, typer.Option(help="Human name for this recipe in the cache.")] = None,
+    seed: Annotated[
+        int, typer.Option(help="Base seed; each (image, prompt) gets a seed derived from it and the image hash.")
+    ] = 0,
+    shard: Annotated[
+        str, typer.Option(help="Caption only images whose hash falls in shard i of n (one process per GPU).")
+    ] = "0/1",
+    backend: Annotated[
+        str, typer.Option(help="vllm (default) or hf (transformers generate, for models vLLM lacks).")
+    ] = "vllm",
+    vllm_arg: Annotated[
+        list[str] | None,
+        typer.Option(help="Engine option key=value passed to vllm.LLM (repeatable), e.g. tensor_parallel_size=2."),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="Max new tokens per caption.")] = 160,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 0.8,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 0.95,
-    max_pixels: Annotated[int, typer.Option(help="Images larger than this many pixels are downscaled before the engine.")] = 1024 * 1024,
-    chunk_images: Annotated[int, typer.Option(help="Images per engine call; each finished chunk is committed to the cache.")] = 256,
-    decode_workers: Annotated[Optional[int], typer.Option(help="Processes decoding the next chunk while the engine works (0: one thread; default: up to 8 with a GPU, a thread on CPU).")] = None,
-    image_column: Annotated[Optional[str], typer.Option(help="Image column of Parquet / datasets inputs (default: image, img, jpg, png).")] = None,
+    max_pixels: Annotated[
+        int, typer.Option(help="Images larger than this many pixels are downscaled before the engine.")
+    ] = 1024 * 1024,
+    chunk_images: Annotated[
+        int, typer.Option(help="Images per engine call; each finished chunk is committed to the cache.")
+    ] = 256,
+    decode_workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Processes decoding the next chunk while the engine works (0: one thread; default: up to 8 with a "
+            "GPU, a thread on CPU)."
+        ),
+    ] = None,
+    image_column: Annotated[
+        str | None, typer.Option(help="Image column of Parquet / datasets inputs (default: image, img, jpg, png).")
+    ] = None,
     device: Annotated[str, typer.Option(help="Device of the hf backend: auto, cpu, cuda.")] = "auto",
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model's own Python code to run (off unless asked for).")] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Allow the model's own Python code to run (off unless asked for).")
+    ] = False,
     dry_run: Annotated[bool, typer.Option(help="Only count the images that would be captioned.")] = False,
-    annotations: Annotated[Optional[Path], typer.Option(help="Instead: import existing captions, our JSONL ({'image', 'captions'}) or COCO captions JSON.")] = None,
-    image_root: Annotated[Optional[Path], typer.Option(help="With --annotations: where the file's image paths point (default: its directory).")] = None,
-    mirror: Annotated[Optional[Path], typer.Option(help="Local mirror directory of an s3:// --cache (default: ~/.cache/tcjepa/mirror).")] = None,
-    executor: Annotated[str, typer.Option(help="local (this process) or ray (Ray tasks read and decode, one engine actor per GPU captions and commits).")] = "local",
-    ray_address: Annotated[Optional[str], typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance).")] = None,
-    num_workers: Annotated[Optional[int], typer.Option(help="With --executor ray: engine actors (default: one per GPU, or per tensor_parallel_size GPUs; else 1).")] = None,
+    annotations: Annotated[
+        Path | None,
+        typer.Option(
+            help="Instead: import existing captions, our JSONL ({'image', 'captions'}) or COCO captions JSON."
+        ),
+    ] = None,
+    image_root: Annotated[
+        Path | None,
+        typer.Option(help="With --annotations: where the file's image paths point (default: its directory)."),
+    ] = None,
+    mirror: Annotated[
+        Path | None,
+        typer.Option(help="Local mirror directory of an s3:// --cache (default: ~/.cache/tcjepa/mirror)."),
+    ] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            help="local (this process) or ray (Ray tasks read and decode, one engine actor per GPU captions and "
+            "commits)."
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance)."),
+    ] = None,
+    num_workers: Annotated[
+        int | None,
+        typer.Option(
+            help="With --executor ray: engine actors (default: one per GPU, or per tensor_parallel_size GPUs; else 1)."
+        ),
+    ] = None,
 ) -> None:
     """Write N captions per image with a VLM into the caption cache, or import existing captions."""
     if annotations is not None:
@@ -104,7 +183,9 @@ def caption(
         from captioning.remote_cache import open_cache_for_writing
 
         if images:
-            raise UserError("give either IMAGES (to caption with a model) or --annotations (to import captions), not both")
+            raise UserError(
+                "give either IMAGES (to caption with a model) or --annotations (to import captions), not both"
+            )
         report = import_annotations(open_cache_for_writing(cache, mirror), annotations, image_root, recipe_name)
         typer.echo(report.summary())
         if report.captions_added + report.captions_already_cached == 0:
@@ -117,12 +198,28 @@ def caption(
     from pipeline.core.images import ImagePolicy
 
     cfg = CaptionConfig(
-        inputs=images, cache=cache, model=model, captions_per_image=captions_per_image, prompts_file=prompts,
-        recipe_name=recipe_name, seed=seed, shard=shard, backend=backend, engine_args=parse_engine_args(vllm_arg or []),
+        inputs=images,
+        cache=cache,
+        model=model,
+        captions_per_image=captions_per_image,
+        prompts_file=prompts,
+        recipe_name=recipe_name,
+        seed=seed,
+        shard=shard,
+        backend=backend,
+        engine_args=parse_engine_args(vllm_arg or []),
         sampling=SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p),
-        image_policy=ImagePolicy(max_pixels=max_pixels), image_column=image_column, chunk_images=chunk_images,
-        decode_workers=decode_workers, device=device, trust_remote_code=trust_remote_code, dry_run=dry_run,
-        mirror=mirror, executor=check_executor(executor), ray_address=ray_address, num_workers=num_workers,
+        image_policy=ImagePolicy(max_pixels=max_pixels),
+        image_column=image_column,
+        chunk_images=chunk_images,
+        decode_workers=decode_workers,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        dry_run=dry_run,
+        mirror=mirror,
+        executor=check_executor(executor),
+        ray_address=ray_address,
+        num_workers=num_workers,
     )
     typer.echo(run_caption(cfg).summary(dry_run))
 
@@ -141,14 +238,22 @@ def cache_info(
     if as_json:
         typer.echo(json.dumps(asdict(info)))
         return
-    typer.echo(f"{cache}: {info.images} images, {info.captions} captions, {info.shards} shards, {info.failures} failures")
+    typer.echo(
+        f"{cache}: {info.images} images, {info.captions} captions, {info.shards} shards, {info.failures} failures"
+    )
     for r in info.recipes:
-        typer.echo(f"  recipe {r['hash'][:12]}  {r['kind']:<12} {r['name'] or '-':<24} {r['images']:>9} images {r['captions']:>10} captions")
+        typer.echo(
+            f"  recipe {r['hash'][:12]}  {r['kind']:<12} {r['name'] or '-':<24} {r['images']:>9} images "
+            f"{r['captions']:>10} captions"
+        )
 
 
 @cache_app.command("verify")
 def cache_verify(
-    cache: Annotated[str, typer.Argument(help="Caption cache: a directory, or an fsspec URL (s3://...: mirrored locally, then checked).")],
+    cache: Annotated[
+        str,
+        typer.Argument(help="Caption cache: a directory, or an fsspec URL (s3://...: mirrored locally, then checked)."),
+    ],
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Check manifests, per-shard sha256, schema, recipes and caption-key uniqueness; exit 1 with the first problem."""
@@ -170,10 +275,23 @@ def store_info(
 
 @store_app.command("verify")
 def store_verify(
-    store: Annotated[str, typer.Argument(help="Embedding store: a directory, or an fsspec URL (s3://...: mirrored locally, then checked).")],
-    deep: Annotated[bool, typer.Option(help="Also re-encode a sample of captions with the recorded encoder and compare (needs --cache).")] = False,
-    cache: Annotated[Optional[Path], typer.Option(help="--deep: the caption cache the store was embedded from (for the texts).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="--deep: the T5 encoder (checked against the store's recipe); default: the recorded hub id.")] = None,
+    store: Annotated[
+        str,
+        typer.Argument(
+            help="Embedding store: a directory, or an fsspec URL (s3://...: mirrored locally, then checked)."
+        ),
+    ],
+    deep: Annotated[
+        bool,
+        typer.Option(help="Also re-encode a sample of captions with the recorded encoder and compare (needs --cache)."),
+    ] = False,
+    cache: Annotated[
+        Path | None, typer.Option(help="--deep: the caption cache the store was embedded from (for the texts).")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="--deep: the T5 encoder (checked against the store's recipe); default: the recorded hub id."),
+    ] = None,
     sample: Annotated[int, typer.Option(help="--deep: captions to re-encode.")] = 64,
     seed: Annotated[int, typer.Option(help="--deep: seed of the sample.")] = 0,
     device: Annotated[str, typer.Option(help="--deep: device for the encoder (auto, cpu, cuda, cuda:N).")] = "auto",
@@ -182,39 +300,106 @@ def store_verify(
     """Check segments, offsets, recorded sha256, finiteness and key uniqueness; exit 1 with the first problem."""
     from embedding_cache.verify import verify_store
 
-    report = verify_store(store, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress)
+    report = verify_store(
+        store, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress
+    )
     typer.echo(report.summary())
 
 
 @app.command()
 def embed(
-    cache: Annotated[str, typer.Option(help="Caption cache to read captions from: a directory or an fsspec URL (s3://..., mirrored locally).")],
-    store: Annotated[str, typer.Option(help="Zarr v3 embedding store to append to (created if missing): a directory, or an s3:// URL that several hosts may write at once.")],
+    cache: Annotated[
+        str,
+        typer.Option(
+            help="Caption cache to read captions from: a directory or an fsspec URL (s3://..., mirrored locally)."
+        ),
+    ],
+    store: Annotated[
+        str,
+        typer.Option(
+            help="Zarr v3 embedding store to append to (created if missing): a directory, or an s3:// URL that several "
+            "hosts may write at once."
+        ),
+    ],
     model: Annotated[str, typer.Option(help="T5 encoder: a local directory or a hub id (T5EncoderModel + tokenizer).")],
-    recipe: Annotated[Optional[list[str]], typer.Option(help="Caption recipe(s) to encode, by hash prefix or name (repeatable); required when the cache holds several.")] = None,
-    token_budget: Annotated[int, typer.Option(help="Max padded tokens (batch size × longest caption) per encoder batch.")] = 16384,
-    max_length: Annotated[int, typer.Option(help="Captions longer than this many tokens are truncated (counted and reported).")] = 512,
+    recipe: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Caption recipe(s) to encode, by hash prefix or name (repeatable); required when the cache holds "
+            "several."
+        ),
+    ] = None,
+    token_budget: Annotated[
+        int, typer.Option(help="Max padded tokens (batch size × longest caption) per encoder batch.")
+    ] = 16384,
+    max_length: Annotated[
+        int, typer.Option(help="Captions longer than this many tokens are truncated (counted and reported).")
+    ] = 512,
     eos: Annotated[bool, typer.Option(help="Keep T5's end-of-sequence token as the last token.")] = True,
-    dtype: Annotated[str, typer.Option(help="Compute dtype: bfloat16 or float32 (never float16: T5 overflows). Stored as float16.")] = "bfloat16",
+    dtype: Annotated[
+        str, typer.Option(help="Compute dtype: bfloat16 or float32 (never float16: T5 overflows). Stored as float16.")
+    ] = "bfloat16",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    window: Annotated[int, typer.Option(help="Captions sorted by length together; they are written back in image order.")] = 8192,
-    segment_mb: Annotated[float, typer.Option(help="Publish a segment every this many MiB of tokens (bounds the work a kill loses).")] = 4096.0,
-    chunk_tokens: Annotated[Optional[int], typer.Option(help="Rows per inner zarr chunk of `tokens` (default: ~16 MiB).")] = None,
-    shard_chunks: Annotated[Optional[int], typer.Option(help="Inner chunks per shard file (default: ~1 GiB shards).")] = None,
-    dry_run: Annotated[bool, typer.Option(help="Only count the captions, tokens and bytes that would be added.")] = False,
+    window: Annotated[
+        int, typer.Option(help="Captions sorted by length together; they are written back in image order.")
+    ] = 8192,
+    segment_mb: Annotated[
+        float, typer.Option(help="Publish a segment every this many MiB of tokens (bounds the work a kill loses).")
+    ] = 4096.0,
+    chunk_tokens: Annotated[
+        int | None, typer.Option(help="Rows per inner zarr chunk of `tokens` (default: ~16 MiB).")
+    ] = None,
+    shard_chunks: Annotated[
+        int | None, typer.Option(help="Inner chunks per shard file (default: ~1 GiB shards).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option(help="Only count the captions, tokens and bytes that would be added.")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar with tokens/s.")] = True,
-    mirror: Annotated[Optional[Path], typer.Option(help="Local mirror directory of an s3:// --cache or --store (default: ~/.cache/tcjepa/mirror).")] = None,
-    executor: Annotated[str, typer.Option(help="local (this process) or ray (a Ray Data actor pool, one T5 per GPU; each batch of --window captions is one segment).")] = "local",
-    ray_address: Annotated[Optional[str], typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance).")] = None,
-    num_workers: Annotated[Optional[int], typer.Option(help="With --executor ray: T5 actors (default: one per GPU in the cluster, else 1).")] = None,
+    mirror: Annotated[
+        Path | None,
+        typer.Option(help="Local mirror directory of an s3:// --cache or --store (default: ~/.cache/tcjepa/mirror)."),
+    ] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            help="local (this process) or ray (a Ray Data actor pool, one T5 per GPU; each batch of --window captions "
+            "is one segment)."
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance)."),
+    ] = None,
+    num_workers: Annotated[
+        int | None,
+        typer.Option(help="With --executor ray: T5 actors (default: one per GPU in the cluster, else 1)."),
+    ] = None,
 ) -> None:
     """Encode every caption not yet in the store with T5 and append them as a new segment."""
     from embedding_cache.job import EmbedConfig, run_embed
 
-    cfg = EmbedConfig(cache=cache, store=store, mirror=mirror, model=model, recipes=recipe or [], token_budget=token_budget, max_length=max_length,
-                      eos=eos, compute_dtype=dtype, device=device, window=window, segment_mb=segment_mb,
-                      chunk_tokens=chunk_tokens, shard_chunks=shard_chunks, dry_run=dry_run, progress=progress,
-                      executor=check_executor(executor), ray_address=ray_address, num_workers=num_workers)
+    cfg = EmbedConfig(
+        cache=cache,
+        store=store,
+        mirror=mirror,
+        model=model,
+        recipes=recipe or [],
+        token_budget=token_budget,
+        max_length=max_length,
+        eos=eos,
+        compute_dtype=dtype,
+        device=device,
+        window=window,
+        segment_mb=segment_mb,
+        chunk_tokens=chunk_tokens,
+        shard_chunks=shard_chunks,
+        dry_run=dry_run,
+        progress=progress,
+        executor=check_executor(executor),
+        ray_address=ray_address,
+        num_workers=num_workers,
+    )
     report = run_embed(cfg)
     typer.echo(report.summary(dry_run))
 
@@ -233,30 +418,83 @@ def _help_config(value: bool) -> None:
 
 @app.command()
 def train(
-    images: Annotated[Optional[list[Path]], typer.Argument(help="Image sources, as for `tcjepa caption` (the same ones the cache was made from).")] = None,
-    out: Annotated[Path, typer.Option(help="Run directory: config.yaml, index.parquet, checkpoint.pt, metrics.jsonl, curves.png. Resumes if it holds a checkpoint.")] = ...,
-    cache: Annotated[Optional[str], typer.Option(help="Caption cache: a directory or an fsspec URL such as s3://bucket/cache (mirrored locally; not needed with --conditioning none).")] = None,
-    store: Annotated[Optional[str], typer.Option(help="Embedding store made by `tcjepa embed` from the cache: a directory or an fsspec URL (mirrored locally).")] = None,
-    recipe: Annotated[Optional[list[str]], typer.Option(help="Caption recipe(s) to train on, by name or hash prefix (repeatable); required when the cache holds several.")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="YAML file of config keys (see --help-config); flags and --set override it.")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any config key: key=value (repeatable), e.g. --set ema=[0.996,1.0].")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Encoder: vit_tiny, vit_small, vit_base, vit_large, vit_huge, vit_giant.")] = None,
-    patch_size: Annotated[Optional[int], typer.Option(help="Patch side in pixels (must divide --image-size).")] = None,
-    image_size: Annotated[Optional[int], typer.Option(help="Training image side in pixels.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Global batch size, all processes together.")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps for the whole run.")] = None,
-    conditioning: Annotated[Optional[str], typer.Option(help="none (I-JEPA), sequence, or cross (TC-JEPA).")] = None,
-    pool: Annotated[Optional[str], typer.Option(help="cross mode: max-pool over captions after_mlp (literal) or before_mlp (N× cheaper MLP).")] = None,
-    captions_per_image: Annotated[Optional[int], typer.Option(help="N captions per image per step.")] = None,
-    lambda_sparse: Annotated[Optional[float], typer.Option(help="λ: weight of the sparsity regulariser.")] = None,
-    beta_consistency: Annotated[Optional[float], typer.Option(help="β: weight of the consistency regulariser.")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
-    min_coverage: Annotated[Optional[float], typer.Option(help="Least fraction of images with ≥1 caption (0 disables the check).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for weights, data order, crops, masks and caption choice.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N (torchrun picks cuda:LOCAL_RANK).")] = None,
-    resume: Annotated[bool, typer.Option(help="Require a checkpoint in --out to continue from (resuming is automatic anyway).")] = False,
+    images: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Image sources, as for `tcjepa caption` (the same ones the cache was made from)."),
+    ] = None,
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Run directory: config.yaml, index.parquet, checkpoint.pt, metrics.jsonl, curves.png. Resumes if it "
+            "holds a checkpoint."
+        ),
+    ] = ...,
+    cache: Annotated[
+        str | None,
+        typer.Option(
+            help="Caption cache: a directory or an fsspec URL such as s3://bucket/cache (mirrored locally; not needed "
+            "with --conditioning none)."
+        ),
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            help="Embedding store made by `tcjepa embed` from the cache: a directory or an fsspec URL (mirrored "
+            "locally)."
+        ),
+    ] = None,
+    recipe: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Caption recipe(s) to train on, by name or hash prefix (repeatable); required when the cache holds "
+            "several."
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML file of config keys (see --help-config); flags and --set override it.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override any config key: key=value (repeatable), e.g. --set ema=[0.996,1.0]."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Encoder: vit_tiny, vit_small, vit_base, vit_large, vit_huge, vit_giant.")
+    ] = None,
+    patch_size: Annotated[int | None, typer.Option(help="Patch side in pixels (must divide --image-size).")] = None,
+    image_size: Annotated[int | None, typer.Option(help="Training image side in pixels.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Global batch size, all processes together.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps for the whole run.")] = None,
+    conditioning: Annotated[str | None, typer.Option(help="none (I-JEPA), sequence, or cross (TC-JEPA).")] = None,
+    pool: Annotated[
+        str | None,
+        typer.Option(help="cross mode: max-pool over captions after_mlp (literal) or before_mlp (N× cheaper MLP)."),
+    ] = None,
+    captions_per_image: Annotated[int | None, typer.Option(help="N captions per image per step.")] = None,
+    lambda_sparse: Annotated[float | None, typer.Option(help="λ: weight of the sparsity regulariser.")] = None,
+    beta_consistency: Annotated[float | None, typer.Option(help="β: weight of the consistency regulariser.")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
+    min_coverage: Annotated[
+        float | None, typer.Option(help="Least fraction of images with ≥1 caption (0 disables the check).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed for weights, data order, crops, masks and caption choice.")
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="auto, cpu, cuda or cuda:N (torchrun picks cuda:LOCAL_RANK).")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Require a checkpoint in --out to continue from (resuming is automatic anyway).")
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
-    help_config: Annotated[bool, typer.Option("--help-config", callback=_help_config, is_eager=True, help="List every config key with its meaning and default, then exit.")] = False,
+    help_config: Annotated[
+        bool,
+        typer.Option(
+            "--help-config",
+            callback=_help_config,
+            is_eager=True,
+            help="List every config key with its meaning and default, then exit.",
+        ),
+    ] = False,
 ) -> None:
     """Pretrain an image encoder with TC-JEPA (or I-JEPA with --conditioning none); run under torchrun for many GPUs."""
     from train.config import TrainConfig, apply, load_yaml, parse_set
@@ -267,11 +505,26 @@ def train(
         cfg = apply(cfg, load_yaml(saved), str(saved))
     if config is not None:
         cfg = apply(cfg, load_yaml(config), str(config))
-    flags = {"images": [str(p) for p in images] if images else None, "cache": cache, "store": store,
-             "recipes": recipe, "model": model, "patch_size": patch_size, "image_size": image_size, "batch_size": batch_size,
-             "steps": steps, "conditioning": conditioning, "pool": pool, "captions_per_image": captions_per_image,
-             "lambda_sparse": lambda_sparse, "beta_consistency": beta_consistency, "lr": lr, "min_coverage": min_coverage,
-             "seed": seed, "device": device}
+    flags = {
+        "images": [str(p) for p in images] if images else None,
+        "cache": cache,
+        "store": store,
+        "recipes": recipe,
+        "model": model,
+        "patch_size": patch_size,
+        "image_size": image_size,
+        "batch_size": batch_size,
+        "steps": steps,
+        "conditioning": conditioning,
+        "pool": pool,
+        "captions_per_image": captions_per_image,
+        "lambda_sparse": lambda_sparse,
+        "beta_consistency": beta_consistency,
+        "lr": lr,
+        "min_coverage": min_coverage,
+        "seed": seed,
+        "device": device,
+    }
     cfg = apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line")
     cfg = apply(cfg, parse_set(set_ or []), "--set")
     if not cfg.images:
@@ -288,27 +541,65 @@ def train(
 
 @app.command("eval")
 def eval_(
-    run: Annotated[Path, typer.Argument(help="Run directory of `tcjepa train` (its checkpoint's EMA target encoder is probed).")],
-    images: Annotated[list[Path], typer.Argument(help="Image sources holding the labelled images (folders, tar shards, Parquet, HF datasets).")],
-    labels: Annotated[Path, typer.Option(help='JSONL lines {"image": ..., "label": ...}; optional "cells" + "cell_size" (dense probe) and "split" (train/val/test).')],
-    probe: Annotated[Optional[list[str]], typer.Option(help="linear, knn, dense or attentive (repeatable). Default: all that the labels allow.")] = None,
-    image_root: Annotated[Optional[Path], typer.Option(help="Folder the labels' image paths are relative to (default: the labels file's folder).")] = None,
-    test_fraction: Annotated[float, typer.Option(help="Share of labelled images held out for test (without a split in the labels).")] = 0.2,
-    val_fraction: Annotated[float, typer.Option(help="Share of the rest used to pick each probe's hyper-parameter.")] = 0.2,
+    run: Annotated[
+        Path, typer.Argument(help="Run directory of `tcjepa train` (its checkpoint's EMA target encoder is probed).")
+    ],
+    images: Annotated[
+        list[Path],
+        typer.Argument(help="Image sources holding the labelled images (folders, tar shards, Parquet, HF datasets)."),
+    ],
+    labels: Annotated[
+        Path,
+        typer.Option(
+            help='JSONL lines {"image": ..., "label": ...}; optional "cells" + "cell_size" (dense probe) and "split" '
+            "(train/val/test)."
+        ),
+    ],
+    probe: Annotated[
+        list[str] | None,
+        typer.Option(help="linear, knn, dense or attentive (repeatable). Default: all that the labels allow."),
+    ] = None,
+    image_root: Annotated[
+        Path | None,
+        typer.Option(help="Folder the labels' image paths are relative to (default: the labels file's folder)."),
+    ] = None,
+    test_fraction: Annotated[
+        float, typer.Option(help="Share of labelled images held out for test (without a split in the labels).")
+    ] = 0.2,
+    val_fraction: Annotated[
+        float, typer.Option(help="Share of the rest used to pick each probe's hyper-parameter.")
+    ] = 0.2,
     seed: Annotated[int, typer.Option(help="Seed of the split and of the probes.")] = 0,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N, for feature extraction and the attentive probe.")] = "auto",
+    device: Annotated[
+        str, typer.Option(help="auto, cpu, cuda or cuda:N, for feature extraction and the attentive probe.")
+    ] = "auto",
     batch_size: Annotated[int, typer.Option(help="Images per feature-extraction batch.")] = 64,
     workers: Annotated[int, typer.Option(help="Image-decoding worker processes.")] = 2,
-    report: Annotated[Optional[Path], typer.Option(help="Where to write the JSON report (default RUN/eval/<labels name>.json).")] = None,
+    report: Annotated[
+        Path | None, typer.Option(help="Where to write the JSON report (default RUN/eval/<labels name>.json).")
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar while extracting features.")] = True,
 ) -> None:
-    """Probe a run's frozen features: linear, k-NN, dense per-patch and attentive; features are cached in RUN/features."""
+    """Probe a run's frozen features: linear, k-NN, dense per-patch and attentive; features are cached in
+    RUN/features."""
     from evaluation.evaluate import PROBES, EvalConfig, evaluate, one_line
 
     probes = tuple(probe) if probe else None
-    cfg = EvalConfig(run=run, images=images, labels=labels, image_root=image_root, test_fraction=test_fraction,
-                     val_fraction=val_fraction, seed=seed, device=device, batch_size=batch_size, workers=workers,
-                     report=report, progress=progress, probes=probes or PROBES)
+    cfg = EvalConfig(
+        run=run,
+        images=images,
+        labels=labels,
+        image_root=image_root,
+        test_fraction=test_fraction,
+        val_fraction=val_fraction,
+        seed=seed,
+        device=device,
+        batch_size=batch_size,
+        workers=workers,
+        report=report,
+        progress=progress,
+        probes=probes or PROBES,
+    )
     result = evaluate(cfg, default_probes=probes is None)
     typer.echo(one_line(result))
     typer.echo(f"report: {result['report']}", err=True)
@@ -331,11 +622,17 @@ def viz(
     run: Annotated[Path, typer.Argument(help="Run directory of a `--conditioning cross` training run.")],
     image: Annotated[Path, typer.Option(help="Image file to look at.")],
     captions: Annotated[list[str], typer.Option(help="A caption of the image (repeatable).")],
-    text_model: Annotated[Path, typer.Option(help="The T5 directory given to `tcjepa embed` for the run's store (checked against its recipe).")],
+    text_model: Annotated[
+        Path,
+        typer.Option(help="The T5 directory given to `tcjepa embed` for the run's store (checked against its recipe)."),
+    ],
     out: Annotated[Path, typer.Option(help="PNG to write.")],
-    top: Annotated[int, typer.Option(help="How many words to draw heat maps for (highest peak patch–word cosine first).")] = 8,
+    top: Annotated[
+        int, typer.Option(help="How many words to draw heat maps for (highest peak patch–word cosine first).")
+    ] = 8,
 ) -> None:
-    """Draw patch–word cosine heat maps and per-patch prediction error with the captions, their words shuffled, and no text."""
+    """Draw patch–word cosine heat maps and per-patch prediction error with the captions, their words shuffled, and no
+    text."""
     from evaluation.viz import render
 
     typer.echo(json.dumps(render(run, image, captions, text_model, out, top=top)))
@@ -343,13 +640,18 @@ def viz(
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option(help="Directory for the demo's data, models, cache, store and summary.")] = Path("demo-out"),
+    out: Annotated[Path, typer.Option(help="Directory for the demo's data, models, cache, store and summary.")] = Path(
+        "demo-out"
+    ),
     n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = 600,
-    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5 (span corruption and phrase tagging).")] = 600,
+    t5_steps: Annotated[
+        int, typer.Option(help="Training steps for the tiny T5 (span corruption and phrase tagging).")
+    ] = 600,
     train_steps: Annotated[int, typer.Option(help="Training steps of each of the two runs (none, cross).")] = 300,
     seed: Annotated[int, typer.Option(help="Seed for data, models, training and probes.")] = 0,
 ) -> None:
-    """Run the whole pipeline on built-in synthetic data on the CPU: caption, embed, train none and cross, eval, compare (resumes if run again)."""
+    """Run the whole pipeline on built-in synthetic data on the CPU: caption, embed, train none and cross, eval,
+    compare (resumes if run again)."""
     from pipeline.demo import run_demo
 
     summary = run_demo(out, n_images=n_images, t5_steps=t5_steps, train_steps=train_steps, seed=seed)
@@ -357,7 +659,8 @@ def demo(
 
 
 def main() -> None:
-    """Console-script entry point: `UserError` and I/O failures become one `error:` line (exit 2), `DataProblem` one `problem:` line (exit 1)."""
+    """Console-script entry point: `UserError` and I/O failures become one `error:` line (exit 2), `DataProblem` one
+    `problem:` line (exit 1)."""
     try:
         app(prog_name="tcjepa")
     except UserError as exc:

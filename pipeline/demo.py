@@ -23,22 +23,37 @@ from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_RECIPE, SCENE_T5_STEPS, S
 DEMO_VLM_IMAGES = 32
 MODES = ("none", "cross")
 
+
 def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:
     """The tiny random Qwen2-VL through vLLM on a few images: the real captioning path, junk text in its own recipe."""
     from captioning.engines import SamplingConfig
     from captioning.job import CaptionConfig, run_caption
 
-    t = announce(f"caption: the tiny random Qwen2-VL through vLLM on {DEMO_VLM_IMAGES} images (junk text by construction; its own recipe)")
+    t = announce(
+        f"caption: the tiny random Qwen2-VL through vLLM on {DEMO_VLM_IMAGES} images (junk text by construction; its "
+        "own recipe)"
+    )
     images = sorted((out / "data" / "images").glob("*.png"))[:DEMO_VLM_IMAGES]
-    vlm = run_caption(CaptionConfig(inputs=images, cache=out / "cache", model=str(out / "models" / "vlm"), recipe_name="tiny-vlm",
-                                    engine_args={"max_model_len": 1024}, sampling=SamplingConfig(max_tokens=16), chunk_images=32))
+    vlm = run_caption(
+        CaptionConfig(
+            inputs=images,
+            cache=out / "cache",
+            model=str(out / "models" / "vlm"),
+            recipe_name="tiny-vlm",
+            engine_args={"max_model_len": 1024},
+            sampling=SamplingConfig(max_tokens=16),
+            chunk_images=32,
+        )
+    )
     print(f"[demo]   {vlm.summary(dry_run=False)}")
     timings["caption_vlm_s"] = time.perf_counter() - t
 
 
-def _train_and_eval(out: Path, mode: str, steps: int, seed: int, timings: dict[str, float]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from train.config import TrainConfig, apply
+def _train_and_eval(
+    out: Path, mode: str, steps: int, seed: int, timings: dict[str, float]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from evaluation.evaluate import EvalConfig, evaluate
+    from train.config import TrainConfig, apply
     from train.loop import train
 
     data, run = out / "data", out / "runs" / mode
@@ -53,17 +68,28 @@ def _train_and_eval(out: Path, mode: str, steps: int, seed: int, timings: dict[s
     last = [m["step"] for m in metrics if "val_loss_predict" in m][-1:]
     report = json.loads(done.read_text()) if done.exists() else None
     if report is None or [report["step"]] != last:
-        report = evaluate(EvalConfig(run=run, images=[data / "images"], labels=data / "labels.jsonl", seed=seed, progress=False))
+        report = evaluate(
+            EvalConfig(run=run, images=[data / "images"], labels=data / "labels.jsonl", seed=seed, progress=False)
+        )
     timings[f"eval_{mode}_s"] = time.perf_counter() - t
     return metrics, report
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
-    cols = [("mode", "mode", "{}"), ("linear", "linear", "{:.3f}"), ("knn", "k-NN", "{:.3f}"),
-            ("attentive", "attentive", "{:.3f}"), ("dense_accuracy", "dense acc", "{:.3f}"), ("dense_miou", "dense mIoU", "{:.3f}"),
-            ("val_true", "val loss", "{:.4f}"), ("val_shuffled", "shuffled", "{:.4f}"), ("val_notext", "no text", "{:.4f}"),
-            ("ratio", "true/shuffled", "{:.3f}"), ("images_per_s", "images/s", "{:.0f}")]
+    cols = [
+        ("mode", "mode", "{}"),
+        ("linear", "linear", "{:.3f}"),
+        ("knn", "k-NN", "{:.3f}"),
+        ("attentive", "attentive", "{:.3f}"),
+        ("dense_accuracy", "dense acc", "{:.3f}"),
+        ("dense_miou", "dense mIoU", "{:.3f}"),
+        ("val_true", "val loss", "{:.4f}"),
+        ("val_shuffled", "shuffled", "{:.4f}"),
+        ("val_notext", "no text", "{:.4f}"),
+        ("ratio", "true/shuffled", "{:.3f}"),
+        ("images_per_s", "images/s", "{:.0f}"),
+    ]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt.format(r[key]) for key, _, fmt in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -82,7 +108,9 @@ def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
         steps = [m["step"] for m in val]
         ax.plot(steps, [m["val_loss_predict"] for m in val], color=colour, label=f"{mode}: true captions")
         if mode != "none":
-            ax.plot(steps, [m["val_loss_predict_shuffled"] for m in val], color=colour, ls="--", label=f"{mode}: shuffled")
+            ax.plot(
+                steps, [m["val_loss_predict_shuffled"] for m in val], color=colour, ls="--", label=f"{mode}: shuffled"
+            )
             ax.plot(steps, [m["val_loss_predict_notext"] for m in val], color=colour, ls=":", label=f"{mode}: no text")
     ax.set_xlabel("step")
     ax.set_ylabel("validation prediction loss")
@@ -93,14 +121,22 @@ def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(out: Path, n_images: int = SCENE_IMAGES, t5_steps: int = SCENE_T5_STEPS, train_steps: int = SCENE_TRAINING["steps"],
-             seed: int = 0) -> dict[str, Any]:
+def run_demo(
+    out: Path,
+    n_images: int = SCENE_IMAGES,
+    t5_steps: int = SCENE_T5_STEPS,
+    train_steps: int = SCENE_TRAINING["steps"],
+    seed: int = 0,
+) -> dict[str, Any]:
     from captioning.cache import CaptionCache
     from embedding_cache.store import EmbeddingStore
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"[demo] training configuration (sized for a 2-core CPU, not the paper's): {json.dumps(SCENE_TRAINING)}", flush=True)
+    print(
+        f"[demo] training configuration (sized for a 2-core CPU, not the paper's): {json.dumps(SCENE_TRAINING)}",
+        flush=True,
+    )
     timings: dict[str, float] = {}
     model_stats = prepare_scenes(out, n_images, t5_steps, seed, timings)
     caption_with_vlm(out, timings)

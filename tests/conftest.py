@@ -18,10 +18,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tcjepa(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, **kwargs)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        **kwargs,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"tcjepa {' '.join(map(str, args))} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"tcjepa {' '.join(map(str, args))} exited "
+            f"{proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -51,8 +60,22 @@ def annotated_cache(tmp_path_factory, synth_dir) -> Path:
 def annotated_store(tmp_path_factory, annotated_cache, tiny_models) -> Path:
     """Embeddings (random tiny T5) of every caption of `annotated_cache`, in small chunks and shards."""
     path = tmp_path_factory.mktemp("store") / "store"
-    tcjepa("embed", "--cache", annotated_cache, "--store", path, "--model", tiny_models / "t5", "--chunk-tokens", "64",
-           "--shard-chunks", "4", "--window", "64", "--no-progress")
+    tcjepa(
+        "embed",
+        "--cache",
+        annotated_cache,
+        "--store",
+        path,
+        "--model",
+        tiny_models / "t5",
+        "--chunk-tokens",
+        "64",
+        "--shard-chunks",
+        "4",
+        "--window",
+        "64",
+        "--no-progress",
+    )
     return path
 
 

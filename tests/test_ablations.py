@@ -24,7 +24,9 @@ def test_readme_table_is_written_between_the_markers_only(tmp_path):
     ablations.write_readme(readme, text)
     assert readme.read_text() == f"intro\n{begin}\n{text}\n{end}\nmiddle\n{other_begin}\nold\n{other_end}\noutro\n"
     ablations.write_readme(readme, "short table", "short")
-    assert readme.read_text() == f"intro\n{begin}\n{text}\n{end}\nmiddle\n{other_begin}\nshort table\n{other_end}\noutro\n"
+    assert (
+        readme.read_text() == f"intro\n{begin}\n{text}\n{end}\nmiddle\n{other_begin}\nshort table\n{other_end}\noutro\n"
+    )
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="markers"):
         ablations.write_readme(readme, text)

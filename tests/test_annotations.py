@@ -31,7 +31,13 @@ def test_jsonl_import_skips_bad_entries_and_is_idempotent(tmp_path):
     proc = tcjepa("caption", "--cache", tmp_path / "cache", "--annotations", ann, "--image-root", root)
     out = proc.stdout
     assert "2 images, 4 captions added" in out
-    for reason in ("empty caption: 2", "missing image file: 1", "caption not valid UTF-8: 1", "unparseable line: 1", "caption not a string: 1"):
+    for reason in (
+        "empty caption: 2",
+        "missing image file: 1",
+        "caption not valid UTF-8: 1",
+        "unparseable line: 1",
+        "caption not a string: 1",
+    ):
         assert reason in out, out
     cache = CaptionCache(tmp_path / "cache")
     rows = cache.read_captions().to_pylist()
@@ -51,7 +57,11 @@ def test_coco_import(tmp_path):
     _image(tmp_path / "imgs" / "1.jpg", "green")
     _image(tmp_path / "imgs" / "2.jpg", "white")
     coco = {
-        "images": [{"id": 1, "file_name": "1.jpg"}, {"id": 2, "file_name": "2.jpg"}, {"id": 3, "file_name": "gone.jpg"}],
+        "images": [
+            {"id": 1, "file_name": "1.jpg"},
+            {"id": 2, "file_name": "2.jpg"},
+            {"id": 3, "file_name": "gone.jpg"},
+        ],
         "annotations": [
             {"id": 11, "image_id": 1, "caption": "second by id"},
             {"id": 10, "image_id": 1, "caption": "first by id"},
@@ -62,11 +72,20 @@ def test_coco_import(tmp_path):
     }
     ann = tmp_path / "captions_train.json"
     ann.write_text(json.dumps(coco))
-    out = tcjepa("caption", "--cache", tmp_path / "cache", "--annotations", ann, "--image-root", tmp_path / "imgs").stdout
-    assert "2 images, 3 captions added" in out and "annotation for an unknown image: 1" in out and "missing image file: 1" in out
+    out = tcjepa(
+        "caption", "--cache", tmp_path / "cache", "--annotations", ann, "--image-root", tmp_path / "imgs"
+    ).stdout
+    assert (
+        "2 images, 3 captions added" in out
+        and "annotation for an unknown image: 1" in out
+        and "missing image file: 1" in out
+    )
     rows = CaptionCache(tmp_path / "cache").read_captions().to_pylist()
     one = sha256_file(tmp_path / "imgs" / "1.jpg")
-    assert [r["text"] for r in sorted(rows, key=lambda r: r["sample"]) if r["image_sha256"] == one] == ["first by id", "second by id"]
+    assert [r["text"] for r in sorted(rows, key=lambda r: r["sample"]) if r["image_sha256"] == one] == [
+        "first by id",
+        "second by id",
+    ]
     (recipe,) = CaptionCache(tmp_path / "cache").recipes().values()
     assert recipe.recipe["format"] == "coco" and recipe.name == "captions_train"
 
@@ -78,8 +97,12 @@ def test_unusable_annotation_files_fail_with_one_line(tmp_path):
     not_coco.write_text("[1, 2]")
     only_missing = tmp_path / "m.jsonl"
     only_missing.write_text(json.dumps({"image": "nope.png", "captions": ["x"]}) + "\n")
-    for path, needle in [(bad_json, "not valid JSON"), (not_coco, "expected COCO"), (tmp_path / "absent.jsonl", "no such file"),
-                         (only_missing, "no usable caption")]:
+    for path, needle in [
+        (bad_json, "not valid JSON"),
+        (not_coco, "expected COCO"),
+        (tmp_path / "absent.jsonl", "no such file"),
+        (only_missing, "no usable caption"),
+    ]:
         proc = tcjepa("caption", "--cache", tmp_path / "cache", "--annotations", path, check=False)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr

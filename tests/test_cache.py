@@ -12,8 +12,11 @@ RECIPE = {"kind": "test", "model": "m"}
 
 
 def _rows(recipe, images, samples=2, prefix="cap"):
-    return [caption_row(f"{i:064x}", f"img{i}.png", recipe, "p0", s, f"{prefix} {i} {s}", "stop", 5)
-            for i in images for s in range(samples)]
+    return [
+        caption_row(f"{i:064x}", f"img{i}.png", recipe, "p0", s, f"{prefix} {i} {s}", "stop", 5)
+        for i in images
+        for s in range(samples)
+    ]
 
 
 def _keys(cache):
@@ -34,7 +37,14 @@ def test_commit_dedupes_and_is_readable_by_datasets(tmp_path):
     keys = _keys(cache)
     assert len(keys) == len(set(keys)) == 16
     ds = datasets.load_dataset("parquet", data_files=cache.caption_files(), split="train")
-    assert len(ds) == 16 and set(ds.column_names) >= {"image_sha256", "recipe", "prompt_id", "sample", "text", "finish_reason"}
+    assert len(ds) == 16 and set(ds.column_names) >= {
+        "image_sha256",
+        "recipe",
+        "prompt_id",
+        "sample",
+        "text",
+        "finish_reason",
+    }
     # a fresh handle (another process) sees the same keys and dedupes against them
     other = CaptionCache(tmp_path / "c")
     assert other.commit(_rows(recipe, range(2))).captions_added == 0
@@ -108,7 +118,10 @@ def test_concurrent_writers_with_overlapping_inputs(tmp_path, writers):
     recipe = cache.add_recipe(RECIPE)
     ctx = mp.get_context("spawn")
     # each writer covers images [0, 40) in a different chunking; all overlap fully
-    procs = [ctx.Process(target=_writer, args=(tmp_path / "c", recipe, w * 3 % 40 if w else 0, 40, 3 + w)) for w in range(writers)]
+    procs = [
+        ctx.Process(target=_writer, args=(tmp_path / "c", recipe, w * 3 % 40 if w else 0, 40, 3 + w))
+        for w in range(writers)
+    ]
     procs.append(ctx.Process(target=_writer, args=(tmp_path / "c", recipe, 0, 40, 7)))
     for p in procs:
         p.start()

@@ -25,8 +25,16 @@ VLLM_CLI = ["--vllm-arg", "max_model_len=1024", "--max-tokens", "12", "--chunk-i
 
 
 def _cfg(images, cache, tiny_models, **kw):
-    return CaptionConfig(inputs=images, cache=cache, model=str(tiny_models / "vlm"), engine_args=dict(TINY_VLLM_ARGS),
-                         sampling=SAMPLING, chunk_images=4, decode_workers=1, **kw)
+    return CaptionConfig(
+        inputs=images,
+        cache=cache,
+        model=str(tiny_models / "vlm"),
+        engine_args=dict(TINY_VLLM_ARGS),
+        sampling=SAMPLING,
+        chunk_images=4,
+        decode_workers=1,
+        **kw,
+    )
 
 
 def _rows(cache, recipe=None):
@@ -55,13 +63,24 @@ def test_captions_structure_determinism_and_reuse(tmp_path, images, tiny_models,
     rows = _rows(tmp_path / "a")
     per_image = Counter(r["image_sha256"] for r in rows)
     assert len(per_image) == 40 and set(per_image.values()) == {8}
-    assert Counter((r["prompt_id"], r["sample"]) for r in rows) == {(p, s): 40 for p in ("dense", "spatial", "objects", "setting") for s in (0, 1)}
+    assert Counter((r["prompt_id"], r["sample"]) for r in rows) == {
+        (p, s): 40 for p in ("dense", "spatial", "objects", "setting") for s in (0, 1)
+    }
     assert all(r["finish_reason"] in ("stop", "length") and 0 < r["num_tokens"] <= 12 for r in rows)
     by_path = {r["source_id"]: r["image_sha256"] for r in rows}
     assert by_path["000007.png"] == sha256_file(images / "000007.png")
     (recipe,) = CaptionCache(tmp_path / "a").recipes().values()
-    assert recipe.name == "tiny" and recipe.recipe["engine"] == "vllm" and recipe.recipe["engine_args"] == {"max_model_len": 1024}
-    assert recipe.recipe["sampling"]["max_tokens"] == 12 and [p["samples"] for p in recipe.recipe["prompts"]] == [2, 2, 2, 2]
+    assert (
+        recipe.name == "tiny"
+        and recipe.recipe["engine"] == "vllm"
+        and recipe.recipe["engine_args"] == {"max_model_len": 1024}
+    )
+    assert recipe.recipe["sampling"]["max_tokens"] == 12 and [p["samples"] for p in recipe.recipe["prompts"]] == [
+        2,
+        2,
+        2,
+        2,
+    ]
 
     # the same recipe in another cache gives the same captions: seeded per (image, prompt), whatever the chunking
     reordered = _cfg([images], tmp_path / "b", tiny_models)
@@ -88,8 +107,16 @@ def test_captions_structure_determinism_and_reuse(tmp_path, images, tiny_models,
 def test_uneven_prompts_and_prompt_file(tmp_path, images, tiny_models, vllm_engine):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Describe the image.\nWhere are the shapes?\nWhat colours?\n")
-    report = run_caption(_cfg([images / "000001.png", images / "000002.png"], tmp_path / "c", tiny_models,
-                              prompts_file=prompts, captions_per_image=7), engine=vllm_engine)
+    report = run_caption(
+        _cfg(
+            [images / "000001.png", images / "000002.png"],
+            tmp_path / "c",
+            tiny_models,
+            prompts_file=prompts,
+            captions_per_image=7,
+        ),
+        engine=vllm_engine,
+    )
     rows = _rows(tmp_path / "c")
     assert report.captions == 14
     assert Counter(r["prompt_id"] for r in rows) == {"p0": 6, "p1": 4, "p2": 4}
@@ -135,11 +162,24 @@ def test_shards_cover_every_image_exactly_once(tmp_path, images, tiny_models, vl
 
 
 def test_hf_backend_same_semantics(tmp_path, images, tiny_models):
-    cfg = CaptionConfig(inputs=[images / "000003.png", images / "000004.png"], cache=tmp_path / "hf", model=str(tiny_models / "vlm"),
-                        backend="hf", sampling=SAMPLING, captions_per_image=4, device="cpu", decode_workers=0)
+    cfg = CaptionConfig(
+        inputs=[images / "000003.png", images / "000004.png"],
+        cache=tmp_path / "hf",
+        model=str(tiny_models / "vlm"),
+        backend="hf",
+        sampling=SAMPLING,
+        captions_per_image=4,
+        device="cpu",
+        decode_workers=0,
+    )
     report = run_caption(cfg)
     rows = _rows(tmp_path / "hf")
-    assert report.captions == 8 and Counter(r["prompt_id"] for r in rows) == {"dense": 2, "spatial": 2, "objects": 2, "setting": 2}
+    assert report.captions == 8 and Counter(r["prompt_id"] for r in rows) == {
+        "dense": 2,
+        "spatial": 2,
+        "objects": 2,
+        "setting": 2,
+    }
     assert set(Counter(r["image_sha256"] for r in rows).values()) == {4}
     (recipe,) = CaptionCache(tmp_path / "hf").recipes().values()
     assert recipe.recipe["engine"] == "transformers"
@@ -152,17 +192,34 @@ def test_cli_errors_are_one_line(tmp_path, images, tiny_models):
     for args, needle in [
         (["caption", images, "--cache", tmp_path / "c"], "needs IMAGES and --model"),
         (["caption", images, "--cache", tmp_path / "c", "--model", tiny_models / "vlm", "--shard", "3/2"], "--shard"),
-        (["caption", images, "--cache", tmp_path / "c", "--model", tiny_models / "vlm", "--vllm-arg", "nonsense"], "key=value"),
+        (
+            ["caption", images, "--cache", tmp_path / "c", "--model", tiny_models / "vlm", "--vllm-arg", "nonsense"],
+            "key=value",
+        ),
         (["caption", tmp_path / "absent", "--cache", tmp_path / "c", "--model", tiny_models / "vlm"], "no such file"),
         (["caption", images, "--cache", tmp_path / "c", "--model", tiny_models / "t5", "--dry-run"], "chat template"),
         (["caption", images, "--cache", tmp_path / "c", "--annotations", tmp_path / "x.jsonl"], "not both"),
     ]:
         proc = tcjepa(*args, check=False)
-        assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.strip().count("\n") == 0, (args, proc.stderr[-500:])
+        assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.strip().count("\n") == 0, (
+            args,
+            proc.stderr[-500:],
+        )
 
 
 def _cli(images, cache, tiny_models):
-    return [sys.executable, "-m", "pipeline", "caption", str(images), "--cache", str(cache), "--model", str(tiny_models / "vlm"), *VLLM_CLI]
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "caption",
+        str(images),
+        "--cache",
+        str(cache),
+        "--model",
+        str(tiny_models / "vlm"),
+        *VLLM_CLI,
+    ]
 
 
 def test_kill_and_resume_then_concurrent_writers(tmp_path, images, tiny_models, vllm_engine):
@@ -178,8 +235,14 @@ def test_kill_and_resume_then_concurrent_writers(tmp_path, images, tiny_models, 
 
     for _ in range(2):
         before = committed()
-        proc = subprocess.Popen(_cli(images, cache, tiny_models), cwd=REPO, env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            _cli(images, cache, tiny_models),
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 180
         while committed() <= before and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -189,8 +252,17 @@ def test_kill_and_resume_then_concurrent_writers(tmp_path, images, tiny_models, 
         assert before < committed() < 320, "killed mid-run, after some chunks were committed"
     partial = committed()
     # two writers at once over the same images finish the job together
-    procs = [subprocess.Popen(_cli(images, cache, tiny_models), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            _cli(images, cache, tiny_models),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
@@ -210,9 +282,18 @@ def test_tar_and_parquet_sources_through_the_engine(tmp_path, images, tiny_model
     with tarfile.open(tmp_path / "shard-000.tar", "w") as tar:
         for f in files[:2]:
             tar.add(f, arcname=f"{f.stem}.png")
-    pq.write_table(pa.table({"image": [{"bytes": f.read_bytes(), "path": f.name} for f in files[2:]]}), tmp_path / "part.parquet")
-    report = run_caption(_cfg([tmp_path / "shard-000.tar", tmp_path / "part.parquet"], tmp_path / "cache", tiny_models), engine=vllm_engine)
+    pq.write_table(
+        pa.table({"image": [{"bytes": f.read_bytes(), "path": f.name} for f in files[2:]]}), tmp_path / "part.parquet"
+    )
+    report = run_caption(
+        _cfg([tmp_path / "shard-000.tar", tmp_path / "part.parquet"], tmp_path / "cache", tiny_models),
+        engine=vllm_engine,
+    )
     assert report.captioned == 4 and report.captions == 32
     sources = {r["source_id"]: r["image_sha256"] for r in _rows(tmp_path / "cache")}
-    assert sources == {"shard-000.tar::000000.png": sha256_file(files[0]), "shard-000.tar::000001.png": sha256_file(files[1]),
-                       "part.parquet::0": sha256_file(files[2]), "part.parquet::1": sha256_file(files[3])}
+    assert sources == {
+        "shard-000.tar::000000.png": sha256_file(files[0]),
+        "shard-000.tar::000001.png": sha256_file(files[1]),
+        "part.parquet::0": sha256_file(files[2]),
+        "part.parquet::1": sha256_file(files[3]),
+    }

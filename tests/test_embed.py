@@ -7,7 +7,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 import zarr
 
 from captioning.cache import CaptionCache, caption_row
@@ -34,7 +33,9 @@ def _store_contents(path):
 
 def test_embed_encodes_every_caption_once(tmp_path, annotated_cache, tiny_models):
     store = tmp_path / "store"
-    dry = tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--dry-run", *SMALL).stdout
+    dry = tcjepa(
+        "embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--dry-run", *SMALL
+    ).stdout
     assert "would encode 320 captions" in dry and not store.exists()
     out = tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", *SMALL).stdout
     assert "encoded 320 captions" in out
@@ -77,16 +78,42 @@ def test_captions_of_an_image_are_adjacent(tmp_path, annotated_cache, tiny_model
 def test_embed_refuses_other_encoder_recipe_and_fp16(tmp_path, annotated_cache, tiny_models):
     store = tmp_path / "store"
     tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", *SMALL)
-    for extra, needle in [(["--max-length", "32"], "another encoder recipe"), (["--dtype", "float32"], "another encoder recipe"),
-                          (["--no-eos"], "another encoder recipe"), (["--dtype", "float16"], "overflows in float16"),
-                          (["--max-length", "32", "--dry-run"], "another encoder recipe")]:
-        proc = tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", *SMALL, *extra, check=False)
+    for extra, needle in [
+        (["--max-length", "32"], "another encoder recipe"),
+        (["--dtype", "float32"], "another encoder recipe"),
+        (["--no-eos"], "another encoder recipe"),
+        (["--dtype", "float16"], "overflows in float16"),
+        (["--max-length", "32", "--dry-run"], "another encoder recipe"),
+    ]:
+        proc = tcjepa(
+            "embed",
+            "--cache",
+            annotated_cache,
+            "--store",
+            store,
+            "--model",
+            tiny_models / "t5",
+            *SMALL,
+            *extra,
+            check=False,
+        )
         assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_truncation_is_counted_and_eos_kept(tmp_path, annotated_cache, tiny_models):
     store = tmp_path / "store"
-    out = tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--max-length", "12", *SMALL).stdout
+    out = tcjepa(
+        "embed",
+        "--cache",
+        annotated_cache,
+        "--store",
+        store,
+        "--model",
+        tiny_models / "t5",
+        "--max-length",
+        "12",
+        *SMALL,
+    ).stdout
     assert "320 truncated" in out  # every synthetic caption is longer than 12 tokens
     reader = EmbeddingReader(store)
     assert set(reader.lengths(np.arange(len(reader)))) == {12}
@@ -99,16 +126,40 @@ def test_several_recipes_need_a_choice(tmp_path, synth_dir, tiny_models):
     other = c.add_recipe({"kind": "test"}, "other")
     image = c.read_captions().column("image_sha256")[0].as_py()
     c.commit([caption_row(image, "x", other, "p", 0, "an entirely different caption", "stop")])
-    proc = tcjepa("embed", "--cache", cache, "--store", tmp_path / "s", "--model", tiny_models / "t5", *SMALL, check=False)
-    assert proc.returncode == 2 and "several recipes" in proc.stderr and "synthetic" in proc.stderr and "other" in proc.stderr
-    out = tcjepa("embed", "--cache", cache, "--store", tmp_path / "s", "--model", tiny_models / "t5", "--recipe", "other", *SMALL).stdout
+    proc = tcjepa(
+        "embed", "--cache", cache, "--store", tmp_path / "s", "--model", tiny_models / "t5", *SMALL, check=False
+    )
+    assert (
+        proc.returncode == 2
+        and "several recipes" in proc.stderr
+        and "synthetic" in proc.stderr
+        and "other" in proc.stderr
+    )
+    out = tcjepa(
+        "embed", "--cache", cache, "--store", tmp_path / "s", "--model", tiny_models / "t5", "--recipe", "other", *SMALL
+    ).stdout
     assert "encoded 1 captions" in out
-    out = tcjepa("embed", "--cache", cache, "--store", tmp_path / "s", "--model", tiny_models / "t5", "--recipe", "other", "--recipe", "synthetic", *SMALL).stdout
+    out = tcjepa(
+        "embed",
+        "--cache",
+        cache,
+        "--store",
+        tmp_path / "s",
+        "--model",
+        tiny_models / "t5",
+        "--recipe",
+        "other",
+        "--recipe",
+        "synthetic",
+        *SMALL,
+    ).stdout
     assert "1 already stored" in out and "encoded 320 captions" in out
 
 
 def test_bad_model_is_one_line(tmp_path, annotated_cache, synth_dir):
-    proc = tcjepa("embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", synth_dir, *SMALL, check=False)
+    proc = tcjepa(
+        "embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", synth_dir, *SMALL, check=False
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error: --model") and proc.stderr.count("\n") == 1
 
 
@@ -142,9 +193,15 @@ def test_kill_and_resume_ends_as_an_uninterrupted_run(tmp_path, annotated_cache,
     store = tmp_path / "killed"
     rng = random.Random(7)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for attempt in range(4):
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "embed", "--store", str(store), *map(str, args)],
-                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    for _ in range(4):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "embed", "--store", str(store), *map(str, args)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         time.sleep(rng.uniform(2.0, 7.0))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -169,6 +226,10 @@ def test_non_finite_or_overflowing_vectors_stop_with_the_caption_named(tmp_path,
     with torch.no_grad():
         model.encoder.final_layer_norm.weight.mul_(1e6)
     model.save_pretrained(broken)
-    proc = tcjepa("embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", broken, *SMALL, check=False)
-    assert proc.returncode == 2 and "non-finite or float16-overflowing" in proc.stderr and "caption " in proc.stderr, proc.stderr[-500:]
+    proc = tcjepa(
+        "embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", broken, *SMALL, check=False
+    )
+    assert proc.returncode == 2 and "non-finite or float16-overflowing" in proc.stderr and "caption " in proc.stderr, (
+        proc.stderr[-500:]
+    )
     assert not EmbeddingReader(tmp_path / "s").segment_ids, "nothing is published"

@@ -10,16 +10,42 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import tcjepa
 from evaluation.export import load_exported
 from evaluation.features import extract_features, load_trained_encoder
 from evaluation.labels import patch_labels, read_labels
-from evaluation.probes import Split, attentive_probe, dense_probe, knn_probe, linear_probe, mean_iou, random_split
+from evaluation.probes import attentive_probe, dense_probe, knn_probe, linear_probe, mean_iou, random_split
 from pipeline.core.sources import list_images
+from tests.conftest import tcjepa
 
-TINY = ["--model", "vit_tiny", "--patch-size", "8", "--image-size", "64", "--batch-size", "8", "--captions-per-image", "4",
-        "--no-progress", "--steps", "4", "--set", "depth=2", "--set", "predictor_width=96", "--set", "predictor_depth=2",
-        "--set", "min_context=4", "--set", "val_images=8", "--set", "num_workers=0", "--set", "warmup_steps=2"]
+TINY = [
+    "--model",
+    "vit_tiny",
+    "--patch-size",
+    "8",
+    "--image-size",
+    "64",
+    "--batch-size",
+    "8",
+    "--captions-per-image",
+    "4",
+    "--no-progress",
+    "--steps",
+    "4",
+    "--set",
+    "depth=2",
+    "--set",
+    "predictor_width=96",
+    "--set",
+    "predictor_depth=2",
+    "--set",
+    "min_context=4",
+    "--set",
+    "val_images=8",
+    "--set",
+    "num_workers=0",
+    "--set",
+    "warmup_steps=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +134,12 @@ def test_attentive_probe_finds_the_one_token_that_matters():
 
 def test_patch_labels_follow_the_patch_grid():
     cells = np.array([[1, 2], [3, 4]])  # 2×2 cells of 16 px: a 32 px image
-    assert patch_labels(cells, 16, (32, 32), (4, 4)).reshape(4, 4).tolist() == [[1, 1, 2, 2], [1, 1, 2, 2], [3, 3, 4, 4], [3, 3, 4, 4]]
+    assert patch_labels(cells, 16, (32, 32), (4, 4)).reshape(4, 4).tolist() == [
+        [1, 1, 2, 2],
+        [1, 1, 2, 2],
+        [3, 3, 4, 4],
+        [3, 3, 4, 4],
+    ]
     assert patch_labels(cells, 16, (32, 32), (1, 1)).tolist() == [4]  # the centre pixel (16, 16) lies in the last cell
     # A 64×32 image whose map covers only its left half: the right half is unlabelled.
     assert patch_labels(cells, 16, (64, 32), (2, 4)).reshape(2, 4).tolist() == [[1, 2, -1, -1], [3, 4, -1, -1]]
@@ -116,16 +147,22 @@ def test_patch_labels_follow_the_patch_grid():
 
 def test_labels_match_by_path_or_source_id_and_refuse_bad_lines(tmp_path, synth_dir):
     refs = list_images([synth_dir / "images"])
-    lines = [{"image": "images/000001.png", "label": "a"}, {"image": "000002.png", "label": 7},
-             {"image": "images/nowhere.png", "label": "b"}]
+    lines = [
+        {"image": "images/000001.png", "label": "a"},
+        {"image": "000002.png", "label": 7},
+        {"image": "images/nowhere.png", "label": "b"},
+    ]
     (tmp_path / "labels.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     labels = read_labels(tmp_path / "labels.jsonl", refs, image_root=synth_dir)
     assert [refs[i].source_id for i in labels.image_index] == ["000001.png", "000002.png"]
     assert labels.classes == ["7", "a"] and labels.label.tolist() == [1, 0] and labels.unmatched == 1
-    for bad, message in [('{"image": "images/000001.png"}', "expected"), ("{not json", "not JSON"),
-                         ('{"image": "images/000001.png", "label": 1, "cells": [[1, 2], [3]], "cell_size": 16}', "cells"),
-                         ('{"image": "images/000001.png", "label": 1, "cells": [[1]], "cell_size": 0}', "cell_size"),
-                         ('{"image": "images/000001.png", "label": 1, "split": "holdout"}', "split")]:
+    for bad, message in [
+        ('{"image": "images/000001.png"}', "expected"),
+        ("{not json", "not JSON"),
+        ('{"image": "images/000001.png", "label": 1, "cells": [[1, 2], [3]], "cell_size": 16}', "cells"),
+        ('{"image": "images/000001.png", "label": 1, "cells": [[1]], "cell_size": 0}', "cell_size"),
+        ('{"image": "images/000001.png", "label": 1, "split": "holdout"}', "split"),
+    ]:
         (tmp_path / "bad.jsonl").write_text(bad + "\n")
         with pytest.raises(Exception, match=message):
             read_labels(tmp_path / "bad.jsonl", refs, image_root=synth_dir)
@@ -138,7 +175,16 @@ def test_labels_match_by_path_or_source_id_and_refuse_bad_lines(tmp_path, synth_
 
 
 def test_eval_reports_every_probe_and_caches_features(cross_run, synth_dir):
-    done = tcjepa("eval", cross_run, synth_dir / "images", "--labels", synth_dir / "labels.jsonl", "--workers", "0", "--no-progress")
+    done = tcjepa(
+        "eval",
+        cross_run,
+        synth_dir / "images",
+        "--labels",
+        synth_dir / "labels.jsonl",
+        "--workers",
+        "0",
+        "--no-progress",
+    )
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("step 4 | linear top1") and "dense patch_accuracy" in line and "attentive top1" in line
     report = json.loads((cross_run / "eval" / "labels.json").read_text())
@@ -150,8 +196,18 @@ def test_eval_reports_every_probe_and_caches_features(cross_run, synth_dir):
     cached = sorted((cross_run / "features").iterdir())
     assert len(cached) == 1 and (cached[0] / "patches.npy").exists()
     stamp = (cached[0] / "pooled.npy").stat().st_mtime_ns
-    again = tcjepa("eval", cross_run, synth_dir / "images", "--labels", synth_dir / "labels.jsonl", "--probe", "linear",
-                   "--workers", "0", "--no-progress")
+    again = tcjepa(
+        "eval",
+        cross_run,
+        synth_dir / "images",
+        "--labels",
+        synth_dir / "labels.jsonl",
+        "--probe",
+        "linear",
+        "--workers",
+        "0",
+        "--no-progress",
+    )
     assert (cached[0] / "pooled.npy").stat().st_mtime_ns == stamp, "features were extracted again"
     assert again.stdout.strip().splitlines()[-1].split(" | ")[1] == line.split(" | ")[1]
 
@@ -164,7 +220,9 @@ def test_cached_features_equal_the_target_encoder_on_the_resized_images(cross_ru
     refs = list_images([synth_dir / "images"])[:6]
     features = extract_features(cross_run, refs, with_patches=True, device="cpu", workers=0, progress=False)
     encoder = load_trained_encoder(cross_run).encoder
-    pixels = np.stack([np.asarray(Image.open(r.path).convert("RGB").resize((64, 64), Image.Resampling.BICUBIC)) for r in refs])
+    pixels = np.stack(
+        [np.asarray(Image.open(r.path).convert("RGB").resize((64, 64), Image.Resampling.BICUBIC)) for r in refs]
+    )
     with torch.no_grad():
         tokens = encoder(normalise(torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy())))
     np.testing.assert_allclose(features.pooled, tokens.mean(1).numpy(), rtol=1e-5, atol=1e-5)
@@ -177,19 +235,39 @@ def test_eval_leaves_out_an_undecodable_labelled_image(tmp_path, cross_run, synt
     shutil.copytree(synth_dir / "images", images)
     (images / "000005.png").write_bytes(b"not a png")
     shutil.copy(synth_dir / "labels.jsonl", tmp_path / "labels.jsonl")
-    tcjepa("eval", cross_run, images, "--labels", tmp_path / "labels.jsonl", "--probe", "linear", "--probe", "knn",
-           "--workers", "0", "--no-progress", "--report", tmp_path / "report.json")
+    tcjepa(
+        "eval",
+        cross_run,
+        images,
+        "--labels",
+        tmp_path / "labels.jsonl",
+        "--probe",
+        "linear",
+        "--probe",
+        "knn",
+        "--workers",
+        "0",
+        "--no-progress",
+        "--report",
+        tmp_path / "report.json",
+    )
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["undecodable"] == 1 and sum(report["split"].values()) == 39
 
 
-@pytest.mark.parametrize("make_args, message", [
-    (lambda run, d, t: ["eval", t, d / "images", "--labels", d / "labels.jsonl"], "no checkpoint.pt"),
-    (lambda run, d, t: ["eval", run, d / "images", "--labels", t / "none.jsonl"], "no such file"),
-    (lambda run, d, t: ["eval", run, d / "images", "--labels", d / "labels.jsonl", "--probe", "svm"], "unknown probe"),
-    (lambda run, d, t: ["eval", run, t, "--labels", d / "labels.jsonl"], "no images"),
-    (lambda run, d, t: ["export", t, "--out", t / "x"], "no checkpoint.pt"),
-])
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda run, d, t: ["eval", t, d / "images", "--labels", d / "labels.jsonl"], "no checkpoint.pt"),
+        (lambda run, d, t: ["eval", run, d / "images", "--labels", t / "none.jsonl"], "no such file"),
+        (
+            lambda run, d, t: ["eval", run, d / "images", "--labels", d / "labels.jsonl", "--probe", "svm"],
+            "unknown probe",
+        ),
+        (lambda run, d, t: ["eval", run, t, "--labels", d / "labels.jsonl"], "no images"),
+        (lambda run, d, t: ["export", t, "--out", t / "x"], "no checkpoint.pt"),
+    ],
+)
 def test_bad_eval_and_export_input_gets_one_line_and_exit_2(tmp_path, cross_run, synth_dir, make_args, message):
     done = tcjepa(*make_args(cross_run, synth_dir, tmp_path), check=False)
     assert done.returncode == 2, done.stderr
@@ -198,12 +276,38 @@ def test_bad_eval_and_export_input_gets_one_line_and_exit_2(tmp_path, cross_run,
 
 def test_dense_probe_without_cell_maps_is_refused_and_dropped_by_default(tmp_path, cross_run, synth_dir):
     rows = [json.loads(x) for x in (synth_dir / "labels.jsonl").read_text().splitlines()]
-    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"image": r["image"], "label": r["label"]}) + "\n" for r in rows))
-    refused = tcjepa("eval", cross_run, synth_dir / "images", "--labels", tmp_path / "plain.jsonl", "--image-root", synth_dir,
-                     "--probe", "dense", check=False)
+    (tmp_path / "plain.jsonl").write_text(
+        "".join(json.dumps({"image": r["image"], "label": r["label"]}) + "\n" for r in rows)
+    )
+    refused = tcjepa(
+        "eval",
+        cross_run,
+        synth_dir / "images",
+        "--labels",
+        tmp_path / "plain.jsonl",
+        "--image-root",
+        synth_dir,
+        "--probe",
+        "dense",
+        check=False,
+    )
     assert refused.returncode == 2 and "per-cell labels" in refused.stderr
-    done = tcjepa("eval", cross_run, synth_dir / "images", "--labels", tmp_path / "plain.jsonl", "--image-root", synth_dir,
-                  "--probe", "linear", "--workers", "0", "--no-progress", "--report", tmp_path / "r.json")
+    tcjepa(
+        "eval",
+        cross_run,
+        synth_dir / "images",
+        "--labels",
+        tmp_path / "plain.jsonl",
+        "--image-root",
+        synth_dir,
+        "--probe",
+        "linear",
+        "--workers",
+        "0",
+        "--no-progress",
+        "--report",
+        tmp_path / "r.json",
+    )
     assert set(json.loads((tmp_path / "r.json").read_text())["probes"]) == {"linear"}
 
 
@@ -212,8 +316,22 @@ def test_labels_file_split_is_used(tmp_path, cross_run, synth_dir):
     for i, r in enumerate(rows):
         r["split"] = "test" if i < 10 else "train"
     (tmp_path / "split.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tcjepa("eval", cross_run, synth_dir / "images", "--labels", tmp_path / "split.jsonl", "--image-root", synth_dir,
-           "--probe", "knn", "--workers", "0", "--no-progress", "--report", tmp_path / "r.json")
+    tcjepa(
+        "eval",
+        cross_run,
+        synth_dir / "images",
+        "--labels",
+        tmp_path / "split.jsonl",
+        "--image-root",
+        synth_dir,
+        "--probe",
+        "knn",
+        "--workers",
+        "0",
+        "--no-progress",
+        "--report",
+        tmp_path / "r.json",
+    )
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["split_source"] == "labels file" and report["split"]["test"] == 10
     assert report["split"]["train"] + report["split"]["val"] == 30
@@ -240,8 +358,22 @@ def test_export_loads_into_timm_and_back_into_ours_with_equal_features(tmp_path,
 
 def test_viz_draws_word_maps_and_error_maps(tmp_path, cross_run, synth_dir, tiny_models):
     captions = json.loads((synth_dir / "captions.jsonl").read_text().splitlines()[0])["captions"][:2]
-    done = tcjepa("viz", cross_run, "--image", synth_dir / "images" / "000000.png", "--captions", captions[0],
-                  "--captions", captions[1], "--text-model", tiny_models / "t5", "--out", tmp_path / "viz.png", "--top", "4")
+    done = tcjepa(
+        "viz",
+        cross_run,
+        "--image",
+        synth_dir / "images" / "000000.png",
+        "--captions",
+        captions[0],
+        "--captions",
+        captions[1],
+        "--text-model",
+        tiny_models / "t5",
+        "--out",
+        tmp_path / "viz.png",
+        "--top",
+        "4",
+    )
     result = json.loads(done.stdout)
     assert (tmp_path / "viz.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(result["mean_error"]) == {"captions", "words shuffled", "no text"}
@@ -252,6 +384,17 @@ def test_viz_draws_word_maps_and_error_maps(tmp_path, cross_run, synth_dir, tiny
 
 def test_viz_refuses_a_text_model_other_than_the_stores(tmp_path, cross_run, synth_dir):
     tcjepa("tiny-models", "--out", tmp_path / "other", "--seed", "1")
-    done = tcjepa("viz", cross_run, "--image", synth_dir / "images" / "000000.png", "--captions", "a red circle",
-                  "--text-model", tmp_path / "other" / "t5", "--out", tmp_path / "viz.png", check=False)
+    done = tcjepa(
+        "viz",
+        cross_run,
+        "--image",
+        synth_dir / "images" / "000000.png",
+        "--captions",
+        "a red circle",
+        "--text-model",
+        tmp_path / "other" / "t5",
+        "--out",
+        tmp_path / "viz.png",
+        check=False,
+    )
     assert done.returncode == 2 and "not the encoder that made" in done.stderr

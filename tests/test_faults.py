@@ -30,13 +30,20 @@ def _file_size_limit(max_bytes: int) -> Callable[[], None]:
     def apply() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
     return apply
 
 
 def _cli(*args: object, max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
     limit = None if max_file_bytes is None else _file_size_limit(max_file_bytes)
-    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit,
+    )
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -86,8 +93,20 @@ def test_caption_import_with_a_full_disk_publishes_nothing_then_resumes(tmp_path
 
 def test_embed_with_a_full_disk_publishes_nothing_then_resumes(tmp_path, annotated_cache, tiny_models):
     store = tmp_path / "store"
-    args = ["embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--chunk-tokens", "64",
-            "--shard-chunks", "4", "--no-progress"]
+    args = [
+        "embed",
+        "--cache",
+        annotated_cache,
+        "--store",
+        store,
+        "--model",
+        tiny_models / "t5",
+        "--chunk-tokens",
+        "64",
+        "--shard-chunks",
+        "4",
+        "--no-progress",
+    ]
     _assert_one_line_error(_cli(*args, max_file_bytes=16384), "cannot write", "File too large")
     assert EmbeddingStore(store).segment_ids() == [] and not (store / ".staging").exists()
     tcjepa(*args)
@@ -95,10 +114,29 @@ def test_embed_with_a_full_disk_publishes_nothing_then_resumes(tmp_path, annotat
     assert verified.startswith("ok: 1 segments, 320 captions"), verified
 
 
-def test_train_with_a_full_disk_keeps_no_half_checkpoint_then_runs_whole(tmp_path, synth_dir, annotated_cache, annotated_store):
+def test_train_with_a_full_disk_keeps_no_half_checkpoint_then_runs_whole(
+    tmp_path, synth_dir, annotated_cache, annotated_store
+):
     run = tmp_path / "run"
-    args = ["train", synth_dir / "images", "--cache", annotated_cache, "--store", annotated_store, "--out", run, *TINY,
-            "--steps", "4", "--set", "log_every=1", "--set", "val_every=4", "--set", "checkpoint_every=2"]
+    args = [
+        "train",
+        synth_dir / "images",
+        "--cache",
+        annotated_cache,
+        "--store",
+        annotated_store,
+        "--out",
+        run,
+        *TINY,
+        "--steps",
+        "4",
+        "--set",
+        "log_every=1",
+        "--set",
+        "val_every=4",
+        "--set",
+        "checkpoint_every=2",
+    ]
     # The limit is above a batch in shared memory (DataLoader workers), below a checkpoint.
     _assert_one_line_error(_cli(*args, max_file_bytes=4_000_000), "cannot write", "File too large")
     assert not (run / "checkpoint.pt").exists() and not list(run.glob(".checkpoint.pt.*"))
@@ -108,22 +146,49 @@ def test_train_with_a_full_disk_keeps_no_half_checkpoint_then_runs_whole(tmp_pat
     assert steps == [1, 2, 3, 4, 4], "the rerun starts over from step 1, without the stopped run's lines"
 
 
-def test_read_only_destinations_fail_in_one_line_and_change_nothing(tmp_path, synth_dir, annotated_cache, annotated_store, tiny_models):
+def test_read_only_destinations_fail_in_one_line_and_change_nothing(
+    tmp_path, synth_dir, annotated_cache, annotated_store, tiny_models
+):
     cache, store, locked = tmp_path / "cache", tmp_path / "store", tmp_path / "locked"
     shutil.copytree(annotated_cache, cache)
     shutil.copytree(annotated_store, store)
     locked.mkdir()
     other = tmp_path / "other.jsonl"
-    other.write_text("".join(json.dumps({"image": str(synth_dir / "images" / f"{i:06d}.png"), "captions": [f"another caption {i}"]}) + "\n"
-                             for i in range(3)))
+    other.write_text(
+        "".join(
+            json.dumps({"image": str(synth_dir / "images" / f"{i:06d}.png"), "captions": [f"another caption {i}"]})
+            + "\n"
+            for i in range(3)
+        )
+    )
     before = {"cache": _tree(cache), "store": _tree(store)}
     with _read_only(cache), _read_only(store), _read_only(locked):
         _assert_one_line_error(_cli("caption", "--cache", cache, "--annotations", other), "cannot access", "writable")
-        complete = _cli("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--no-progress")
+        complete = _cli(
+            "embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--no-progress"
+        )
         assert complete.returncode == 0 and "encoded 0 captions" in complete.stdout, "a complete store is only read"
-        _assert_one_line_error(_cli("embed", "--cache", annotated_cache, "--store", locked / "new", "--model", tiny_models / "t5"),
-                               "cannot access", "writable")
-        _assert_one_line_error(_cli("train", synth_dir / "images", "--cache", annotated_cache, "--store", annotated_store,
-                                    "--out", locked / "run", *TINY, "--steps", "2"), "cannot access", "writable")
+        _assert_one_line_error(
+            _cli("embed", "--cache", annotated_cache, "--store", locked / "new", "--model", tiny_models / "t5"),
+            "cannot access",
+            "writable",
+        )
+        _assert_one_line_error(
+            _cli(
+                "train",
+                synth_dir / "images",
+                "--cache",
+                annotated_cache,
+                "--store",
+                annotated_store,
+                "--out",
+                locked / "run",
+                *TINY,
+                "--steps",
+                "2",
+            ),
+            "cannot access",
+            "writable",
+        )
     assert {"cache": _tree(cache), "store": _tree(store)} == before
     assert not any(locked.iterdir())

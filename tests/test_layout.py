@@ -60,8 +60,14 @@ def unit_graph() -> dict[str, set[str]]:
             targets = graph.setdefault(source, set())
             for name in imported_modules(path):
                 target = unit_of(name)
-                if target is not None and target != source and (REPO.joinpath(*name.split(".")).with_suffix(".py").exists()
-                                                                or REPO.joinpath(*name.split(".")).is_dir()):
+                if (
+                    target is not None
+                    and target != source
+                    and (
+                        REPO.joinpath(*name.split(".")).with_suffix(".py").exists()
+                        or REPO.joinpath(*name.split(".")).is_dir()
+                    )
+                ):
                     targets.add(target)
     return graph
 
@@ -76,7 +82,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -95,7 +101,15 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_between_units() -> None:
     graph = unit_graph()
-    assert {"pipeline", "pipeline.core", "pipeline.devkit", "captioning", "embedding_cache", "train", "evaluation"} <= set(graph)
+    assert {
+        "pipeline",
+        "pipeline.core",
+        "pipeline.devkit",
+        "captioning",
+        "embedding_cache",
+        "train",
+        "evaluation",
+    } <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle between units: " + " -> ".join(cycle)
 

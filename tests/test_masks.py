@@ -48,10 +48,13 @@ def test_tiny_grid_with_lower_min_context():
         check_masks(sample_masks(cfg, (4, 4), 1, step, 32), cfg, (4, 4), 32)
 
 
-@pytest.mark.parametrize("cfg", [
-    MaskConfig(min_context=16, context_scale=(1.0, 1.0)),  # targets always take a patch of the 16
-    MaskConfig(min_context=17),  # more than the grid holds
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        MaskConfig(min_context=16, context_scale=(1.0, 1.0)),  # targets always take a patch of the 16
+        MaskConfig(min_context=17),  # more than the grid holds
+    ],
+)
 def test_config_that_cannot_fit_raises(cfg):
     with pytest.raises(ValueError, match="no context"):
         sample_masks(cfg, (4, 4), 0, 0, 8)
@@ -68,8 +71,11 @@ def test_deterministic_per_seed_and_step():
 
 def test_world_size_invariance():
     full = sample_masks(CFG, (16, 16), 5, 11, 16)
-    for parts in ([slice(0, 8), slice(8, 16)], [slice(i, i + 4) for i in range(0, 16, 4)],
-                  [np.array([15, 3, 8]), np.array([0])]):
+    for parts in (
+        [slice(0, 8), slice(8, 16)],
+        [slice(i, i + 4) for i in range(0, 16, 4)],
+        [np.array([15, 3, 8]), np.array([0])],
+    ):
         for rows in parts:
             part = sample_masks(CFG, (16, 16), 5, 11, 16, rows=rows)
             want = np.arange(16)[rows]
@@ -138,15 +144,18 @@ def test_block_size():
     assert block_size(1.0, 1.0, (8, 12)) == (8, 10)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"num_targets": 0}, "num_targets"),
-    ({"min_context": 0}, "min_context"),
-    ({"target_scale": (0.2, 0.15)}, "target_scale"),
-    ({"target_scale": (0.0, 0.2)}, "target_scale"),
-    ({"context_scale": (0.85, 1.1)}, "context_scale"),
-    ({"target_aspect": (0.0, 1.5)}, "target_aspect"),
-    ({"context_aspect": (2.0, 1.0)}, "context_aspect"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_targets": 0}, "num_targets"),
+        ({"min_context": 0}, "min_context"),
+        ({"target_scale": (0.2, 0.15)}, "target_scale"),
+        ({"target_scale": (0.0, 0.2)}, "target_scale"),
+        ({"context_scale": (0.85, 1.1)}, "context_scale"),
+        ({"target_aspect": (0.0, 1.5)}, "target_aspect"),
+        ({"context_aspect": (2.0, 1.0)}, "context_aspect"),
+    ],
+)
 def test_bad_config_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         MaskConfig(**kwargs)

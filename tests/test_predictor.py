@@ -80,7 +80,9 @@ def test_block_max_pools_over_present_captions(pool):
     torch.testing.assert_close(got.reshape(2, m * t, 16)[0], expected0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.reshape(2, m * t, 16)[1], expected1, atol=1e-5, rtol=1e-5)
     unconditioned, _ = block(x, None, None, m)
-    torch.testing.assert_close(got.reshape(2, m * t, 16)[1], unconditioned.reshape(2, m * t, 16)[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got.reshape(2, m * t, 16)[1], unconditioned.reshape(2, m * t, 16)[1], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_regularisers_by_hand():
@@ -92,7 +94,8 @@ def test_regularisers_by_hand():
     regs = text_regularisers([c1, c2], word_mask, valid)
     # Token 0: O1 = [0.5, 0], O2 = [0.1, 0.4]; token 1: O1 = [0.1, 0.3], O2 = [0, 0.3] (third word is padding).
     sparse = ((0.5 + 0.5) / 2 + (0.4 + 0.3) / 2) / 2
-    # Token 0: mean [0.3, 0.2]; |O1-mean| = 0.2+0.2, |O2-mean| = 0.2+0.2 → 0.4. Token 1: mean [0.05, 0.3] → 0.05, 0.05 → 0.05.
+    # Token 0: mean [0.3, 0.2]; |O1-mean| = 0.2+0.2, |O2-mean| = 0.2+0.2 → 0.4. Token 1: mean [0.05, 0.3] → 0.05, 0.05
+    # → 0.05.
     consistency = (0.4 + 0.05) / 2
     assert math.isclose(float(regs.sparse), sparse, rel_tol=1e-6)
     assert math.isclose(float(regs.consistency), consistency, rel_tol=1e-6)
@@ -133,7 +136,8 @@ def test_target_features_and_prediction_loss():
 
 
 def _wiring_batch(g: torch.Generator, words: torch.Tensor, colours: torch.Tensor, b: int = 32):
-    """Context features are noise; every target patch's feature is the image's colour vector; captions name the colour."""
+    """Context features are noise; every target patch's feature is the image's colour vector; captions name the
+    colour."""
     n_colours, fillers = colours.shape[0], words.shape[0] - colours.shape[0]
     colour = torch.randint(0, n_colours, (b,), generator=g)
     ids = n_colours + torch.randint(0, fillers, (b, 2, 6), generator=g)
@@ -150,8 +154,15 @@ def _train_predictor(conditioning: str, steps: int = 250) -> tuple[float, float,
     g = torch.Generator().manual_seed(1)
     words = torch.randn(28, 16, generator=g)  # 8 colour words + 20 fillers, fixed "T5 outputs"
     colours = torch.randn(8, 32, generator=g)
-    pred = Predictor(encoder_width=32, grid=(4, 4), width=64, depth=2, heads=2, conditioning=conditioning,
-                     text_dim=16 if conditioning != "none" else None)
+    pred = Predictor(
+        encoder_width=32,
+        grid=(4, 4),
+        width=64,
+        depth=2,
+        heads=2,
+        conditioning=conditioning,
+        text_dim=16 if conditioning != "none" else None,
+    )
     opt = torch.optim.AdamW(pred.parameters(), lr=2e-3)
     context_idx = torch.arange(6).repeat(32, 1)
     target_idx = torch.tensor([[8, 9, 12, 13], [10, 11, 14, 15]]).repeat(32, 1, 1)

@@ -29,13 +29,40 @@ def _workers() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["cmdline"]) if "SegmentPerBatch" in " ".join(p.info["cmdline"] or [])]
 
 
-def test_embed_on_ray_equals_the_local_executor_and_survives_a_killed_worker(tmp_path, annotated_cache, annotated_store, tiny_models):
+def test_embed_on_ray_equals_the_local_executor_and_survives_a_killed_worker(
+    tmp_path, annotated_cache, annotated_store, tiny_models
+):
     store = tmp_path / "store"
-    args = ["embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", "--chunk-tokens", "64",
-            "--shard-chunks", "4", "--window", "4", "--executor", "ray", "--num-workers", "2", "--no-progress"]
+    args = [
+        "embed",
+        "--cache",
+        annotated_cache,
+        "--store",
+        store,
+        "--model",
+        tiny_models / "t5",
+        "--chunk-tokens",
+        "64",
+        "--shard-chunks",
+        "4",
+        "--window",
+        "4",
+        "--executor",
+        "ray",
+        "--num-workers",
+        "2",
+        "--no-progress",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     killed = None
     deadline = time.monotonic() + 300
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
@@ -52,13 +79,19 @@ def test_embed_on_ray_equals_the_local_executor_and_survives_a_killed_worker(tmp
     assert len(got) == len(want) == 320, "nothing lost, nothing twice"
     for segment in want.segment_ids:
         for key in EmbeddingStore(annotated_store).read_keys(segment):
-            np.testing.assert_allclose(got.get_key(key.tobytes()).astype(np.float32), want.get_key(key.tobytes()).astype(np.float32),
-                                       atol=0.02, rtol=0.02)
+            np.testing.assert_allclose(
+                got.get_key(key.tobytes()).astype(np.float32),
+                want.get_key(key.tobytes()).astype(np.float32),
+                atol=0.02,
+                rtol=0.02,
+            )
     again = tcjepa(*args)
     assert "320 already stored; encoded 0 captions" in again.stdout, "a rerun over a finished store does no work"
 
 
-def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_actor_dies(tmp_path, synth_dir, tiny_models, vllm_engine):
+def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_actor_dies(
+    tmp_path, synth_dir, tiny_models, vllm_engine
+):
     """Ray tasks read and decode, one engine actor captions and commits, and is SIGKILLed once it has committed
     twice; Ray restarts it and retries its batch. The cache: the same recipe, keys, texts and failures as local."""
     from captioning.job import run_caption
@@ -75,10 +108,34 @@ def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_ac
             (images / name).write_bytes(data)
     run_caption(_cfg([images], tmp_path / "local", tiny_models), engine=vllm_engine)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    one_per_batch = [*VLLM_CLI[: VLLM_CLI.index("--chunk-images")], *VLLM_CLI[VLLM_CLI.index("--chunk-images") + 2 :], "--chunk-images", "1"]
-    args = ["caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *one_per_batch, "--executor", "ray", "--num-workers", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    one_per_batch = [
+        *VLLM_CLI[: VLLM_CLI.index("--chunk-images")],
+        *VLLM_CLI[VLLM_CLI.index("--chunk-images") + 2 :],
+        "--chunk-images",
+        "1",
+    ]
+    args = [
+        "caption",
+        images,
+        "--cache",
+        tmp_path / "ray",
+        "--model",
+        tiny_models / "vlm",
+        *one_per_batch,
+        "--executor",
+        "ray",
+        "--num-workers",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     shards, killed = tmp_path / "ray" / "manifests", None
     deadline = time.monotonic() + 300
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
@@ -96,5 +153,16 @@ def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_ac
     assert sorted(map(sorted, (r.items() for r in ray_rows))) == sorted(map(sorted, (r.items() for r in local)))
     local_failures = CaptionCache(tmp_path / "local").read_failures().sort_by("source_id").to_pylist()
     assert CaptionCache(tmp_path / "ray").read_failures().sort_by("source_id").to_pylist() == local_failures
-    again = tcjepa("caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *VLLM_CLI, "--executor", "ray", env=env).stdout
+    again = tcjepa(
+        "caption",
+        images,
+        "--cache",
+        tmp_path / "ray",
+        "--model",
+        tiny_models / "vlm",
+        *VLLM_CLI,
+        "--executor",
+        "ray",
+        env=env,
+    ).stdout
     assert "captioned 0 images" in again and "12 already cached" in again, again

@@ -7,7 +7,7 @@ import re
 
 from tests.conftest import REPO
 
-PACKAGES = ("pipeline", "captioning", "embedding_cache", "train")
+PACKAGES = ("pipeline", "captioning", "embedding_cache", "train", "evaluation")
 
 
 def test_every_quoted_message_is_in_the_code():
@@ -16,7 +16,9 @@ def test_every_quoted_message_is_in_the_code():
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| input")]
     assert len(rows) >= 20
     source = "\n".join(p.read_text() for package in PACKAGES for p in (REPO / package).rglob("*.py"))
-    missing = [phrase for row in rows for phrase in re.findall(r'"([^"]+)"', row.rsplit("|", 2)[1]) if phrase not in source]
+    missing = [
+        phrase for row in rows for phrase in re.findall(r'"([^"]+)"', row.rsplit("|", 2)[1]) if phrase not in source
+    ]
     assert not missing, f"README quotes messages the code no longer says: {missing}"
 
 
@@ -35,7 +37,11 @@ def test_every_option_of_every_command_is_in_the_readme():
     readme = (REPO / "README.md").read_text()
     found = list(commands(typer.main.get_command(app)))
     assert {"caption", "embed", "train", "eval", "demo", "cache verify", "store verify"} <= {name for name, _ in found}
-    missing = [f"{name} {options[0]}" for name, command in found for param in command.params
-               if (options := [o for o in (*param.opts, *param.secondary_opts) if o.startswith("--")])
-               and not any(o in readme for o in options)]
+    missing = [
+        f"{name} {options[0]}"
+        for name, command in found
+        for param in command.params
+        if (options := [o for o in (*param.opts, *param.secondary_opts) if o.startswith("--")])
+        and not any(o in readme for o in options)
+    ]
     assert not missing, f"options the README never names: {missing}"

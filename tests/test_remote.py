@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.core.errors import DataProblem
 from captioning.remote_cache import mirror_cache
 from embedding_cache.remote_store import mirror_store
+from pipeline.core.errors import DataProblem
 from pipeline.core.remote import mirror_path
 from tests.conftest import REPO, tcjepa
 from tests.test_train import TINY, _assert_close_runs
@@ -33,8 +33,12 @@ def s3(annotated_cache, annotated_store):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import s3fs
@@ -56,29 +60,65 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(tmp_path, s3, synth_dir, annotated_cache, annotated_store, capsys):
+def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(
+    tmp_path, s3, synth_dir, annotated_cache, annotated_store, capsys
+):
     _, env = s3
     common = [*TINY, "--steps", "2", "--set", "log_every=1", "--set", "val_every=2"]
-    tcjepa("train", synth_dir / "images", "--cache", annotated_cache, "--store", annotated_store, "--out", tmp_path / "local", *common)
-    remote = tcjepa("train", synth_dir / "images", "--cache", f"s3://{BUCKET}/cache", "--store", f"s3://{BUCKET}/store",
-                    "--out", tmp_path / "remote", *common, "--set", f"mirror={tmp_path / 'mirror'}", env=env)
+    tcjepa(
+        "train",
+        synth_dir / "images",
+        "--cache",
+        annotated_cache,
+        "--store",
+        annotated_store,
+        "--out",
+        tmp_path / "local",
+        *common,
+    )
+    remote = tcjepa(
+        "train",
+        synth_dir / "images",
+        "--cache",
+        f"s3://{BUCKET}/cache",
+        "--store",
+        f"s3://{BUCKET}/store",
+        "--out",
+        tmp_path / "remote",
+        *common,
+        "--set",
+        f"mirror={tmp_path / 'mirror'}",
+        env=env,
+    )
     assert "1 new of 1 shards" in remote.stderr and "1 new of 1 segments" in remote.stderr
     local, remote_lines = _metrics(tmp_path / "local"), _metrics(tmp_path / "remote")
     assert len(remote_lines) == len(local) == 3
-    assert remote_lines == [{**m, "images_per_s": r["images_per_s"]} if "images_per_s" in m else m for m, r in zip(local, remote_lines)]
+    assert remote_lines == [
+        {**m, "images_per_s": r["images_per_s"]} if "images_per_s" in m else m for m, r in zip(local, remote_lines)
+    ]
     mirror_store(f"s3://{BUCKET}/store", tmp_path / "mirror")
     assert "0 new of 1 segments" in capsys.readouterr().err, "a second mirror fetches only what is new"
     with pytest.raises(DataProblem, match="segment gone-segment is not published there .* train with a new --out"):
-        mirror_store(f"s3://{BUCKET}/store", tmp_path / "mirror", only={"gone-segment"})  # what a saved index names, rebuilt away
+        mirror_store(
+            f"s3://{BUCKET}/store", tmp_path / "mirror", only={"gone-segment"}
+        )  # what a saved index names, rebuilt away
     saved = yaml.safe_load((tmp_path / "remote" / "config.yaml").read_text())
     assert saved["store"] == f"s3://{BUCKET}/store", "the run records where its data lives, not the mirror"
-    assert tcjepa("store", "verify", mirror_path(f"s3://{BUCKET}/store", tmp_path / "mirror"), "--no-progress").stdout.startswith("ok: ")
+    assert tcjepa(
+        "store", "verify", mirror_path(f"s3://{BUCKET}/store", tmp_path / "mirror"), "--no-progress"
+    ).stdout.startswith("ok: ")
     env = {**env, "HOME": str(tmp_path / "home")}  # the default mirror lives under ~/.cache
-    assert tcjepa("cache", "verify", f"s3://{BUCKET}/cache", "--no-progress", env=env).stdout.startswith("ok: 1 recipes, 1 shards, 320 captions")
-    assert tcjepa("store", "verify", f"s3://{BUCKET}/store", "--no-progress", env=env).stdout.startswith("ok: 1 segments, 320 captions")
+    assert tcjepa("cache", "verify", f"s3://{BUCKET}/cache", "--no-progress", env=env).stdout.startswith(
+        "ok: 1 recipes, 1 shards, 320 captions"
+    )
+    assert tcjepa("store", "verify", f"s3://{BUCKET}/store", "--no-progress", env=env).stdout.startswith(
+        "ok: 1 segments, 320 captions"
+    )
 
 
-def test_training_fetches_only_the_segments_that_hold_its_captions(tmp_path, s3, synth_dir, annotated_cache, annotated_store):
+def test_training_fetches_only_the_segments_that_hold_its_captions(
+    tmp_path, s3, synth_dir, annotated_cache, annotated_store
+):
     """A remote store of two segments (the first 12 images' captions, then the rest) and a run on those 12 images on
     two nodes: rank 0 builds the index from the store's keys, and each node fetches only the segment holding its
     captions. The metrics match a one-process run on the local store."""
@@ -103,7 +143,10 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(tmp_path, s3,
     remote = RemoteEmbeddingStore.open(url, tmp_path / "writer", local.encoder, local.d_model)
     reader = EmbeddingReader(annotated_store)
     all_keys = np.concatenate([local.read_keys(s) for s in local.segment_ids()])
-    for chosen in ([k for k in all_keys if k.tobytes().hex() in ours], [k for k in all_keys if k.tobytes().hex() not in ours]):
+    for chosen in (
+        [k for k in all_keys if k.tobytes().hex() in ours],
+        [k for k in all_keys if k.tobytes().hex() not in ours],
+    ):
         writer = remote.new_segment(TokenLayout(64, 4))
         for key in chosen:
             writer.append(key.tobytes(), reader.get_key(key.tobytes()))
@@ -111,19 +154,59 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(tmp_path, s3,
         remote.publish(writer)
 
     common = [*TINY, "--steps", "2", "--set", "log_every=1", "--set", "val_every=2", "--set", "bf16=false"]
-    tcjepa("train", subset, "--cache", annotated_cache, "--store", annotated_store, "--out", tmp_path / "local", *common,
-           env={**env, "OMP_NUM_THREADS": "1"})
+    tcjepa(
+        "train",
+        subset,
+        "--cache",
+        annotated_cache,
+        "--store",
+        annotated_store,
+        "--out",
+        tmp_path / "local",
+        *common,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     # Two nodes of one process each (two torchrun agents meeting at a c10d rendezvous), each with its own HOME and
     # so its own default mirror, as on two machines.
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "subset", "-m", "pipeline", "train", str(subset),
-         "--cache", f"s3://{BUCKET}/cache", "--store", url, "--out", str(tmp_path / "remote"), *map(str, common)],
-        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path / f"node{k}")},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "subset",
+                "-m",
+                "pipeline",
+                "train",
+                str(subset),
+                "--cache",
+                f"s3://{BUCKET}/cache",
+                "--store",
+                url,
+                "--out",
+                str(tmp_path / "remote"),
+                *map(str, common),
+            ],
+            cwd=REPO,
+            env={**env, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path / f"node{k}")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in range(2)
+    ]
     errs = []
     for node in nodes:
         _, err = node.communicate(timeout=300)
@@ -134,8 +217,9 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(tmp_path, s3,
         mirrors = tmp_path / f"node{k}" / ".cache" / "tcjepa" / "mirror"
         fetched = mirror_path(url, mirrors) / "segments"
         assert len(list(fetched.glob("*/tokens"))) == 1, "the other segment's tokens are never fetched"
-        assert mirror_path(url, mirrors, suffix="-keys").exists() == mirror_path(f"s3://{BUCKET}/cache", mirrors).exists(), \
-            "only the node of rank 0 reads the store's keys and the cache, to build the index"
+        assert (
+            mirror_path(url, mirrors, suffix="-keys").exists() == mirror_path(f"s3://{BUCKET}/cache", mirrors).exists()
+        ), "only the node of rank 0 reads the store's keys and the cache, to build the index"
     _assert_close_runs(_metrics(tmp_path / "local"), _metrics(tmp_path / "remote"))
 
 
@@ -175,7 +259,10 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     recipe = {"kind": "annotations", "test": "race"}
     assert a.add_recipe(recipe, "first") == b.add_recipe(recipe, "second")
     digest = a.add_recipe(recipe)
-    rows = [caption_row(f"{i // 4:064x}", f"img{i // 4}", digest, PROMPT_ID, i % 4, f"caption {i}", "stop") for i in range(320)]
+    rows = [
+        caption_row(f"{i // 4:064x}", f"img{i // 4}", digest, PROMPT_ID, i % 4, f"caption {i}", "stop")
+        for i in range(320)
+    ]
     assert b.commit(rows[:200]).captions_added == 200
     result = a.commit(rows[100:])
     assert (result.captions_added, result.captions_duplicate) == (120, 100)
@@ -192,7 +279,9 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     from pipeline.core.remote import PublishLog
 
     log = PublishLog(url, fs, f"{BUCKET}/raced-cache", tmp_path / "fresh-log")
-    fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000000.json", canonical_json({"mine": 1}))  # already there: someone else's
+    fs.pipe_file(
+        f"{BUCKET}/raced-cache/log/000000000000.json", canonical_json({"mine": 1})
+    )  # already there: someone else's
     assert log.append({"mine": 2}) is None
     log.keep(0, b"{}"), log.keep(1, b"{}")
     fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000002.json", canonical_json({"mine": 3}))
@@ -211,8 +300,28 @@ def test_four_processes_write_one_remote_cache_at_once(tmp_path, s3, synth_dir, 
     env = s3[1]
     url = f"s3://{BUCKET}/shared-cache"
     mirrors = [tmp_path / "m1", tmp_path / "m1", tmp_path / "m2", tmp_path / "m3"]
-    procs = [subprocess.Popen([sys.executable, "-m", "pipeline", "caption", "--cache", url, "--annotations", synth_dir / "captions.jsonl",
-                               "--mirror", m], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for m in mirrors]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "caption",
+                "--cache",
+                url,
+                "--annotations",
+                synth_dir / "captions.jsonl",
+                "--mirror",
+                m,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for m in mirrors
+    ]
     added = 0
     for p in procs:
         out, err = p.communicate(timeout=600)
@@ -255,15 +364,40 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, ann
     fs, _ = s3
     root = json.loads(fs.cat_file(f"{BUCKET}/raced-store/zarr.json"))
     assert len(root["attributes"]["tcjepa"]["segments"]) == 2, "plain zarr readers see the root list"
-    assert not (tmp_path / "host-a" / "segments").exists() or not any((tmp_path / "host-a").rglob("tokens")), "writers keep keys only"
+    assert not (tmp_path / "host-a" / "segments").exists() or not any((tmp_path / "host-a").rglob("tokens")), (
+        "writers keep keys only"
+    )
 
     url = f"s3://{BUCKET}/embedded-store"
-    args = ["embed", "--cache", annotated_cache, "--store", url, "--model", tiny_models / "t5", "--chunk-tokens", "256",
-            "--shard-chunks", "4", "--window", "32", "--segment-mb", "0.1", "--no-progress"]
+    args = [
+        "embed",
+        "--cache",
+        annotated_cache,
+        "--store",
+        url,
+        "--model",
+        tiny_models / "t5",
+        "--chunk-tokens",
+        "256",
+        "--shard-chunks",
+        "4",
+        "--window",
+        "32",
+        "--segment-mb",
+        "0.1",
+        "--no-progress",
+    ]
 
     def start(k: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args), "--mirror", tmp_path / f"embed-{k}"], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *map(str, args), "--mirror", tmp_path / f"embed-{k}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
     procs = [start(0), start(1)]
     deadline = time.monotonic() + 300
@@ -276,20 +410,43 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, ann
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-2000:]
-    assert tcjepa("store", "verify", url, "--no-progress", env={**env, "HOME": str(tmp_path / "home")}).stdout.startswith("ok: ")
+    assert tcjepa(
+        "store", "verify", url, "--no-progress", env={**env, "HOME": str(tmp_path / "home")}
+    ).stdout.startswith("ok: ")
     got, want = EmbeddingReader(mirror_store(url, tmp_path / "reader")), EmbeddingReader(annotated_store)
     assert len(got) == len(want) == 320
     for segment in want.segment_ids:
         for key in EmbeddingStore(annotated_store).read_keys(segment):
-            np.testing.assert_allclose(got.get_key(key.tobytes()).astype(np.float32), want.get_key(key.tobytes()).astype(np.float32), atol=0.02, rtol=0.02)
+            np.testing.assert_allclose(
+                got.get_key(key.tobytes()).astype(np.float32),
+                want.get_key(key.tobytes()).astype(np.float32),
+                atol=0.02,
+                rtol=0.02,
+            )
 
 
 def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir):
     _, env = s3
-    proc = tcjepa("caption", "--cache", "memory://bucket/new-cache", "--annotations", synth_dir / "captions.jsonl", check=False, env=env)
+    proc = tcjepa(
+        "caption",
+        "--cache",
+        "memory://bucket/new-cache",
+        "--annotations",
+        synth_dir / "captions.jsonl",
+        check=False,
+        env=env,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "only through S3's conditional put" in proc.stderr
     fs, _ = s3
     fs.pipe_file(f"{BUCKET}/not-a-cache/readme.txt", b"hello")
-    proc = tcjepa("caption", "--cache", f"s3://{BUCKET}/not-a-cache", "--annotations", synth_dir / "captions.jsonl", check=False, env=env)
+    proc = tcjepa(
+        "caption",
+        "--cache",
+        f"s3://{BUCKET}/not-a-cache",
+        "--annotations",
+        synth_dir / "captions.jsonl",
+        check=False,
+        env=env,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "holds other objects" in proc.stderr
     assert not (REPO / "s3:").exists() and not (REPO / "memory:").exists()

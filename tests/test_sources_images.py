@@ -34,10 +34,19 @@ def test_every_source_kind_yields_the_same_images(tmp_path):
     for i, (name, data) in enumerate(IMAGES.items()):
         (folder / ("sub" if i % 2 else "") / name).write_bytes(data)
     (folder / "notes.txt").write_text("not an image")
-    pq.write_table(pa.table({"image": [{"bytes": d, "path": n} for n, d in IMAGES.items()], "caption": ["x"] * 5}), tmp_path / "hf.parquet")
+    pq.write_table(
+        pa.table({"image": [{"bytes": d, "path": n} for n, d in IMAGES.items()], "caption": ["x"] * 5}),
+        tmp_path / "hf.parquet",
+    )
     pq.write_table(pa.table({"jpg": list(IMAGES.values())}), tmp_path / "raw.parquet")
-    pq.write_table(pa.table({"file": [str(folder / ("sub" if i % 2 else "") / n) for i, n in enumerate(IMAGES)]}), tmp_path / "paths.parquet")
-    ds = datasets.Dataset.from_dict({"image": [Image.open(io.BytesIO(d)) for d in IMAGES.values()]}, features=datasets.Features({"image": datasets.Image()}))
+    pq.write_table(
+        pa.table({"file": [str(folder / ("sub" if i % 2 else "") / n) for i, n in enumerate(IMAGES)]}),
+        tmp_path / "paths.parquet",
+    )
+    ds = datasets.Dataset.from_dict(
+        {"image": [Image.open(io.BytesIO(d)) for d in IMAGES.values()]},
+        features=datasets.Features({"image": datasets.Image()}),
+    )
     ds.save_to_disk(str(tmp_path / "hfdir"))
     with tarfile.open(tmp_path / "shard-000.tar", "w") as tar:
         for name, data in IMAGES.items():
@@ -50,8 +59,13 @@ def test_every_source_kind_yields_the_same_images(tmp_path):
             tar.addfile(info, io.BytesIO(meta))
 
     expected = {sha256_bytes(d) for d in IMAGES.values()}
-    for inputs, column in [([folder], None), ([tmp_path / "hf.parquet"], None), ([tmp_path / "raw.parquet"], None),
-                           ([tmp_path / "paths.parquet"], "file"), ([tmp_path / "shard-000.tar"], None)]:
+    for inputs, column in [
+        ([folder], None),
+        ([tmp_path / "hf.parquet"], None),
+        ([tmp_path / "raw.parquet"], None),
+        ([tmp_path / "paths.parquet"], "file"),
+        ([tmp_path / "shard-000.tar"], None),
+    ]:
         entries = list(iter_images(inputs, column))
         assert all(e.error is None for e in entries), inputs
         assert {sha256_bytes(e.data) for e in entries} == expected and len(entries) == 5, inputs
@@ -59,7 +73,8 @@ def test_every_source_kind_yields_the_same_images(tmp_path):
     assert len(hf_entries) == 5
     # a datasets round trip re-encodes the pixels; the decoded images are the same
     assert sorted(np.asarray(Image.open(io.BytesIO(e.data))).sum() for e in hf_entries) == sorted(
-        np.asarray(Image.open(io.BytesIO(d))).sum() for d in IMAGES.values())
+        np.asarray(Image.open(io.BytesIO(d))).sum() for d in IMAGES.values()
+    )
     ids = [e.source_id for e in iter_images([folder])]
     assert ids == sorted(ids) and "sub/im1.png" in ids
     assert [e.source_id for e in iter_images([tmp_path / "shard-000.tar"])][0] == "shard-000.tar::im0.png"
@@ -152,11 +167,17 @@ def test_list_images_reads_what_iter_images_yields(tmp_path, monkeypatch):
     names = list(IMAGES)
     for i, name in enumerate(names):
         (folder / ["", "a", "a/b"][i % 3] / name).write_bytes(IMAGES[name])
-    pq.write_table(pa.table({"image": [{"bytes": d, "path": None} for d in IMAGES.values()]}), folder / "a" / "t.parquet", row_group_size=2)
+    pq.write_table(
+        pa.table({"image": [{"bytes": d, "path": None} for d in IMAGES.values()]}),
+        folder / "a" / "t.parquet",
+        row_group_size=2,
+    )
     pq.write_table(pa.table({"file": [str(folder / n) for n in names[::3]] + ["", None]}), tmp_path / "paths.parquet")
     pq.write_table(pa.table({"label": [1, 2], "jpg": [IMAGES[names[0]], IMAGES[names[1]]]}), tmp_path / "raw.parquet")
-    ds = datasets.Dataset.from_dict({"image": [Image.open(io.BytesIO(d)) for d in IMAGES.values()], "n": list(range(5))},
-                                    features=datasets.Features({"image": datasets.Image(), "n": datasets.Value("int32")}))
+    ds = datasets.Dataset.from_dict(
+        {"image": [Image.open(io.BytesIO(d)) for d in IMAGES.values()], "n": list(range(5))},
+        features=datasets.Features({"image": datasets.Image(), "n": datasets.Value("int32")}),
+    )
     ds.save_to_disk(str(tmp_path / "hfdir"))
     with tarfile.open(folder / "a" / "shard.tar", "w") as tar:
         for name, data in IMAGES.items():
@@ -171,8 +192,13 @@ def test_list_images_reads_what_iter_images_yields(tmp_path, monkeypatch):
     (tmp_path / "shard.tar").write_bytes((folder / "a" / "shard.tar").read_bytes())
 
     reader = ImageReader()
-    for inputs, column in [([folder], None), ([tmp_path / "hfdir"], None), ([tmp_path / "raw.parquet"], None),
-                           ([tmp_path / "shard.tar", folder / names[0]], None), ([tmp_path / "paths.parquet"], "file")]:
+    for inputs, column in [
+        ([folder], None),
+        ([tmp_path / "hfdir"], None),
+        ([tmp_path / "raw.parquet"], None),
+        ([tmp_path / "shard.tar", folder / names[0]], None),
+        ([tmp_path / "paths.parquet"], "file"),
+    ]:
         entries = [e for e in iter_images(inputs, column) if e.data is not None or "link" not in e.error]
         refs = list_images(inputs, column)
         assert [r.source_id for r in refs] == [e.source_id for e in entries], inputs
@@ -183,7 +209,11 @@ def test_list_images_reads_what_iter_images_yields(tmp_path, monkeypatch):
             else:
                 assert reader.read(ref) == entry.data, ref
     refs = list_images([folder])
-    assert {r.kind for r in refs} == {"file", "table", "tar"} and len(refs) == 15 and all(r.path.startswith("/") for r in refs)
+    assert (
+        {r.kind for r in refs} == {"file", "table", "tar"}
+        and len(refs) == 15
+        and all(r.path.startswith("/") for r in refs)
+    )
     assert "a/shard.tar::link.png" not in {r.source_id for r in refs}
 
     refs = list_images([folder, tmp_path / "hfdir", tmp_path / "raw.parquet"])

@@ -70,7 +70,9 @@ def test_store_keys_name_the_segments_that_hold_given_captions(tmp_path):
         return np.stack([np.frombuffer(_caption(i)[0], dtype=np.uint8) for i in ids])
 
     assert len(keys) == 45 and keys.segment_ids == [first, second, third]
-    assert np.array_equal(keys.locate(key_array(range(45))), EmbeddingReader(tmp_path / "s").locate(key_array(range(45))))
+    assert np.array_equal(
+        keys.locate(key_array(range(45))), EmbeddingReader(tmp_path / "s").locate(key_array(range(45)))
+    )
     assert keys.segments_holding(key_array([25, 21])) == [second]
     assert keys.segments_holding(key_array([44, 0, 19])) == [first, third], "in store order, each once"
     assert keys.segments_holding(key_array([20, 29, 30])) == [second, third], "segment boundaries"

@@ -7,7 +7,11 @@ from tests.conftest import tcjepa
 
 
 def _digests(root):
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_random_models_load_offline_through_from_pretrained(tiny_models):
@@ -29,10 +33,15 @@ def test_same_arguments_give_identical_files(tmp_path, synth_dir):
     args = ["--t5-corpus", synth_dir / "captions.jsonl", "--t5-steps", 20]
     tcjepa("tiny-models", "--out", tmp_path / "a", *args)
     tcjepa("tiny-models", "--out", tmp_path / "b", *args)
-    c_stats = json.loads(tcjepa("tiny-models", "--out", tmp_path / "c", *args, "--seed", 1, "--no-t5-phrase-tags").stdout)
+    c_stats = json.loads(
+        tcjepa("tiny-models", "--out", tmp_path / "c", *args, "--seed", 1, "--no-t5-phrase-tags").stdout
+    )
     a, b, c = _digests(tmp_path / "a"), _digests(tmp_path / "b"), _digests(tmp_path / "c")
     assert a == b
-    assert a["t5/model.safetensors"] != c["t5/model.safetensors"] and a["vlm/model.safetensors"] != c["vlm/model.safetensors"]
+    assert (
+        a["t5/model.safetensors"] != c["t5/model.safetensors"]
+        and a["vlm/model.safetensors"] != c["vlm/model.safetensors"]
+    )
     assert c_stats["t5_training"]["phrase_tags"] is False and "tags_loss" not in c_stats["t5_training"]
 
 
@@ -59,7 +68,9 @@ def test_phrase_tags_mark_each_object_phrase_with_its_cell_and_class():
             assert colour in phrase and shape in phrase, phrase
             obj = synth.Obj((cell - 1) // GRID, (cell - 1) % GRID, shape, colour, "small", "solid")
             # a piece that overlaps the phrase counts as in it: "1;" ends "in row 1, column 1;"
-            assert any(phrase.rstrip(";,.").endswith(synth.where_phrase(obj, style, GRID)) for style in range(4)), phrase
+            assert any(phrase.rstrip(";,.").endswith(synth.where_phrase(obj, style, GRID)) for style in range(4)), (
+                phrase
+            )
             assert np.diff(np.flatnonzero(tagged)).max(initial=1) == 1, "one contiguous phrase"
 
 
@@ -72,7 +83,9 @@ def test_trained_t5_ties_colours_to_positions(tmp_path, synth_dir, tiny_models):
     """
     from pipeline.devkit.tiny_t5 import binding_score, probe_accuracy
 
-    stats = json.loads(tcjepa("tiny-models", "--out", tmp_path, "--t5-corpus", synth_dir / "captions.jsonl", "--t5-steps", 600).stdout)
+    stats = json.loads(
+        tcjepa("tiny-models", "--out", tmp_path, "--t5-corpus", synth_dir / "captions.jsonl", "--t5-steps", 600).stdout
+    )
     random_probe = probe_accuracy(tiny_models / "t5")
     trained_probe = stats["t5_probe_accuracy"]
     assert stats["t5_training"]["phrase_tags"] and stats["t5_training"]["tag_accuracy"] > 0.8, stats

@@ -17,10 +17,33 @@ import torch
 from tests.conftest import REPO, tcjepa
 
 # A tiny run: 8×8 patches of 8 px, a 2-layer encoder and predictor, 4 captions per image.
-TINY = ["--model", "vit_tiny", "--patch-size", "8", "--image-size", "64", "--batch-size", "8",
-        "--captions-per-image", "4", "--no-progress",
-        "--set", "depth=2", "--set", "predictor_width=96", "--set", "predictor_depth=2", "--set", "min_context=4",
-        "--set", "val_images=8", "--set", "num_workers=1", "--set", "warmup_steps=2"]
+TINY = [
+    "--model",
+    "vit_tiny",
+    "--patch-size",
+    "8",
+    "--image-size",
+    "64",
+    "--batch-size",
+    "8",
+    "--captions-per-image",
+    "4",
+    "--no-progress",
+    "--set",
+    "depth=2",
+    "--set",
+    "predictor_width=96",
+    "--set",
+    "predictor_depth=2",
+    "--set",
+    "min_context=4",
+    "--set",
+    "val_images=8",
+    "--set",
+    "num_workers=1",
+    "--set",
+    "warmup_steps=2",
+]
 LOSS_KEYS = ("loss", "loss_predict", "loss_sparse", "loss_consistency")
 
 
@@ -36,8 +59,22 @@ def _train_args(synth_dir: Path, cache: Path, store: Path, run: Path, *extra: st
 def reference_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store) -> Path:
     """12 uninterrupted steps of `cross`, logging every step, validating and checkpointing every 4."""
     run = tmp_path_factory.mktemp("runs") / "reference"
-    tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "12", "--set", "log_every=1",
-                        "--set", "val_every=4", "--set", "checkpoint_every=4"))
+    tcjepa(
+        *_train_args(
+            synth_dir,
+            annotated_cache,
+            annotated_store,
+            run,
+            "--steps",
+            "12",
+            "--set",
+            "log_every=1",
+            "--set",
+            "val_every=4",
+            "--set",
+            "checkpoint_every=4",
+        )
+    )
     return run
 
 
@@ -53,7 +90,9 @@ def test_run_writes_config_index_checkpoint_metrics_and_plot(reference_run):
         assert set(LOSS_KEYS) | {"lr", "wd", "ema", "images_per_s", "images_replaced"} <= set(m)
         assert m["images_replaced"] == 0
         assert m["loss_sparse"] > 0 and m["loss_consistency"] > 0
-        assert m["loss"] == pytest.approx(m["loss_predict"] + 0.1 * m["loss_sparse"] + 0.5 * m["loss_consistency"], rel=1e-5)
+        assert m["loss"] == pytest.approx(
+            m["loss_predict"] + 0.1 * m["loss_sparse"] + 0.5 * m["loss_consistency"], rel=1e-5
+        )
     for m in val:
         assert len(m["val_positive_cosine"]) == 2 and all(0 <= v <= 1 for v in m["val_positive_cosine"])
         assert 1 < m["val_rankme"] <= 192
@@ -62,12 +101,35 @@ def test_run_writes_config_index_checkpoint_metrics_and_plot(reference_run):
     assert state["step"] == 12 and state["config"]["conditioning"] == "cross"
 
 
-def test_resume_after_kill_equals_uninterrupted_run(tmp_path, synth_dir, annotated_cache, annotated_store, reference_run):
+def test_resume_after_kill_equals_uninterrupted_run(
+    tmp_path, synth_dir, annotated_cache, annotated_store, reference_run
+):
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "pipeline", *map(str, _train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "12",
-                                                                     "--set", "log_every=1", "--set", "val_every=4",
-                                                                     "--set", "checkpoint_every=4"))]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    args = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        *map(
+            str,
+            _train_args(
+                synth_dir,
+                annotated_cache,
+                annotated_store,
+                run,
+                "--steps",
+                "12",
+                "--set",
+                "log_every=1",
+                "--set",
+                "val_every=4",
+                "--set",
+                "checkpoint_every=4",
+            ),
+        ),
+    ]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     while not (run / "checkpoint.pt").exists():
         assert proc.poll() is None, "the run ended before its first checkpoint"
@@ -77,8 +139,23 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path, synth_dir, annotat
     proc.wait()
     killed_at = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
     assert killed_at < 12, "the kill came too late to test a resume"
-    resumed = tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "12", "--resume",
-                                  "--set", "log_every=1", "--set", "val_every=4", "--set", "checkpoint_every=4"))
+    resumed = tcjepa(
+        *_train_args(
+            synth_dir,
+            annotated_cache,
+            annotated_store,
+            run,
+            "--steps",
+            "12",
+            "--resume",
+            "--set",
+            "log_every=1",
+            "--set",
+            "val_every=4",
+            "--set",
+            "checkpoint_every=4",
+        )
+    )
     assert f"resuming {run} at step {killed_at}" in resumed.stderr
     got, want = _metrics(run), _metrics(reference_run)
     assert [m["step"] for m in got] == [m["step"] for m in want]
@@ -88,9 +165,21 @@ def test_resume_after_kill_equals_uninterrupted_run(tmp_path, synth_dir, annotat
 
 
 def _torchrun(args: list, env: dict, wait: bool = True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline", *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "pipeline",
+        *map(str, args),
+    ]
     if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -108,8 +197,20 @@ def _assert_close_runs(a: list[dict], b: list[dict]) -> None:
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_torchrun_two_processes_match_one(tmp_path, synth_dir, annotated_cache, annotated_store, sharding):
-    common = ["--steps", "4", "--set", "log_every=1", "--set", "val_every=4", "--set", "checkpoint_every=4",
-              "--set", f"fsdp={str(sharding == 'fsdp').lower()}", "--set", "bf16=false"]
+    common = [
+        "--steps",
+        "4",
+        "--set",
+        "log_every=1",
+        "--set",
+        "val_every=4",
+        "--set",
+        "checkpoint_every=4",
+        "--set",
+        f"fsdp={str(sharding == 'fsdp').lower()}",
+        "--set",
+        "bf16=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single, double = tmp_path / "single", tmp_path / "double"
     tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, single, *common), env=env)
@@ -123,8 +224,17 @@ def test_a_failure_on_rank_0_stops_every_rank_with_its_message(tmp_path, synth_d
     run.mkdir()
     (run / "notes.txt").write_text("mine")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pipeline",
-           *map(str, _train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "2"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "pipeline",
+        *map(str, _train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "2")),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and "is a non-empty directory that is not a tcjepa run" in proc.stderr
     assert "another process of this run failed" in proc.stderr, proc.stderr[-2000:]
@@ -132,7 +242,20 @@ def test_a_failure_on_rank_0_stops_every_rank_with_its_message(tmp_path, synth_d
 
 def test_fsdp_checkpoint_resumes_on_one_process(tmp_path, synth_dir, annotated_cache, annotated_store):
     """A run killed under torchrun (2 processes, FSDP) continues on 1 process as if it had never stopped."""
-    common = ["--steps", "8", "--set", "log_every=1", "--set", "val_every=4", "--set", "checkpoint_every=2", "--set", "fsdp=true", "--set", "bf16=false"]
+    common = [
+        "--steps",
+        "8",
+        "--set",
+        "log_every=1",
+        "--set",
+        "val_every=4",
+        "--set",
+        "checkpoint_every=2",
+        "--set",
+        "fsdp=true",
+        "--set",
+        "bf16=false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference, moved = tmp_path / "reference", tmp_path / "moved"
     tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, reference, *common), env=env)
@@ -168,8 +291,16 @@ main()
 
 def test_trainer_never_imports_a_text_model(tmp_path, synth_dir, annotated_cache, annotated_store):
     """Imports of transformers / vllm / tokenizers fail in the trainer process and its DataLoader workers."""
-    args = _train_args(synth_dir, annotated_cache, annotated_store, tmp_path / "run", "--steps", "2", "--set", "num_workers=2")
-    proc = subprocess.run([sys.executable, "-c", BLOCK_TEXT_MODELS, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    args = _train_args(
+        synth_dir, annotated_cache, annotated_store, tmp_path / "run", "--steps", "2", "--set", "num_workers=2"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_TEXT_MODELS, *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoint.pt").exists()
 
@@ -183,11 +314,31 @@ def test_none_mode_needs_no_cache(tmp_path, synth_dir):
     assert "val_positive_cosine" not in last
 
 
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, synth_dir, annotated_cache, annotated_store):
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
+    tmp_path, synth_dir, annotated_cache, annotated_store
+):
     run = tmp_path / "diverge"
-    proc = tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "8", "--set", "start_lr=1e-4",
-                               "--set", "lr=1e30", "--set", "warmup_steps=4", "--set", "log_every=1", "--set", "checkpoint_every=1"),
-                  check=False)
+    proc = tcjepa(
+        *_train_args(
+            synth_dir,
+            annotated_cache,
+            annotated_store,
+            run,
+            "--steps",
+            "8",
+            "--set",
+            "start_lr=1e-4",
+            "--set",
+            "lr=1e30",
+            "--set",
+            "warmup_steps=4",
+            "--set",
+            "log_every=1",
+            "--set",
+            "checkpoint_every=1",
+        ),
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: loss became NaN/Inf by step") and "last good checkpoint" in error
@@ -208,7 +359,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     ],
 )
 def test_bad_settings_get_one_line_errors(tmp_path, synth_dir, annotated_cache, annotated_store, extra, message):
-    proc = tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, tmp_path / "run", "--steps", "2", *extra), check=False)
+    proc = tcjepa(
+        *_train_args(synth_dir, annotated_cache, annotated_store, tmp_path / "run", "--steps", "2", *extra), check=False
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-1500:]
@@ -225,16 +378,35 @@ def test_cross_without_cache_and_run_of_another_config_are_refused(tmp_path, syn
     assert proc.returncode == 2 and "not valid YAML" in proc.stderr
 
 
-def test_a_run_continued_on_another_encoders_store_is_refused(tmp_path, synth_dir, annotated_cache, annotated_store, reference_run):
+def test_a_run_continued_on_another_encoders_store_is_refused(
+    tmp_path, synth_dir, annotated_cache, annotated_store, reference_run
+):
     """The store path is in the config, but a store rebuilt in place with another T5 is caught by the encoder record."""
     record = json.loads((reference_run / "text_encoder.json").read_text())
     assert record["encoder_hash"] == json.loads(tcjepa("store", "info", annotated_store).stdout)["encoder_hash"]
     run = tmp_path / "run"
     shutil.copytree(reference_run, run)
     (run / "text_encoder.json").write_text(json.dumps({**record, "encoder_hash": "0" * 64}))
-    proc = tcjepa(*_train_args(synth_dir, annotated_cache, annotated_store, run, "--steps", "12", "--set", "log_every=1",
-                               "--set", "val_every=4", "--set", "checkpoint_every=4"), check=False)
-    assert proc.returncode == 2 and "was trained on embeddings of encoder 000000000000" in proc.stderr, proc.stderr[-1500:]
+    proc = tcjepa(
+        *_train_args(
+            synth_dir,
+            annotated_cache,
+            annotated_store,
+            run,
+            "--steps",
+            "12",
+            "--set",
+            "log_every=1",
+            "--set",
+            "val_every=4",
+            "--set",
+            "checkpoint_every=4",
+        ),
+        check=False,
+    )
+    assert proc.returncode == 2 and "was trained on embeddings of encoder 000000000000" in proc.stderr, proc.stderr[
+        -1500:
+    ]
 
 
 def test_a_run_in_use_is_refused(tmp_path, synth_dir):
@@ -243,7 +415,9 @@ def test_a_run_in_use_is_refused(tmp_path, synth_dir):
     run = tmp_path / "busy"
     run.mkdir()
     with FileLock(str(run / ".lock")):
-        proc = tcjepa("train", synth_dir / "images", "--out", run, "--conditioning", "none", "--steps", "2", *TINY, check=False)
+        proc = tcjepa(
+            "train", synth_dir / "images", "--out", run, "--conditioning", "none", "--steps", "2", *TINY, check=False
+        )
     assert proc.returncode == 2 and "is in use by another `tcjepa train`" in proc.stderr
 
 
@@ -261,7 +435,20 @@ def test_help_config_lists_every_key():
 def test_compile_trains(tmp_path, synth_dir):
     """`compile=true` wraps the trained module in torch.compile (inductor on CPU: about a minute here)."""
     run = tmp_path / "compiled"
-    out = tcjepa("train", synth_dir / "images", "--out", run, "--conditioning", "none", "--steps", "2", *TINY,
-                 "--set", "compile=true", "--set", "num_workers=0")
+    out = tcjepa(
+        "train",
+        synth_dir / "images",
+        "--out",
+        run,
+        "--conditioning",
+        "none",
+        "--steps",
+        "2",
+        *TINY,
+        "--set",
+        "compile=true",
+        "--set",
+        "num_workers=0",
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
     assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 2

@@ -20,9 +20,19 @@ from train.schedules import Cosine, Linear, WarmupCosine
 @pytest.fixture(scope="module")
 def setup(synth_dir, annotated_cache, annotated_store):
     index = build_index([synth_dir / "images"], annotated_cache, annotated_store, [], progress=False)
-    cfg = TrainConfig(images=[str(synth_dir / "images")], cache=str(annotated_cache), store=str(annotated_store),
-                      model="vit_tiny", patch_size=8, image_size=64, batch_size=8, steps=100, captions_per_image=3,
-                      min_context=4, seed=5)
+    cfg = TrainConfig(
+        images=[str(synth_dir / "images")],
+        cache=str(annotated_cache),
+        store=str(annotated_store),
+        model="vit_tiny",
+        patch_size=8,
+        image_size=64,
+        batch_size=8,
+        steps=100,
+        captions_per_image=3,
+        min_context=4,
+        seed=5,
+    )
     return index, cfg
 
 
@@ -44,8 +54,9 @@ def test_a_step_is_the_same_on_one_or_two_processes(setup):
     assert whole.context.shape[0] == 8 and halves[0].context.shape[0] == 4
     for r, half in enumerate(halves):
         rows = slice(4 * r, 4 * r + 4)
-        sliced = type(whole)(whole.images[rows], whole.context[rows], whole.targets[rows], whole.tokens[rows],
-                             whole.lengths[rows], 0)
+        sliced = type(whole)(
+            whole.images[rows], whole.context[rows], whole.targets[rows], whole.tokens[rows], whole.lengths[rows], 0
+        )
         _same(half, sliced)
     again = StepBatches(index, ids, cfg, (8, 8))[7]
     _same(whole, again)
@@ -59,7 +70,9 @@ def test_captions_are_the_images_own_embeddings(setup):
     reader = EmbeddingReader(cfg.store)
     for k, i in enumerate(data.images_of_step(3).tolist()):
         own = {bytes(key) for key in index.captions_of(i)}
-        assert batch.lengths[k].tolist() == [min(len(reader.get_key(key)), cfg.max_words) for key in _picked(batch, k, reader, own)]
+        assert batch.lengths[k].tolist() == [
+            min(len(reader.get_key(key)), cfg.max_words) for key in _picked(batch, k, reader, own)
+        ]
 
 
 def _picked(batch, k, reader, own_keys):
@@ -125,7 +138,11 @@ def test_crop_box_stays_inside_and_respects_scale():
 def test_schedules_are_functions_of_the_step():
     lr = WarmupCosine(start=2e-4, peak=1e-3, final=1e-6, warmup=10, total=110)
     assert lr(0) == 2e-4 and lr(5) == pytest.approx(6e-4) and lr(10) == pytest.approx(1e-3)
-    assert lr(60) == pytest.approx(1e-6 + 0.5 * (1e-3 - 1e-6)) and lr(110) == pytest.approx(1e-6) and lr(500) == pytest.approx(1e-6)
+    assert (
+        lr(60) == pytest.approx(1e-6 + 0.5 * (1e-3 - 1e-6))
+        and lr(110) == pytest.approx(1e-6)
+        and lr(500) == pytest.approx(1e-6)
+    )
     wd = Cosine(0.04, 0.4, 100)
     assert wd(0) == pytest.approx(0.04) and wd(50) == pytest.approx(0.22) and wd(100) == pytest.approx(0.4)
     ema = Linear(0.996, 1.0, 100)
@@ -133,8 +150,17 @@ def test_schedules_are_functions_of_the_step():
 
 
 def test_ema_update_and_optimizer_groups():
-    cfg = TrainConfig(model="vit_tiny", depth=1, patch_size=8, image_size=32, predictor_width=48, predictor_depth=1,
-                      conditioning="cross", cache="c", store="s")
+    cfg = TrainConfig(
+        model="vit_tiny",
+        depth=1,
+        patch_size=8,
+        image_size=32,
+        predictor_width=48,
+        predictor_depth=1,
+        conditioning="cross",
+        cache="c",
+        store="s",
+    )
     model, target = build_models(cfg, text_dim=16)
     assert not any(p.requires_grad for p in target.parameters())
     for p in model.encoder.parameters():

@@ -14,7 +14,7 @@ from embedding_cache.reader import EmbeddingReader
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
 from pipeline.core.sources import ImageReader
-from tests.conftest import REPO, tcjepa
+from tests.conftest import REPO
 from train.data_index import TrainIndex, build_index
 
 N = 40  # images in the session's synth_dir, 8 captions each
@@ -39,7 +39,10 @@ def mixed(tmp_path_factory, synth_dir):
     the cache and a dangling link)."""
     root = tmp_path_factory.mktemp("mixed")
     lines = [json.loads(line) for line in (synth_dir / "captions.jsonl").read_text().splitlines()]
-    extra = [{"image": e["image"], "captions": [e["captions"][0], f"an extra caption for image {i}"]} for i, e in enumerate(lines[:EXTRA])]
+    extra = [
+        {"image": e["image"], "captions": [e["captions"][0], f"an extra caption for image {i}"]}
+        for i, e in enumerate(lines[:EXTRA])
+    ]
     (root / "extra.jsonl").write_text("".join(json.dumps(e) + "\n" for e in extra))
     cache = CaptionCache.open_or_create(root / "cache")
     import_annotations(cache, synth_dir / "captions.jsonl")
@@ -51,15 +54,27 @@ def mixed(tmp_path_factory, synth_dir):
     broken = b"\x89PNG\r\n\x1a\n broken"
     (odd / "broken.png").write_bytes(broken)
     (odd / "gone.png").symlink_to(odd / "nowhere.png")
-    cache.commit([], [{"image_sha256": hashlib.sha256(broken).hexdigest(), "source_id": "broken.png", "recipe": extra_recipe,
-                       "reason": "corrupt or truncated image (broken data stream)"}])
+    cache.commit(
+        [],
+        [
+            {
+                "image_sha256": hashlib.sha256(broken).hexdigest(),
+                "source_id": "broken.png",
+                "recipe": extra_recipe,
+                "reason": "corrupt or truncated image (broken data stream)",
+            }
+        ],
+    )
     return root / "cache", odd
 
 
 def _same(a: TrainIndex, b: TrainIndex) -> None:
     assert a.refs == b.refs and a.sha256 == b.sha256 and a.recipes == b.recipes and a.coverage == b.coverage
     assert a.left_out == b.left_out and a.missing_embeddings == b.missing_embeddings
-    assert a.caption_offsets.dtype == b.caption_offsets.dtype == np.int64 and a.caption_keys.dtype == b.caption_keys.dtype == np.uint8
+    assert (
+        a.caption_offsets.dtype == b.caption_offsets.dtype == np.int64
+        and a.caption_keys.dtype == b.caption_keys.dtype == np.uint8
+    )
     np.testing.assert_array_equal(a.caption_offsets, b.caption_offsets)
     np.testing.assert_array_equal(a.caption_keys, b.caption_keys)
 
@@ -83,7 +98,9 @@ def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, a
     assert (EmbeddingReader(store).locate(index.caption_keys) >= 0).all() and index.caption_keys.shape == (8 * N, 32)
 
     rows = CaptionCache(annotated_cache).read_captions().to_pylist()
-    image0 = sorted((r for r in rows if r["image_sha256"] == index.sha256[0]), key=lambda r: (r["prompt_id"], r["sample"]))
+    image0 = sorted(
+        (r for r in rows if r["image_sha256"] == index.sha256[0]), key=lambda r: (r["prompt_id"], r["sample"])
+    )
     assert [k.tobytes() for k in index.captions_of(0)] == [text_key(r["text"]) for r in image0]
 
     index.save(tmp_path / "index.parquet")
@@ -103,11 +120,16 @@ def test_same_names_different_images_are_rehashed(tmp_path, annotated_cache, cap
 
 def test_coverage_below_the_threshold_is_refused(synth_dir, mixed):
     cache, odd = mixed
-    with pytest.raises(UserError, match=r"50 images: 0 captions 10, 1–7 0, 8 40; 80\.0% with at least one.*lower --min-coverage"):
+    with pytest.raises(
+        UserError, match=r"50 images: 0 captions 10, 1–7 0, 8 40; 80\.0% with at least one.*lower --min-coverage"
+    ):
         build_index([synth_dir, odd], cache, None, ["captions"], progress=False)
     index = build_index([synth_dir, odd], cache, None, ["captions"], min_coverage=0, progress=False)
     assert index.coverage == {0: 10, 8: N}
-    assert index.left_out == {"corrupt or truncated image": 1, "unreadable": 1}  # recorded as undecodable; dangling link
+    assert index.left_out == {
+        "corrupt or truncated image": 1,
+        "unreadable": 1,
+    }  # recorded as undecodable; dangling link
     assert "2 images left out (corrupt or truncated image 1, unreadable 1)" in index.coverage_line()
     assert [r.source_id for r in index.refs[N:]] == [f"new{i}.png" for i in range(10)]
 
@@ -120,7 +142,11 @@ def test_captions_the_store_lacks_are_dropped_and_counted(tmp_path, synth_dir, m
     assert loose.coverage == {8: N - EXTRA, 9: EXTRA}, "the repeated text counts once per image"
     first = json.loads((synth_dir / "captions.jsonl").read_text().splitlines()[0])
     assert first["image"] == loose.refs[0].source_id
-    expected = [first["captions"][0], "an extra caption for image 0", *first["captions"][1:]]  # recipes in the order asked
+    expected = [
+        first["captions"][0],
+        "an extra caption for image 0",
+        *first["captions"][1:],
+    ]  # recipes in the order asked
     assert [k.tobytes() for k in loose.captions_of(0)] == [text_key(t) for t in expected]
 
     index = build_index([synth_dir], cache, store, ["captions", "extra"], progress=False)
@@ -143,4 +169,9 @@ def test_without_a_cache_every_image_trains_without_text(tmp_path, synth_dir, st
 
 def test_the_index_needs_no_deep_learning_libraries():
     code = "import sys, train.data_index; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
-    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "[]"
+    )

@@ -46,7 +46,9 @@ def _rewrite_manifest(cache: Path, shard: str) -> None:
     path = cache / "manifests" / f"{shard}.json"
     doc = json.loads(path.read_text())
     parquet = cache / "captions" / f"{shard}.parquet"
-    doc["files"]["captions"].update(bytes=parquet.stat().st_size, sha256=sha256_file(parquet), rows=pq.read_metadata(parquet).num_rows)
+    doc["files"]["captions"].update(
+        bytes=parquet.stat().st_size, sha256=sha256_file(parquet), rows=pq.read_metadata(parquet).num_rows
+    )
     path.write_bytes(canonical_json(doc))
 
 
@@ -97,7 +99,9 @@ def test_cache_verify_finds_a_text_that_is_not_its_key(cache):
     table = pq.read_table(parquet)
     texts = table.column("text").to_pylist()
     texts[3] = texts[3] + " (edited)"
-    pq.write_table(table.set_column(table.schema.get_field_index("text"), CAPTION_SCHEMA.field("text"), pa.array(texts)), parquet)
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("text"), CAPTION_SCHEMA.field("text"), pa.array(texts)), parquet
+    )
     _rewrite_manifest(cache, shard)
     with pytest.raises(DataProblem, match="row 3: text_sha256 is not the hash of its text"):
         verify_cache(cache, progress=False)
@@ -170,7 +174,9 @@ def test_store_verify_deep_re_encodes_and_catches_vectors_that_lie(store, annota
         verify_store(store, deep=True, progress=False)
     with pytest.raises(UserError, match="pass its directory with --model"):
         verify_store(store, deep=True, cache=annotated_cache, progress=False)
-    report = verify_store(store, deep=True, cache=annotated_cache, model=str(tiny_models / "t5"), sample=16, device="cpu", progress=False)
+    report = verify_store(
+        store, deep=True, cache=annotated_cache, model=str(tiny_models / "t5"), sample=16, device="cpu", progress=False
+    )
     assert report.deep_compared == 16 and report.deep_min_cosine > 0.99
     # A writer bug: wrong vectors under correct checksums. Only re-encoding can tell.
     segment = _segment(store)
@@ -180,4 +186,12 @@ def test_store_verify_deep_re_encodes_and_catches_vectors_that_lie(store, annota
     group.attrs["sha256"] = {**group.attrs["sha256"], "tokens": array_sha256(tokens[:])}
     assert verify_store(store, progress=False).segments == 1
     with pytest.raises(DataProblem, match="stored vectors differ from re-encoded ones"):
-        verify_store(store, deep=True, cache=annotated_cache, model=str(tiny_models / "t5"), sample=4, device="cpu", progress=False)
+        verify_store(
+            store,
+            deep=True,
+            cache=annotated_cache,
+            model=str(tiny_models / "t5"),
+            sample=4,
+            device="cpu",
+            progress=False,
+        )

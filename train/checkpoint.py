@@ -71,5 +71,7 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for a damaged file
-        raise UserError(f"{path} cannot be read ({str(exc).splitlines()[0][:120]}); move it away to start over, "
-                        "or restore a good copy") from None
+        raise UserError(
+            f"{path} cannot be read ({str(exc).splitlines()[0][:120]}); move it away to start over, "
+            "or restore a good copy"
+        ) from None

@@ -89,7 +89,8 @@ FIELD_HELP: dict[str, str] = {
     "images": "image sources (folders, .parquet, HF datasets dirs, .tar shards), as for `tcjepa caption`",
     "cache": "caption cache directory (needed unless conditioning is none)",
     "store": "embedding store made by `tcjepa embed` from that cache",
-    "mirror": "local directory for copies of a cache or store given as an fsspec URL (s3://...); default ~/.cache/tcjepa/mirror",
+    "mirror": "local directory for copies of a cache or store given as an fsspec URL (s3://...); default "
+    "~/.cache/tcjepa/mirror",
     "recipes": "caption recipes to train on (names or hash prefixes); required when the cache holds several",
     "image_column": "image column of Parquet / HF datasets sources",
     "min_coverage": "stop unless at least this fraction of images has ≥1 caption (0 disables)",
@@ -142,7 +143,18 @@ FIELD_HELP: dict[str, str] = {
 }
 
 # Options that change neither the data nor the maths: a resumed run may change them.
-RUNTIME_ONLY = {"num_workers", "device", "compile", "log_every", "val_every", "checkpoint_every", "images", "cache", "store", "mirror"}
+RUNTIME_ONLY = {
+    "num_workers",
+    "device",
+    "compile",
+    "log_every",
+    "val_every",
+    "checkpoint_every",
+    "images",
+    "cache",
+    "store",
+    "mirror",
+}
 
 
 def _check_type(name: str, value: Any, hint: Any) -> Any:
@@ -239,8 +251,19 @@ CHOICES = {
     "loss": ("l2", "smooth_l1"),
     "model": ("vit_tiny", "vit_small", "vit_base", "vit_large", "vit_huge", "vit_giant"),
 }
-POSITIVE = ("captions_per_image", "max_words", "patch_size", "image_size", "predictor_width", "num_targets", "batch_size",
-            "steps", "log_every", "val_every", "checkpoint_every")
+POSITIVE = (
+    "captions_per_image",
+    "max_words",
+    "patch_size",
+    "image_size",
+    "predictor_width",
+    "num_targets",
+    "batch_size",
+    "steps",
+    "log_every",
+    "val_every",
+    "checkpoint_every",
+)
 
 
 def validate(config: TrainConfig) -> None:
@@ -260,11 +283,20 @@ def validate(config: TrainConfig) -> None:
     if config.lambda_sparse < 0 or config.beta_consistency < 0:
         raise UserError("lambda_sparse and beta_consistency must be >= 0")
     if not (0 < config.crop_scale[0] <= config.crop_scale[1] <= 1 and 0 < config.crop_ratio[0] <= config.crop_ratio[1]):
-        raise UserError(f"crop_scale must satisfy 0 < low <= high <= 1 and crop_ratio 0 < low <= high; got {config.crop_scale}, {config.crop_ratio}")
+        raise UserError(
+            f"crop_scale must satisfy 0 < low <= high <= 1 and crop_ratio 0 < low <= high; got {config.crop_scale}, "
+            f"{config.crop_ratio}"
+        )
     if config.conditioning != "none" and not (config.cache and config.store):
         raise UserError(f"conditioning {config.conditioning} needs --cache and --store (or use --conditioning none)")
     try:
-        MaskConfig(config.num_targets, config.target_scale, config.target_aspect, config.context_scale,
-                   config.context_aspect, config.min_context)
+        MaskConfig(
+            config.num_targets,
+            config.target_scale,
+            config.target_aspect,
+            config.context_scale,
+            config.context_aspect,
+            config.min_context,
+        )
     except ValueError as exc:
         raise UserError(f"mask settings: {exc}") from None

@@ -42,7 +42,9 @@ VALIDATION_STEP = 2**62
 
 
 def mask_config(cfg: TrainConfig) -> MaskConfig:
-    return MaskConfig(cfg.num_targets, cfg.target_scale, cfg.target_aspect, cfg.context_scale, cfg.context_aspect, cfg.min_context)
+    return MaskConfig(
+        cfg.num_targets, cfg.target_scale, cfg.target_aspect, cfg.context_scale, cfg.context_aspect, cfg.min_context
+    )
 
 
 def split_images(n: int, val_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,9 +55,11 @@ def split_images(n: int, val_images: int, seed: int) -> tuple[np.ndarray, np.nda
     return np.sort(order[val_images:]), np.sort(order[:val_images])
 
 
-def crop_box(rng: np.random.Generator, width: int, height: int, scale: tuple[float, float],
-             ratio: tuple[float, float]) -> tuple[int, int, int, int]:
-    """Random resized crop box (left, top, right, bottom): area fraction in `scale`, aspect w/h in `ratio` (log-uniform)."""
+def crop_box(
+    rng: np.random.Generator, width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float]
+) -> tuple[int, int, int, int]:
+    """Random resized crop box (left, top, right, bottom): area fraction in `scale`, aspect w/h in `ratio`
+    (log-uniform)."""
     area = width * height
     for _ in range(10):
         target = area * rng.uniform(*scale)
@@ -80,16 +84,18 @@ def crop_box(rng: np.random.Generator, width: int, height: int, scale: tuple[flo
 
 @dataclass
 class Batch:
-    images: torch.Tensor          # uint8 [b, 3, H, W]
-    context: torch.Tensor         # int64 [b, Lc]
-    targets: torch.Tensor         # int64 [b, M, Lt]
-    tokens: torch.Tensor | None   # float16 [b, N, S, d_text]
+    images: torch.Tensor  # uint8 [b, 3, H, W]
+    context: torch.Tensor  # int64 [b, Lc]
+    targets: torch.Tensor  # int64 [b, M, Lt]
+    tokens: torch.Tensor | None  # float16 [b, N, S, d_text]
     lengths: torch.Tensor | None  # int64 [b, N]; 0 = no caption
-    replaced: int                 # images that could not be read or decoded and were replaced by another
+    replaced: int  # images that could not be read or decoded and were replaced by another
 
     def pin_memory(self) -> Batch:
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return Batch(pin(self.images), pin(self.context), pin(self.targets), pin(self.tokens), pin(self.lengths), self.replaced)
+        return Batch(
+            pin(self.images), pin(self.context), pin(self.targets), pin(self.tokens), pin(self.lengths), self.replaced
+        )
 
 
 def image_policy(image_size: int) -> ImagePolicy:
@@ -107,8 +113,15 @@ def normalise(images: torch.Tensor) -> torch.Tensor:
 class StepBatches(torch.utils.data.Dataset):
     """Map-style dataset over steps: `dataset[step]` is this rank's `Batch` for that step."""
 
-    def __init__(self, index: TrainIndex, image_ids: np.ndarray, cfg: TrainConfig, grid: tuple[int, int],
-                 rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self,
+        index: TrainIndex,
+        image_ids: np.ndarray,
+        cfg: TrainConfig,
+        grid: tuple[int, int],
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
         if cfg.batch_size % world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {world} processes")
         self.index = index
@@ -128,7 +141,9 @@ class StepBatches(torch.utils.data.Dataset):
         """Store row of every caption key in the index (resolved once; keys, not rows, are what the index keeps)."""
         rows = EmbeddingReader(self.cfg.store).locate(self.index.caption_keys)
         if (rows < 0).any():
-            raise ValueError(f"{int((rows < 0).sum())} captions of the index are missing from {self.cfg.store}; rebuild the index")
+            raise ValueError(
+                f"{int((rows < 0).sum())} captions of the index are missing from {self.cfg.store}; rebuild the index"
+            )
         return rows
 
     def __getstate__(self) -> dict:
@@ -175,8 +190,14 @@ class StepBatches(torch.utils.data.Dataset):
         tokens = lengths = None
         if self.text:
             tokens, lengths = self._captions(ids, rngs)
-        return Batch(torch.from_numpy(images), torch.from_numpy(masks.context), torch.from_numpy(masks.targets),
-                     tokens, lengths, replaced)
+        return Batch(
+            torch.from_numpy(images),
+            torch.from_numpy(masks.context),
+            torch.from_numpy(masks.targets),
+            tokens,
+            lengths,
+            replaced,
+        )
 
     def _image(self, i: int, rng: np.random.Generator | None) -> tuple[np.ndarray, bool]:
         """`[3, H, W]` uint8 pixels of image i; an image that is gone, unreadable or undecodable is replaced by
@@ -191,8 +212,10 @@ class StepBatches(torch.utils.data.Dataset):
             except OSError:
                 continue
             if hashlib.sha256(data).hexdigest() != self.index.sha256[j]:
-                raise RuntimeError(f"image {self.index.refs[j].source_id} changed since the training index was built; "
-                                   "delete the run's index.parquet to rebuild it")
+                raise RuntimeError(
+                    f"image {self.index.refs[j].source_id} changed since the training index was built; "
+                    "delete the run's index.parquet to rebuild it"
+                )
             im, _ = decode(data, self.policy)
             if im is not None:
                 return self._transform(im, rng), attempt > 0
@@ -210,7 +233,8 @@ class StepBatches(torch.utils.data.Dataset):
         return np.asarray(out, dtype=np.uint8).transpose(2, 0, 1)
 
     def _captions(self, ids: np.ndarray, rngs: list[np.random.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to N caption token arrays per image (a random N when there are more), zero-padded to the batch's longest."""
+        """Up to N caption token arrays per image (a random N when there are more), zero-padded to the batch's
+        longest."""
         if self._store is None:
             self._store = EmbeddingReader(self.cfg.store)
         n = self.cfg.captions_per_image

@@ -59,7 +59,9 @@ class TrainIndex:
     refs: list[ImageRef]  # usable images, in source order
     sha256: list[str]  # hex sha256 of each image's bytes
     caption_offsets: np.ndarray  # int64 [n+1], CSR into caption_keys
-    caption_keys: np.ndarray  # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
+    caption_keys: (
+        np.ndarray
+    )  # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
     recipes: list[str]  # recipe hashes, in the order the captions are
     coverage: dict[int, int]  # number of captions -> number of images
     left_out: dict[str, int] = field(default_factory=dict)  # reason -> listed images not in `refs`
@@ -90,13 +92,18 @@ class TrainIndex:
             reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(self.left_out.items()))
             line += f"; {sum(self.left_out.values())} images left out ({reasons})"
         if self.missing_embeddings:
-            line += f"; {self.missing_embeddings} captions not in the embedding store were dropped (run `tcjepa embed` on this cache and store to add them)"
+            line += (
+                f"; {self.missing_embeddings} captions not in the embedding store were dropped "
+                "(run `tcjepa embed` on this cache and store to add them)"
+            )
         return line
 
     def save(self, path: Path) -> None:
         """Write the index as one Parquet file, atomically."""
         offsets = pa.array(self.caption_offsets, pa.int64())
-        keys = pa.FixedSizeBinaryArray.from_buffers(pa.binary(KEY_BYTES), len(self.caption_keys), [None, pa.py_buffer(np.ascontiguousarray(self.caption_keys))])
+        keys = pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(KEY_BYTES), len(self.caption_keys), [None, pa.py_buffer(np.ascontiguousarray(self.caption_keys))]
+        )
         columns = {
             "source_id": pa.array([r.source_id for r in self.refs], pa.string()),
             "kind": pa.array([r.kind for r in self.refs], pa.string()).dictionary_encode(),
@@ -107,8 +114,14 @@ class TrainIndex:
             "sha256": pa.array(self.sha256, pa.string()),
             "captions": pa.LargeListArray.from_arrays(offsets, keys),
         }
-        meta = {"format": FORMAT, "version": VERSION, "recipes": self.recipes, "coverage": {str(k): v for k, v in self.coverage.items()},
-                "left_out": self.left_out, "missing_embeddings": self.missing_embeddings}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "recipes": self.recipes,
+            "coverage": {str(k): v for k, v in self.coverage.items()},
+            "left_out": self.left_out,
+            "missing_embeddings": self.missing_embeddings,
+        }
         table = pa.Table.from_pydict(columns, schema=_SCHEMA).replace_schema_metadata({"tcjepa": json.dumps(meta)})
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
@@ -125,9 +138,19 @@ class TrainIndex:
         captions = table.column("captions").combine_chunks()
         offsets = captions.offsets.to_numpy().astype(np.int64)
         flat = captions.flatten()
-        keys = np.frombuffer(flat.buffers()[1] or b"", dtype=np.uint8, count=len(flat) * KEY_BYTES, offset=flat.offset * KEY_BYTES)
-        return cls(refs, table.column("sha256").to_pylist(), offsets - offsets[0], keys.reshape(-1, KEY_BYTES).copy(), meta["recipes"],
-                   {int(k): v for k, v in meta["coverage"].items()}, meta["left_out"], meta["missing_embeddings"])
+        keys = np.frombuffer(
+            flat.buffers()[1] or b"", dtype=np.uint8, count=len(flat) * KEY_BYTES, offset=flat.offset * KEY_BYTES
+        )
+        return cls(
+            refs,
+            table.column("sha256").to_pylist(),
+            offsets - offsets[0],
+            keys.reshape(-1, KEY_BYTES).copy(),
+            meta["recipes"],
+            {int(k): v for k, v in meta["coverage"].items()},
+            meta["left_out"],
+            meta["missing_embeddings"],
+        )
 
 
 def _hash_refs(refs: list[ImageRef], reader: ImageReader, progress: bool, what: str) -> list[str | None]:
@@ -148,8 +171,12 @@ def _recorded_sha256(cache: CaptionCache, refs: list[ImageRef]) -> dict[str, str
     unambiguous: one sha256 per id in the cache, and the id names one listed image only."""
     captions = cache.read_captions(columns=["source_id", "image_sha256"])
     failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256")))
-    seen = pa.table({name: pa.chunked_array(captions.column(name).chunks + failures.column(name).chunks, pa.string())
-                     for name in ("source_id", "image_sha256")})
+    seen = pa.table(
+        {
+            name: pa.chunked_array(captions.column(name).chunks + failures.column(name).chunks, pa.string())
+            for name in ("source_id", "image_sha256")
+        }
+    )
     groups = seen.group_by("source_id").aggregate([("image_sha256", "count_distinct"), ("image_sha256", "min")])
     groups = groups.filter(pc.equal(groups.column("image_sha256_count_distinct"), 1))
     recorded = dict(zip(groups.column("source_id").to_pylist(), groups.column("image_sha256_min").to_pylist()))
@@ -157,7 +184,9 @@ def _recorded_sha256(cache: CaptionCache, refs: list[ImageRef]) -> dict[str, str
     return {sid: sha for sid, sha in recorded.items() if sid not in repeated}
 
 
-def _image_sha256(refs: list[ImageRef], recorded: dict[str, str], verify_sample: int, progress: bool) -> list[str | None]:
+def _image_sha256(
+    refs: list[ImageRef], recorded: dict[str, str], verify_sample: int, progress: bool
+) -> list[str | None]:
     """Each image's sha256: the cache's record, checked on a random sample, else hashed from the bytes."""
     reader = ImageReader()
     known = [i for i, r in enumerate(refs) if r.source_id in recorded]
@@ -165,8 +194,12 @@ def _image_sha256(refs: list[ImageRef], recorded: dict[str, str], verify_sample:
     actual = _hash_refs([refs[i] for i in sample], reader, progress, "verifying image hashes")
     differ = sum(a is not None and a != recorded[refs[i].source_id] for i, a in zip(sample, actual))
     if differ:
-        print(f"warning: {differ} of {len(sample)} sampled images differ from what the caption cache recorded for their source id "
-              f"(another folder with the same file names?); hashing every image", file=sys.stderr)
+        print(
+            f"warning: {differ} of {len(sample)} sampled images differ from what the caption cache recorded for their "
+            "source id "
+            f"(another folder with the same file names?); hashing every image",
+            file=sys.stderr,
+        )
         return _hash_refs(refs, reader, progress, "hashing images")
     shas: list[str | None] = [recorded.get(r.source_id) for r in refs]
     unknown = [i for i, s in enumerate(shas) if s is None]
@@ -179,9 +212,13 @@ def _image_sha256(refs: list[ImageRef], recorded: dict[str, str], verify_sample:
 
 def _captions_by_image(cache: CaptionCache, recipes: list[str]) -> dict[str, list[str]]:
     """image sha256 -> its caption keys (hex) under `recipes`, ordered (recipe, prompt_id, sample), no repeated text."""
-    table = cache.read_captions(columns=["image_sha256", "recipe", "prompt_id", "sample", "text_sha256"], recipes=recipes)
+    table = cache.read_captions(
+        columns=["image_sha256", "recipe", "prompt_id", "sample", "text_sha256"], recipes=recipes
+    )
     table = table.append_column("rank", pc.index_in(table.column("recipe"), value_set=pa.array(recipes, pa.string())))
-    table = table.sort_by([("image_sha256", "ascending"), ("rank", "ascending"), ("prompt_id", "ascending"), ("sample", "ascending")])
+    table = table.sort_by(
+        [("image_sha256", "ascending"), ("rank", "ascending"), ("prompt_id", "ascending"), ("sample", "ascending")]
+    )
     out: dict[str, list[str]] = {}
     for sha, key in zip(table.column("image_sha256").to_pylist(), table.column("text_sha256").to_pylist()):
         keys = out.setdefault(sha, [])
@@ -193,7 +230,11 @@ def _captions_by_image(cache: CaptionCache, recipes: list[str]) -> dict[str, lis
 def _rejected(cache: CaptionCache, captioned: set[str]) -> dict[str, str]:
     """sha256 -> reason, for images a captioner read but rejected (undecodable, too small, ...) and the
     chosen recipes did not caption: the trainer could not use them either."""
-    failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256"))).sort_by([("image_sha256", "ascending"), ("reason", "ascending")])
+    failures = (
+        cache.read_failures()
+        .filter(pc.is_valid(pc.field("image_sha256")))
+        .sort_by([("image_sha256", "ascending"), ("reason", "ascending")])
+    )
     out: dict[str, str] = {}
     for sha, reason in zip(failures.column("image_sha256").to_pylist(), failures.column("reason").to_pylist()):
         if sha not in captioned:
@@ -201,9 +242,16 @@ def _rejected(cache: CaptionCache, captioned: set[str]) -> dict[str, str]:
     return out
 
 
-def build_index(inputs: list[Path], cache: Path | None, store: Path | None, recipes: list[str],
-                min_coverage: float = 0.95, image_column: str | None = None,
-                verify_sample: int = 64, progress: bool = True) -> TrainIndex:
+def build_index(
+    inputs: list[Path],
+    cache: Path | None,
+    store: Path | None,
+    recipes: list[str],
+    min_coverage: float = 0.95,
+    image_column: str | None = None,
+    verify_sample: int = 64,
+    progress: bool = True,
+) -> TrainIndex:
     """Join the images of `inputs` with their captions in `cache` whose embeddings `store` holds.
 
     Without a cache (plain I-JEPA) every readable image is used, with no captions. Raises
@@ -239,19 +287,30 @@ def build_index(inputs: list[Path], cache: Path | None, store: Path | None, reci
     if embeddings is not None:
         wanted = sorted({k for keys in per_image for k in keys})
         if wanted:
-            rows = embeddings.locate(np.frombuffer(bytes.fromhex("".join(wanted)), dtype=np.uint8).reshape(-1, KEY_BYTES))
+            rows = embeddings.locate(
+                np.frombuffer(bytes.fromhex("".join(wanted)), dtype=np.uint8).reshape(-1, KEY_BYTES)
+            )
             missing = {k for k, row in zip(wanted, rows.tolist()) if row < 0}
             per_image = [[k for k in keys if k not in missing] for keys in per_image]
 
     offsets = np.zeros(len(per_image) + 1, dtype=np.int64)
     np.cumsum(np.fromiter((len(keys) for keys in per_image), dtype=np.int64, count=len(per_image)), out=offsets[1:])
     flat = bytes.fromhex("".join(k for keys in per_image for k in keys))
-    index = TrainIndex([refs[i] for i in kept], [shas[i] for i in kept], offsets,
-                       np.frombuffer(flat, dtype=np.uint8).reshape(-1, KEY_BYTES).copy(), chosen,
-                       dict(sorted(Counter(len(keys) for keys in per_image).items())), dict(sorted(left_out.items())), len(missing))
+    index = TrainIndex(
+        [refs[i] for i in kept],
+        [shas[i] for i in kept],
+        offsets,
+        np.frombuffer(flat, dtype=np.uint8).reshape(-1, KEY_BYTES).copy(),
+        chosen,
+        dict(sorted(Counter(len(keys) for keys in per_image).items())),
+        dict(sorted(left_out.items())),
+        len(missing),
+    )
     if not index.refs:
         raise UserError(f"no usable images: {index.coverage_line()}")
     if caption_cache is not None and index.covered_fraction() < min_coverage:
-        raise UserError(f"caption coverage below --min-coverage {min_coverage:g}: {index.coverage_line()}; "
-                        f"caption the missing images (tcjepa caption) or lower --min-coverage to train anyway")
+        raise UserError(
+            f"caption coverage below --min-coverage {min_coverage:g}: {index.coverage_line()}; "
+            f"caption the missing images (tcjepa caption) or lower --min-coverage to train anyway"
+        )
     return index

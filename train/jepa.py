@@ -24,8 +24,9 @@ class JEPA(nn.Module):
         self.encoder = encoder
         self.predictor = predictor
 
-    def forward(self, images: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor,
-                text: TextBatch | None) -> PredictorOutput:
+    def forward(
+        self, images: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor, text: TextBatch | None
+    ) -> PredictorOutput:
         return self.predictor(self.encoder(images, keep=context_idx), context_idx, target_idx, text)
 
 
@@ -59,7 +60,9 @@ def ema_update(target: nn.Module, online: nn.Module, momentum: float) -> None:
 
 def is_text_parameter(name: str) -> bool:
     """The conditioner's own parameters (cross-attention, its norm, the sequence-mode text projection)."""
-    return ".cross." in name or ".norm_cross." in name or name.startswith(("predictor.text_embed", "predictor.text_type"))
+    return (
+        ".cross." in name or ".norm_cross." in name or name.startswith(("predictor.text_embed", "predictor.text_type"))
+    )
 
 
 def param_groups(model: JEPA, text_lr_scale: float) -> list[dict]:
@@ -82,12 +85,18 @@ class StepLosses:
     predict: torch.Tensor
     sparse: torch.Tensor
     consistency: torch.Tensor
-    positive_fraction: torch.Tensor | None   # [L] in cross mode
+    positive_fraction: torch.Tensor | None  # [L] in cross mode
 
 
-def compute_losses(model: nn.Module, target_encoder: VisionTransformer, images: torch.Tensor,
-                   context_idx: torch.Tensor, target_idx: torch.Tensor, text: TextBatch | None,
-                   cfg: TrainConfig) -> StepLosses:
+def compute_losses(
+    model: nn.Module,
+    target_encoder: VisionTransformer,
+    images: torch.Tensor,
+    context_idx: torch.Tensor,
+    target_idx: torch.Tensor,
+    text: TextBatch | None,
+    cfg: TrainConfig,
+) -> StepLosses:
     """L = L_predict + λ·L_sparse + β·L_consistency for one batch (regularisers only in cross mode with text)."""
     with torch.no_grad():
         targets = target_features(target_encoder(images), target_idx)

@@ -23,14 +23,14 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
+from filelock import FileLock, Timeout
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-import yaml
-from filelock import FileLock, Timeout
 
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
@@ -130,7 +130,9 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            raise UserError(f"{run} is in use by another `tcjepa train` (it holds {run / '.lock'}); wait for it or stop it") from None
+            raise UserError(
+                f"{run} is in use by another `tcjepa train` (it holds {run / '.lock'}); wait for it or stop it"
+            ) from None
         atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
         if store_dir is not None:
             check_text_encoder(store_dir, cfg.store, run)
@@ -140,7 +142,8 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
 
 
 def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
-    """Record the store's encoder in RUN, and refuse to continue on vectors of another one (a store rebuilt in place)."""
+    """Record the store's encoder in RUN, and refuse to continue on vectors of another one (a store rebuilt in
+    place)."""
     from embedding_cache.store import EmbeddingStore
 
     store = EmbeddingStore(store_dir)
@@ -148,10 +151,15 @@ def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
     if record.exists():
         trained_on = json.loads(record.read_text())["encoder_hash"]
         if trained_on != store.encoder_hash:
-            raise UserError(f"{run} was trained on embeddings of encoder {trained_on[:12]}, but --store {given} now holds "
-                            f"encoder {store.encoder_hash[:12]}'s; use a new --out, or the store the run started with")
+            raise UserError(
+                f"{run} was trained on embeddings of encoder {trained_on[:12]}, but --store {given} now holds "
+                f"encoder {store.encoder_hash[:12]}'s; use a new --out, or the store the run started with"
+            )
         return
-    atomic_write_bytes(record, json.dumps({"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.d_model}).encode())
+    atomic_write_bytes(
+        record,
+        json.dumps({"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.d_model}).encode(),
+    )
 
 
 def inputs_for_index(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
@@ -172,8 +180,11 @@ def inputs_for_index(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
             mirror_store_keys(cfg.store, mirror)
 
     agreed(rt, fetch, on=rt.main)
-    return replace(cfg, cache=str(mirror_path(cfg.cache, mirror)) if is_remote(cfg.cache) else cfg.cache,
-                   store=str(mirror_path(cfg.store, mirror, suffix="-keys")) if is_remote(cfg.store) else cfg.store)
+    return replace(
+        cfg,
+        cache=str(mirror_path(cfg.cache, mirror)) if is_remote(cfg.cache) else cfg.cache,
+        store=str(mirror_path(cfg.store, mirror, suffix="-keys")) if is_remote(cfg.store) else cfg.store,
+    )
 
 
 def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIndex, rt: Runtime) -> TrainConfig:
@@ -192,7 +203,9 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     if not is_remote(cfg.store):
         return for_index
     mirror = Path(cfg.mirror) if cfg.mirror else None
-    segments = [agreed(rt, lambda: StoreKeys(EmbeddingStore(for_index.store)).segments_holding(index.caption_keys), on=rt.main)]
+    segments = [
+        agreed(rt, lambda: StoreKeys(EmbeddingStore(for_index.store)).segments_holding(index.caption_keys), on=rt.main)
+    ]
     if rt.world > 1:
         dist.broadcast_object_list(segments, src=0)
     agreed(rt, lambda: local_store(cfg.store, mirror, only=segments[0]), on=int(os.environ.get("LOCAL_RANK", "0")) == 0)
@@ -206,7 +219,9 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
     def build() -> None:
         cache = Path(cfg.cache) if cfg.conditioning != "none" else None
         store = Path(cfg.store) if cfg.conditioning != "none" else None
-        index = build_index([Path(p) for p in cfg.images], cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column)
+        index = build_index(
+            [Path(p) for p in cfg.images], cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column
+        )
         print(index.coverage_line(), file=sys.stderr)
         index.save(path)
 
@@ -222,7 +237,9 @@ def text_width(cfg: TrainConfig) -> int | None:
     return EmbeddingStore(cfg.store).d_model
 
 
-def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TextBatch | None]:
+def to_device(
+    batch: Batch, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TextBatch | None]:
     images = normalise(batch.images.to(device, non_blocking=True))
     context = batch.context.to(device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True)
@@ -267,7 +284,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
         self.start_step = 0
         if state is not None:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
             self.start_step = int(state["step"])
             if self.rt.main:
                 print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
@@ -319,9 +338,13 @@ class Trainer:
         A collective under FSDP: every rank calls it, rank 0 writes it.
         """
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"model": get_model_state_dict(self.model, options=full), "target": get_model_state_dict(self.target, options=full),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full), "step": step,
-                "config": to_dict(self.cfg)}
+        return {
+            "model": get_model_state_dict(self.model, options=full),
+            "target": get_model_state_dict(self.target, options=full),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
+            "step": step,
+            "config": to_dict(self.cfg),
+        }
 
     def _mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.rt.world > 1:
@@ -371,9 +394,18 @@ class Trainer:
                 if not all(math.isfinite(v) for v in means):
                     self._stop_non_finite(done)
                 elapsed = time.perf_counter() - tick
-                record = {"step": done, "loss": means[0], "loss_predict": means[1], "loss_sparse": means[2],
-                          "loss_consistency": means[3], "lr": self.lr(step), "wd": self.wd(step), "ema": momentum,
-                          "images_per_s": images_seen / elapsed, "images_replaced": int(replaced)}
+                record = {
+                    "step": done,
+                    "loss": means[0],
+                    "loss_predict": means[1],
+                    "loss_sparse": means[2],
+                    "loss_consistency": means[3],
+                    "lr": self.lr(step),
+                    "wd": self.wd(step),
+                    "ema": momentum,
+                    "images_per_s": images_seen / elapsed,
+                    "images_replaced": int(replaced),
+                }
                 if rt.main:
                     self.metrics.append(record)
                 sums.zero_()
@@ -417,8 +449,12 @@ class Trainer:
             true = compute_losses(self.model, self.target, images, context, targets, text, cfg)
             out["val_loss_predict"] = float(true.predict)
             swapped = shuffled(text) if text is not None else None
-            out["val_loss_predict_shuffled"] = float(compute_losses(self.model, self.target, images, context, targets, swapped, cfg).predict)
-            out["val_loss_predict_notext"] = float(compute_losses(self.model, self.target, images, context, targets, None, cfg).predict)
+            out["val_loss_predict_shuffled"] = float(
+                compute_losses(self.model, self.target, images, context, targets, swapped, cfg).predict
+            )
+            out["val_loss_predict_notext"] = float(
+                compute_losses(self.model, self.target, images, context, targets, None, cfg).predict
+            )
             features = self.target(images)
         if true.positive_fraction is not None:
             out["val_positive_cosine"] = [round(float(v), 5) for v in true.positive_fraction]

@@ -38,9 +38,9 @@ def prediction_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = 
 
 @dataclass
 class TextRegularisers:
-    sparse: torch.Tensor              # scalar: 1/N Σ_n L_sparse^n
-    consistency: torch.Tensor         # scalar: 1/N Σ_n L_consistency^n
-    positive_fraction: torch.Tensor   # [L]: share of valid patch–word cosines > 0 per layer (0 = regulariser dead)
+    sparse: torch.Tensor  # scalar: 1/N Σ_n L_sparse^n
+    consistency: torch.Tensor  # scalar: 1/N Σ_n L_consistency^n
+    positive_fraction: torch.Tensor  # [L]: share of valid patch–word cosines > 0 per layer (0 = regulariser dead)
 
 
 def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, valid: torch.Tensor) -> TextRegularisers:
@@ -65,7 +65,11 @@ def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, vali
 
     with torch.no_grad():  # counted in integers on a bool mask (`stacked` is zero on padding words)
         per_layer = stacked[0].numel()
-        positive = (stacked > 0).view(len(cosines), per_layer).sum(dim=1, dtype=torch.int32 if per_layer < 2**31 else torch.int64)
+        positive = (
+            (stacked > 0)
+            .view(len(cosines), per_layer)
+            .sum(dim=1, dtype=torch.int32 if per_layer < 2**31 else torch.int64)
+        )
         counted = word_mask.sum() * stacked.shape[2]  # valid words × tokens, the same in every layer
         positive_fraction = positive.to(stacked.dtype) / counted.clamp_min(1).to(stacked.dtype)
     return TextRegularisers(average(sparse), average(consistency), positive_fraction)

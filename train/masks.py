@@ -83,16 +83,18 @@ def block_size(scale: float, aspect: float, grid: tuple[int, int]) -> tuple[int,
     return h, w
 
 
-def _draw_size(rng: np.random.Generator, scale: tuple[float, float], aspect: tuple[float, float],
-               grid: tuple[int, int]) -> tuple[int, int]:
+def _draw_size(
+    rng: np.random.Generator, scale: tuple[float, float], aspect: tuple[float, float], grid: tuple[int, int]
+) -> tuple[int, int]:
     """One block size, scale and aspect from separate uniform draws."""
     s = rng.uniform(*scale)
     a = rng.uniform(*aspect)
     return block_size(s, a, grid)
 
 
-def _rect_grids(rng: np.random.Generator, n: int, k: int, hw: tuple[int, int],
-                grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def _rect_grids(
+    rng: np.random.Generator, n: int, k: int, hw: tuple[int, int], grid: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Origins [n, k] (flat index of the top-left patch) and boolean grids [n, k, H, W] of n×k uniform h×w blocks."""
     H, W = grid
     h, w = hw
@@ -105,8 +107,14 @@ def _rect_grids(rng: np.random.Generator, n: int, k: int, hw: tuple[int, int],
     return top * W + left, in_rows[..., :, None] & in_cols[..., None, :]
 
 
-def _draw_positions(rng: np.random.Generator, n: int, m: int, target_hw: tuple[int, int],
-                    context_hw: tuple[int, int], grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def _draw_positions(
+    rng: np.random.Generator,
+    n: int,
+    m: int,
+    target_hw: tuple[int, int],
+    context_hw: tuple[int, int],
+    grid: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
     """Target origins [n, m] and context grids [n, H, W] (context block minus all targets) for n images."""
     origins, targets = _rect_grids(rng, n, m, target_hw, grid)
     _, context = _rect_grids(rng, n, 1, context_hw, grid)
@@ -127,8 +135,14 @@ def _select_rows(rows: slice | np.ndarray | None, global_batch: int) -> np.ndarr
     return idx.astype(np.int64)
 
 
-def sample_masks(cfg: MaskConfig, grid: tuple[int, int], seed: int, step: int, global_batch: int,
-                 rows: slice | np.ndarray | None = None) -> Masks:
+def sample_masks(
+    cfg: MaskConfig,
+    grid: tuple[int, int],
+    seed: int,
+    step: int,
+    global_batch: int,
+    rows: slice | np.ndarray | None = None,
+) -> Masks:
     """Masks for `rows` (default all) of step `step`'s global batch of `global_batch` images.
 
     The whole global batch is drawn every time so that a sample's masks and the
@@ -142,8 +156,10 @@ def sample_masks(cfg: MaskConfig, grid: tuple[int, int], seed: int, step: int, g
     if seed < 0 or step < 0:
         raise ValueError(f"seed and step must be >= 0, got seed={seed}, step={step}")
     idx = _select_rows(rows, global_batch)
-    no_context = (f"mask settings leave no context on this {H}×{W} grid "
-                  f"(min_context={cfg.min_context}); lower min_context or the target scale")
+    no_context = (
+        f"mask settings leave no context on this {H}×{W} grid "
+        f"(min_context={cfg.min_context}); lower min_context or the target scale"
+    )
 
     rng = np.random.default_rng([seed, step, _MASK_STREAM])
     target_hw = _draw_size(rng, cfg.target_scale, cfg.target_aspect, grid)
@@ -157,8 +173,9 @@ def sample_masks(cfg: MaskConfig, grid: tuple[int, int], seed: int, step: int, g
         failing = np.flatnonzero(counts < cfg.min_context)
         if failing.size == 0:
             break
-        origins[failing], context[failing] = _draw_positions(rng, failing.size, cfg.num_targets, target_hw,
-                                                             context_hw, grid)
+        origins[failing], context[failing] = _draw_positions(
+            rng, failing.size, cfg.num_targets, target_hw, context_hw, grid
+        )
         counts[failing] = context[failing].sum(axis=(1, 2))
     if (counts < cfg.min_context).any():
         raise ValueError(no_context)

@@ -45,7 +45,9 @@ class MetricsLog:
                 records.append(json.loads(line))
             except ValueError:
                 if i < len(lines) - 1:
-                    raise UserError(f"{self.path} line {i + 1} is not JSON; the run's log was edited or damaged") from None
+                    raise UserError(
+                        f"{self.path} line {i + 1} is not JSON; the run's log was edited or damaged"
+                    ) from None
         return records
 
 
@@ -73,13 +75,20 @@ def plot_curves(run: Path) -> Path:
             axes[0].plot(*zip(*pts), label=key)
     axes[0].set_yscale("log")
     axes[0].set_title("training")
-    for key, label in (("val_loss_predict", "true captions"), ("val_loss_predict_shuffled", "shuffled captions"),
-                       ("val_loss_predict_notext", "no text")):
+    for key, label in (
+        ("val_loss_predict", "true captions"),
+        ("val_loss_predict_shuffled", "shuffled captions"),
+        ("val_loss_predict_notext", "no text"),
+    ):
         pts = [(r["step"], r[key]) for r in val if key in r]
         if pts:
             axes[1].plot(*zip(*pts), marker="o", label=label)
     axes[1].set_title("validation prediction loss")
-    ratio = [(r["step"], r["val_loss_predict"] / r["val_loss_predict_shuffled"]) for r in val if r.get("val_loss_predict_shuffled")]
+    ratio = [
+        (r["step"], r["val_loss_predict"] / r["val_loss_predict_shuffled"])
+        for r in val
+        if r.get("val_loss_predict_shuffled")
+    ]
     if ratio:
         axes[2].plot(*zip(*ratio), marker="o", label="true / shuffled")
     rank = [(r["step"], r["val_rankme"]) for r in val if "val_rankme" in r]

@@ -44,7 +44,7 @@ POOLING = ("after_mlp", "before_mlp")
 class TextBatch:
     """Up to N captions per image as padded word embeddings; length 0 marks a missing caption."""
 
-    tokens: torch.Tensor   # [B, N, S, d_text]
+    tokens: torch.Tensor  # [B, N, S, d_text]
     lengths: torch.Tensor  # [B, N] int64
 
     @property
@@ -59,13 +59,16 @@ class TextBatch:
         return self.lengths > 0
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None, non_blocking: bool = False) -> TextBatch:
-        return TextBatch(self.tokens.to(device, dtype=dtype, non_blocking=non_blocking), self.lengths.to(device, non_blocking=non_blocking))
+        return TextBatch(
+            self.tokens.to(device, dtype=dtype, non_blocking=non_blocking),
+            self.lengths.to(device, non_blocking=non_blocking),
+        )
 
 
 @dataclass
 class PredictorOutput:
-    prediction: torch.Tensor            # [B, M, Lt, encoder width]
-    cosines: list[torch.Tensor]         # cross mode: per layer, patch–word cosine [B, M*T, N, S]; else empty
+    prediction: torch.Tensor  # [B, M, Lt, encoder width]
+    cosines: list[torch.Tensor]  # cross mode: per layer, patch–word cosine [B, M*T, N, S]; else empty
 
 
 class TextCrossAttention(nn.Module):
@@ -148,7 +151,8 @@ class _ResidualMax(torch.autograd.Function):
 
 
 def residual_max(x: torch.Tensor, update: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Max of `x + update` over dim 1 where `keep` `[B, N]`; `x` `[B, N, ...]` or `[B, 1, ...]`, `update` `[B, N, ...]`."""
+    """Max of `x + update` over dim 1 where `keep` `[B, N]`; `x` `[B, N, ...]` or `[B, 1, ...]`, `update` `[B, N,
+    ...]`."""
     return _ResidualMax.apply(x, update, keep)
 
 
@@ -165,8 +169,9 @@ class PredictorBlock(nn.Module):
         self.mlp = MLP(dim, int(dim * mlp_ratio))
         self.pool = pool
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, text: TextBatch | None,
-                blocks_per_image: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor | None, text: TextBatch | None, blocks_per_image: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = x + self.attn(self.norm1(x), key_mask)
         if self.cross is None or text is None:
             return x + self.mlp(self.norm2(x)), None
@@ -189,9 +194,18 @@ class PredictorBlock(nn.Module):
 
 
 class Predictor(nn.Module):
-    def __init__(self, encoder_width: int, grid: tuple[int, int], width: int = 384, depth: int = 6, heads: int = 12,
-                 mlp_ratio: float = 4.0, conditioning: str = "none", text_dim: int | None = None,
-                 pool: str = "after_mlp") -> None:
+    def __init__(
+        self,
+        encoder_width: int,
+        grid: tuple[int, int],
+        width: int = 384,
+        depth: int = 6,
+        heads: int = 12,
+        mlp_ratio: float = 4.0,
+        conditioning: str = "none",
+        text_dim: int | None = None,
+        pool: str = "after_mlp",
+    ) -> None:
         super().__init__()
         if conditioning not in CONDITIONING:
             raise ValueError(f"conditioning must be one of {', '.join(CONDITIONING)}, got {conditioning!r}")
@@ -215,8 +229,9 @@ class Predictor(nn.Module):
             nn.init.trunc_normal_(self.text_type, std=0.02)
         scale_residual_outputs(self.blocks)
 
-    def forward(self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor,
-                text: TextBatch | None = None) -> PredictorOutput:
+    def forward(
+        self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor, text: TextBatch | None = None
+    ) -> PredictorOutput:
         """`context` `[B, Lc, D]` at `context_idx` `[B, Lc]`; predicts `[B, M, Lt, D]` at `target_idx` `[B, M, Lt]`.
 
         `text` None (or mode ``none``) predicts without captions: the no-text control.

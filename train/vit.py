@@ -122,7 +122,9 @@ def scale_residual_outputs(blocks: nn.ModuleList) -> None:
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, image_size: int, patch_size: int, width: int, depth: int, heads: int, mlp_ratio: float = 4.0) -> None:
+    def __init__(
+        self, image_size: int, patch_size: int, width: int, depth: int, heads: int, mlp_ratio: float = 4.0
+    ) -> None:
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"patch size {patch_size} does not divide image size {image_size}")
@@ -151,10 +153,18 @@ class VisionTransformer(nn.Module):
         return self.norm(x)
 
 
-def build_vit(model: str, image_size: int, patch_size: int, width: int | None = None, depth: int | None = None,
-              heads: int | None = None) -> VisionTransformer:
+def build_vit(
+    model: str,
+    image_size: int,
+    patch_size: int,
+    width: int | None = None,
+    depth: int | None = None,
+    heads: int | None = None,
+) -> VisionTransformer:
     """A named size (`vit_tiny` … `vit_giant`), with width/depth/heads overridable for custom sizes."""
     if model not in VIT_SIZES:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(VIT_SIZES)}")
     size = VIT_SIZES[model]
-    return VisionTransformer(image_size, patch_size, width or size.width, depth or size.depth, heads or size.heads, size.mlp_ratio)
+    return VisionTransformer(
+        image_size, patch_size, width or size.width, depth or size.depth, heads or size.heads, size.mlp_ratio
+    )

@@ -26,8 +26,10 @@ def os_error_line(exc: OSError) -> str:
     where = f" ({exc.filename})" if exc.filename else ""
     reason = exc.strerror or str(exc)
     if exc.errno in NO_SPACE:
-        return (f"cannot write{where}: {reason}; free space (or raise the file size limit) and rerun: "
-                "nothing half-written was published, and the rerun resumes")
+        return (
+            f"cannot write{where}: {reason}; free space (or raise the file size limit) and rerun: "
+            "nothing half-written was published, and the rerun resumes"
+        )
     if exc.errno in NO_WRITE:
         return f"cannot access{where}: {reason}; make the destination writable (or the input readable), then rerun"
     return f"{reason}{where}"

@@ -29,8 +29,14 @@ class ImagePolicy:
     min_side: int = MIN_SIDE
 
     def recipe(self) -> dict[str, object]:
-        return {"mode": "RGB", "alpha": "white", "exif_transpose": True, "max_pixels": self.max_pixels,
-                "resample": "bicubic", "min_side": self.min_side}
+        return {
+            "mode": "RGB",
+            "alpha": "white",
+            "exif_transpose": True,
+            "max_pixels": self.max_pixels,
+            "resample": "bicubic",
+            "min_side": self.min_side,
+        }
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

@@ -14,8 +14,16 @@ from pipeline.core.errors import UserError
 from pipeline.core.recipes import sha256_tree
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "spiece.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def load_config(model: str, option: str) -> Any:
@@ -34,6 +42,9 @@ def model_identity(model: str, config: Any, option: str) -> dict[str, Any]:
         weights = [p.name for p in local.iterdir() if p.suffix in WEIGHT_SUFFIXES]
         if not weights:
             raise UserError(f"{option} {model}: no weight files (*.safetensors, *.bin) in the directory")
-        return {"model": local.name, "weights_sha256": sha256_tree(local, weights),
-                "tokenizer_sha256": sha256_tree(local, [n for n in TOKENIZER_FILES if (local / n).exists()])}
+        return {
+            "model": local.name,
+            "weights_sha256": sha256_tree(local, weights),
+            "tokenizer_sha256": sha256_tree(local, [n for n in TOKENIZER_FILES if (local / n).exists()]),
+        }
     return {"model": model, "revision": getattr(config, "_commit_hash", None)}

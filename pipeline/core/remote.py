@@ -1,4 +1,5 @@
-"""Caches and stores on object storage (fsspec URLs: s3://, gs://, ...): local mirrors for reading, a publication log for writing.
+"""Caches and stores on object storage (fsspec URLs: s3://, gs://, ...): local mirrors for reading, a publication log
+for writing.
 
 Reading. The trainer memory-maps store shards and re-reads cache shards; both are immutable
 once published, so a remote cache or store is copied once, file by file, into a local
@@ -50,13 +51,14 @@ def is_remote(location: str | Path | None) -> bool:
     return isinstance(location, str) and "://" in location
 
 
-def remote_call(url: str, call: Callable[[], T]) -> T:
-    """Run one fsspec call; any failure of the remote side (credentials, network, permissions) becomes one line.
+def remote_call(url: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`call(*args, **kwargs)`, one fsspec call; any failure of the remote side (credentials, network, permissions)
+    becomes one line.
 
     FileExistsError passes through: it is how a conditional put that found the object reports.
     """
     try:
-        return call()
+        return call(*args, **kwargs)
     except (UserError, DataProblem, FileExistsError):
         raise
     except Exception as exc:  # s3fs, botocore and aiohttp raise many unrelated types
@@ -75,7 +77,9 @@ def _filesystem(url: str) -> tuple[Any, str]:
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as exc:
-        raise UserError(f"{url}: cannot open ({str(exc).splitlines()[0]}); for s3:// install s3fs (`pip install tcjepa[remote]`)") from None
+        raise UserError(
+            f"{url}: cannot open ({str(exc).splitlines()[0]}); for s3:// install s3fs (`pip install tcjepa[remote]`)"
+        ) from None
     return fs, root.rstrip("/")
 
 
@@ -83,25 +87,30 @@ def writable_filesystem(url: str, option: str) -> tuple[Any, str]:
     """The file system and root of a URL that writers may publish to: one whose conditional put tcjepa relies on."""
     protocol = url.split("://", 1)[0].lower()
     if protocol not in WRITABLE_PROTOCOLS:
-        raise UserError(f"{option} {url}: tcjepa writes to object storage only through S3's conditional put (s3://); "
-                        f"give a local directory and upload the finished tree, or use an s3:// URL")
+        raise UserError(
+            f"{option} {url}: tcjepa writes to object storage only through S3's conditional put (s3://); "
+            f"give a local directory and upload the finished tree, or use an s3:// URL"
+        )
     return _filesystem(url)
 
 
 def remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
     """The file system and root of `url`, refusing a URL whose root lacks `marker`."""
     fs, root = _filesystem(url)
-    if not remote_call(url, lambda: fs.exists(f"{root}/{marker}")):
+    if not remote_call(url, fs.exists, f"{root}/{marker}"):
         raise UserError(f"{url} is not {what} (no {marker})")
     return fs, root
 
 
 def remote_names(fs: Any, url: str, path: str) -> list[str]:
     """Names directly under `path` as the server lists them now (no cached listing); none when it does not exist."""
+
     def listing() -> list[str]:
         try:
             return fs.ls(path, detail=False)
-        except FileNotFoundError:  # nothing there yet (another writer may create it a moment later: that is news for next time)
+        except (
+            FileNotFoundError
+        ):  # nothing there yet (another writer may create it a moment later: that is news for next time)
             return []
 
     fs.invalidate_cache(path)
@@ -135,7 +144,9 @@ def fetch(fs: Any, remote: str, local: Path, sha256: str | None = None) -> None:
             detail = str(exc).splitlines()[0] if str(exc) else ""
             raise UserError(f"{remote}: cannot fetch ({type(exc).__name__}: {detail[:200]})") from None
         if sha256 is not None and sha256_file(tmp) != sha256:
-            raise DataProblem(f"{remote}: does not match the sha256 recorded when it was written (changed or damaged); not used")
+            raise DataProblem(
+                f"{remote}: does not match the sha256 recorded when it was written (changed or damaged); not used"
+            )
         os.replace(tmp, local)
     finally:
         tmp.unlink(missing_ok=True)
@@ -186,7 +197,7 @@ class PublishLog:
         for seq in self.remote():
             if seq not in seen:
                 path = f"{self._dir}/{self._name(seq)}"
-                out.append((seq, remote_call(self.url, lambda: self._fs.cat_file(path))))
+                out.append((seq, remote_call(self.url, self._fs.cat_file, path)))
         return out
 
     def keep(self, seq: int, raw: bytes) -> None:
@@ -195,7 +206,9 @@ class PublishLog:
 
     def entries(self) -> list[dict[str, Any]]:
         """Every entry copied here, oldest first."""
-        return [parse_json(f"{self._dir}/{self._name(s)}", (self.local / self._name(s)).read_bytes()) for s in self.seen()]
+        return [
+            parse_json(f"{self._dir}/{self._name(s)}", (self.local / self._name(s)).read_bytes()) for s in self.seen()
+        ]
 
     def append(self, doc: dict[str, Any]) -> int | None:
         """Create the next entry; its number, or None when another writer published first (look again, then retry).
@@ -221,22 +234,26 @@ class PublishLog:
 
 
 def _lost_a_race(exc: Exception) -> bool:
-    """A conditional put refused because the object exists or is being written (S3: 412, or 409 ConditionalRequestConflict)."""
+    """A conditional put refused because the object exists or is being written (S3: 412, or 409
+    ConditionalRequestConflict)."""
     text = f"{type(exc).__name__} {exc}"
-    return isinstance(exc, FileExistsError) or any(k in text for k in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict", "409"))
+    return isinstance(exc, FileExistsError) or any(
+        k in text for k in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict", "409")
+    )
 
 
 def create_if_absent(fs: Any, url: str, path: str, data: bytes) -> bytes:
     """Put `data` at `path` unless something is there already; returns what is there now."""
     try:
-        remote_call(url, lambda: fs.pipe_file(path, data, mode="create"))
+        remote_call(url, fs.pipe_file, path, data, mode="create")
         return data
     except FileExistsError:
-        return remote_call(url, lambda: fs.cat_file(path))
+        return remote_call(url, fs.cat_file, path)
 
 
 def reset_if_rebuilt(local: Path, identity: bytes) -> None:
-    """Empty the mirror `local` when the remote it copies was deleted and made anew under the same URL (call under `mirror_lock`).
+    """Empty the mirror `local` when the remote it copies was deleted and made anew under the same URL (call under
+    `mirror_lock`).
 
     `identity` is what the remote was created with (a writer adds a random id); the mirror's
     copies and log entries of the old remote would otherwise pass for the new one's.
@@ -253,8 +270,8 @@ def reset_if_rebuilt(local: Path, identity: bytes) -> None:
 def fetch_tree(url: str, fs: Any, prefix: str, into: Path) -> None:
     """Copy every file under the remote `prefix` into `into`, refusing names that leave it."""
     prefix = prefix.rstrip("/") + "/"
-    for path in remote_call(url, lambda: fs.find(prefix)):
-        relative = path[len(prefix):]
+    for path in remote_call(url, fs.find, prefix):
+        relative = path[len(prefix) :]
         if ".." in Path(relative).parts or Path(relative).is_absolute():
             raise DataProblem(f"{path}: a file name that leaves its segment; not used")
         fetch(fs, path, into / relative)

@@ -66,11 +66,19 @@ def _leaves(kinds: list[tuple[Path, str]]) -> Iterator[tuple[Path, str, str]]:
         paths = []
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
             dirnames.sort()
-            paths.extend(Path(dirpath) / f for f in filenames if f.lower().endswith((*IMAGE_SUFFIXES, *TABLE_SUFFIXES, *TAR_SUFFIXES)))
+            paths.extend(
+                Path(dirpath) / f
+                for f in filenames
+                if f.lower().endswith((*IMAGE_SUFFIXES, *TABLE_SUFFIXES, *TAR_SUFFIXES))
+            )
         for file in sorted(paths):
             rel = file.relative_to(path).as_posix()
             name = rel.lower()
-            yield file, "parquet" if name.endswith(TABLE_SUFFIXES) else "tar" if name.endswith(TAR_SUFFIXES) else "image", rel
+            yield (
+                file,
+                "parquet" if name.endswith(TABLE_SUFFIXES) else "tar" if name.endswith(TAR_SUFFIXES) else "image",
+                rel,
+            )
 
 
 def _file(path: Path, label: str) -> ImageEntry:
@@ -227,7 +235,10 @@ def _tar_refs(path: Path, label: str) -> Iterator[ImageRef]:
         _skip_warning(label, f"unreadable tar shard ({exc})")
         return
     if tar is None:
-        raise UserError(f"{path}: compressed tar shard; training reads images at random offsets, so decompress it first (e.g. gunzip -k) and pass the .tar")
+        raise UserError(
+            f"{path}: compressed tar shard; training reads images at random offsets, so decompress it first (e.g. "
+            "gunzip -k) and pass the .tar"
+        )
     where = os.path.abspath(path)
     with tar:
         try:
@@ -311,7 +322,10 @@ class ImageReader:
                 raise OSError(f"{ref.source_id}: tar shard {ref.path} is shorter than when it was listed")
             return data
         if ref.kind == "table":
-            data, error = _value_bytes(self._handle(ref)[ref.offset][ref.column], Path(ref.path) if os.path.isdir(ref.path) else Path(ref.path).parent)
+            data, error = _value_bytes(
+                self._handle(ref)[ref.offset][ref.column],
+                Path(ref.path) if os.path.isdir(ref.path) else Path(ref.path).parent,
+            )
             if data is None:
                 raise OSError(f"{ref.source_id}: {error}")
             return data

@@ -19,10 +19,26 @@ SCENE_RECIPE = "synthetic-scenes"
 # A tiny ViT on 64 px scenes, one 16 px patch per grid cell; N=4 captions per image and the
 # cheaper pooling (before_mlp) keep `cross` at about 2.5x the step time of `none`.
 SCENE_TRAINING: dict[str, Any] = {
-    "model": "vit_tiny", "depth": 6, "patch_size": 16, "image_size": 64, "predictor_width": 192, "predictor_depth": 4,
-    "captions_per_image": 4, "pool": "before_mlp", "text_lr_scale": 10.0, "ema": [0.999, 1.0], "min_context": 2,
-    "batch_size": 64, "steps": 300, "warmup_steps": 20, "lr": 0.001, "val_images": 64, "num_workers": 1,
-    "log_every": 25, "val_every": 50, "checkpoint_every": 100,
+    "model": "vit_tiny",
+    "depth": 6,
+    "patch_size": 16,
+    "image_size": 64,
+    "predictor_width": 192,
+    "predictor_depth": 4,
+    "captions_per_image": 4,
+    "pool": "before_mlp",
+    "text_lr_scale": 10.0,
+    "ema": [0.999, 1.0],
+    "min_context": 2,
+    "batch_size": 64,
+    "steps": 300,
+    "warmup_steps": 20,
+    "lr": 0.001,
+    "val_images": 64,
+    "num_workers": 1,
+    "log_every": 25,
+    "val_every": 50,
+    "checkpoint_every": 100,
 }
 
 
@@ -63,8 +79,10 @@ def prepare_scenes(out: Path, n_images: int, t5_steps: int, seed: int, timings: 
     if t5_steps and not stats["t5_training"].get("phrase_tags"):
         raise UserError(f"{models} holds a T5 trained without phrase tags (an older tcjepa); use another --out")
     if stats["t5_training"]["steps"] != t5_steps:
-        raise UserError(f"{models} holds a T5 trained {stats['t5_training']['steps']} steps, not {t5_steps}; "
-                        f"use another --out or --t5-steps {stats['t5_training']['steps']}")
+        raise UserError(
+            f"{models} holds a T5 trained {stats['t5_training']['steps']} steps, not {t5_steps}; "
+            f"use another --out or --t5-steps {stats['t5_training']['steps']}"
+        )
 
     t = announce("caption: import the scene captions (what the scene graph says) into the cache")
     cache = CaptionCache.open_or_create(out / "cache")
@@ -72,8 +90,16 @@ def prepare_scenes(out: Path, n_images: int, t5_steps: int, seed: int, timings: 
     timings["caption_import_s"] = time.perf_counter() - t
 
     t = announce("embed: T5 token embeddings of the scene captions -> Zarr store")
-    report = run_embed(EmbedConfig(cache=out / "cache", store=out / "store", model=str(models / "t5"), recipes=[SCENE_RECIPE],
-                                   device="cpu", progress=False))
+    report = run_embed(
+        EmbedConfig(
+            cache=out / "cache",
+            store=out / "store",
+            model=str(models / "t5"),
+            recipes=[SCENE_RECIPE],
+            device="cpu",
+            progress=False,
+        )
+    )
     print(f"[demo]   {report.summary(dry_run=False)}")
     timings["embed_s"] = time.perf_counter() - t
     return stats

@@ -71,8 +71,14 @@ def draw_scene(rng: np.random.Generator, grid: int) -> list[Obj]:
             if rng.random() < EMPTY_PROB:
                 continue
             objs.append(
-                Obj(r, c, SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))],
-                    SIZES[rng.integers(len(SIZES))], TEXTURES[rng.integers(len(TEXTURES))])
+                Obj(
+                    r,
+                    c,
+                    SHAPES[rng.integers(len(SHAPES))],
+                    list(COLOURS)[rng.integers(len(COLOURS))],
+                    SIZES[rng.integers(len(SIZES))],
+                    TEXTURES[rng.integers(len(TEXTURES))],
+                )
             )
     return objs
 
@@ -148,9 +154,14 @@ def captions_for(objs: list[Obj], grid: int, rng: np.random.Generator) -> list[s
     """Eight captions in varied phrasing; each names every object and its cell."""
     if not objs:
         return [
-            "An empty grey grid with no shapes.", "Nothing is drawn on the grey background.",
-            "A blank scene.", "The grid is empty.", "No objects at all, only grey.",
-            "An empty picture with a grey background.", "There are no shapes in any cell.", "All cells are empty.",
+            "An empty grey grid with no shapes.",
+            "Nothing is drawn on the grey background.",
+            "A blank scene.",
+            "The grid is empty.",
+            "No objects at all, only grey.",
+            "An empty picture with a grey background.",
+            "There are no shapes in any cell.",
+            "All cells are empty.",
         ]
     out = []
     for k in range(CAPTIONS_PER_IMAGE):
@@ -196,6 +207,15 @@ def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int =
             cells = [[0] * grid for _ in range(grid)]
             for o in objs:
                 cells[o.row][o.col] = cell_class(o)
-            labels.write(json.dumps({"image": name, "label": image_label(objs), "cells": cells, "cell_size": cell}) + "\n")
-    meta = {"image_labels": ["none", *COLOURS], "cell_classes": class_names(), "grid": grid, "image_size": image_size, "seed": seed, "n": n}
+            labels.write(
+                json.dumps({"image": name, "label": image_label(objs), "cells": cells, "cell_size": cell}) + "\n"
+            )
+    meta = {
+        "image_labels": ["none", *COLOURS],
+        "cell_classes": class_names(),
+        "grid": grid,
+        "image_size": image_size,
+        "seed": seed,
+        "n": n,
+    }
     (out / "classes.json").write_text(json.dumps(meta, indent=1) + "\n")

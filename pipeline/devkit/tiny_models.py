@@ -31,15 +31,18 @@ def read_caption_corpus(path: Path) -> list[str]:
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:
-            raise UserError(f"--t5-corpus {path}: line {line_no} is not JSON; expected {{\"image\": ..., \"captions\": [...]}} per line") from None
+            raise UserError(
+                f'--t5-corpus {path}: line {line_no} is not JSON; expected {{"image": ..., "captions": [...]}} per line'
+            ) from None
         texts.extend(c.strip() for c in entry.get("captions", []) if isinstance(c, str) and c.strip())
     if not texts:
         raise UserError(f"--t5-corpus {path}: no captions found")
     return texts
 
 
-def build_tiny_models(out: Path, t5_corpus: Path | None = None, t5_steps: int = T5_STEPS, seed: int = 0,
-                      t5_phrase_tags: bool = True) -> dict[str, Any]:
+def build_tiny_models(
+    out: Path, t5_corpus: Path | None = None, t5_steps: int = T5_STEPS, seed: int = 0, t5_phrase_tags: bool = True
+) -> dict[str, Any]:
     """Write `out/t5` and `out/vlm`; returns what was built (and the T5's binding score when trained)."""
     from pipeline.devkit.tiny_t5 import binding_score, build_tiny_t5, probe_accuracy
     from pipeline.devkit.tiny_vlm import build_tiny_vlm

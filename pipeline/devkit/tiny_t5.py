@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.devkit import synth
 from pipeline.core.errors import UserError
+from pipeline.devkit import synth
 
 if TYPE_CHECKING:
     import transformers
@@ -38,9 +38,17 @@ N_SENTINELS = 32
 WORD_END = "\ue000"  # a private-use character no caption contains; see _train_unigram
 SCORE_DECIMALS = 4
 MODEL_CONFIG: dict[str, Any] = dict(
-    d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-    relative_attention_num_buckets=16, relative_attention_max_distance=64,
-    feed_forward_proj="gated-gelu", dropout_rate=0.0, tie_word_embeddings=True,
+    d_model=64,
+    d_kv=16,
+    d_ff=128,
+    num_layers=2,
+    num_decoder_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=16,
+    relative_attention_max_distance=64,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+    tie_word_embeddings=True,
 )
 MAX_TOKENS = 64  # longer captions are truncated for span corruption: steps are cheaper
 NOISE_DENSITY = 0.15
@@ -188,7 +196,9 @@ def _tagged_batch(tokenizer: transformers.T5Tokenizer, rng: np.random.Generator)
         spans = []
         for obj in objs:
             start, what, where = _phrase(obj, text)
-            spans.append((start, start + len(what) + 1 + len(where), 1 + obj.row * GRID + obj.col, synth.cell_class(obj)))
+            spans.append(
+                (start, start + len(what) + 1 + len(where), 1 + obj.row * GRID + obj.col, synth.cell_class(obj))
+            )
         phrases.append(spans)
     enc = tokenizer(texts, padding=True, return_offsets_mapping=True, return_tensors="np")
     cells = np.zeros(enc.input_ids.shape, dtype=np.int64)
@@ -222,7 +232,9 @@ def _pretrain(
         raise UserError("no caption in the T5 corpus has two or more tokens to train on")
     sentinels = tokenizer.convert_tokens_to_ids([f"<extra_id_{k}>" for k in range(N_SENTINELS)])
     width = model.config.d_model
-    heads = torch.nn.ModuleDict({"cell": torch.nn.Linear(width, GRID * GRID + 1), "class": torch.nn.Linear(width, len(synth.class_names()))})
+    heads = torch.nn.ModuleDict(
+        {"cell": torch.nn.Linear(width, GRID * GRID + 1), "class": torch.nn.Linear(width, len(synth.class_names()))}
+    )
     params = [*model.parameters(), *heads.parameters()] if phrase_tags else list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
     decay = max(round(DECAY_SHARE * steps), 1)
@@ -233,7 +245,9 @@ def _pretrain(
         input_ids, mask, cells, classes = map(torch.from_numpy, batch)
         hidden = model.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
         cell_logits, class_logits = heads["cell"](hidden), heads["class"](hidden)
-        loss = F.cross_entropy(cell_logits.flatten(0, 1), cells.flatten()) + F.cross_entropy(class_logits.flatten(0, 1), classes.flatten())
+        loss = F.cross_entropy(cell_logits.flatten(0, 1), cells.flatten()) + F.cross_entropy(
+            class_logits.flatten(0, 1), classes.flatten()
+        )
         in_phrase = classes >= 0
         both = (cell_logits.argmax(-1) == cells) & (class_logits.argmax(-1) == classes)
         return loss, both[in_phrase].float().mean()
@@ -285,8 +299,9 @@ def _single_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def build_tiny_t5(out: Path, corpus: Sequence[str] | None = None, steps: int = 0, seed: int = 0,
-                  phrase_tags: bool = True) -> dict[str, Any]:
+def build_tiny_t5(
+    out: Path, corpus: Sequence[str] | None = None, steps: int = 0, seed: int = 0, phrase_tags: bool = True
+) -> dict[str, Any]:
     """Write a tiny T5EncoderModel and its tokenizer to `out`; returns build statistics.
 
     The tokenizer is learned on `corpus` (default: :func:`fallback_corpus`; with phrase tags,
@@ -345,11 +360,17 @@ def _word_vectors(model_dir: Path, texts: Sequence[str], spans: Sequence[Sequenc
         batch = by_length[lo : lo + 256].tolist()
         enc = tokenizer([texts[i] for i in batch], padding=True, return_offsets_mapping=True)
         with torch.no_grad(), _single_thread():
-            hidden = model(input_ids=torch.tensor(enc["input_ids"]), attention_mask=torch.tensor(enc["attention_mask"])).last_hidden_state.numpy()
-        offsets = np.asarray(enc["offset_mapping"])  # [batch, tokens, 2]: character span of each token; (0, 0) for specials
+            hidden = model(
+                input_ids=torch.tensor(enc["input_ids"]), attention_mask=torch.tensor(enc["attention_mask"])
+            ).last_hidden_state.numpy()
+        offsets = np.asarray(
+            enc["offset_mapping"]
+        )  # [batch, tokens, 2]: character span of each token; (0, 0) for specials
         for j, i in enumerate(batch):
             first, last = offsets[j, :, 0], offsets[j, :, 1]
-            per_text[i] = [hidden[j, (last > first) & (first < end) & (last > start)].mean(axis=0) for start, end in spans[i]]
+            per_text[i] = [
+                hidden[j, (last > first) & (first < end) & (last > start)].mean(axis=0) for start, end in spans[i]
+            ]
     return np.stack([row for rows in per_text for row in rows])
 
 
