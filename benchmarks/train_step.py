@@ -169,7 +169,7 @@ def train_config(args: argparse.Namespace, mode: Mode):
 
     return TrainConfig(
         model=args.model,
-        width=args.width,
+        width=args.d_model,
         depth=args.depth,
         heads=args.heads,
         patch_size=args.patch_size,
@@ -224,12 +224,13 @@ def predictor_forward_flops(
     parts["blocks"] = depth * m * (linear + attention + mlp)
     if mode.conditioning == "cross":
         q = m * t  # one image's M sequences attend to its captions as one row
+        # proj, per caption
         cross = (
             2 * q * w * w  # q
             + 2 * 2 * n * s * text_dim * w  # k, v
             + 2 * 2 * q * n * s * w  # scores and weighted sums, all N captions
             + 2 * n * q * w * w
-        )  # proj, per caption
+        )
         extra_mlp = (n - 1) * 2 * q * w * 2 * mlp_hidden if mode.pool == "after_mlp" else 0
         parts["cross_attention"] = depth * cross
         parts["per_caption_mlp"] = depth * extra_mlp

@@ -8,6 +8,7 @@ request is drawn with the torch seed `seed + k`, so a caption is reproducible.
 from __future__ import annotations
 
 from captioning.engines import CaptionRequest, Generated, SamplingConfig, chat_prompt, load_processor
+from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 
 
@@ -15,7 +16,6 @@ class HFEngine:
     name = "transformers"
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False) -> None:
-        import torch
         import transformers
         from transformers import AutoModelForImageTextToText
 
@@ -23,9 +23,7 @@ class HFEngine:
         self.processor = load_processor(model, trust_remote_code)
         self.chat_template: str = self.processor.chat_template
         self.engine_args = {"dtype": dtype} if dtype != "auto" else {}
-        self.device = torch.device(
-            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-        )
+        self.device = resolve_device(device)
         try:
             self.model = (
                 AutoModelForImageTextToText.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from captioning.cache import caption_row
-from captioning.engines import CaptionEngine, CaptionRequest, SamplingConfig
+from captioning.backends import get_backend
+from captioning.cache import CaptionCache, caption_row
+from captioning.engines import CaptionEngine, CaptionRequest, SamplingConfig, load_processor
 from captioning.prompts import Prompt, load_prompts, samples_per_prompt
 from captioning.remote_cache import open_cache_for_writing
 from pipeline.core.errors import UserError
@@ -59,6 +60,7 @@ class CaptionConfig:
     executor: str = "local"  # local, or ray (Ray tasks decode, Ray actors caption; not part of the recipe)
     ray_address: str | None = None  # an existing cluster; default: RAY_ADDRESS, else a local instance
     num_workers: int | None = None  # Ray engine actors; default: one per GPU (per tensor_parallel_size GPUs), else 1
+    progress: bool = True
 
 
 @dataclass
@@ -73,9 +75,14 @@ class CaptionReport:
     failure_reasons: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     engine_start_s: float = 0.0
-    timeline: list[tuple[float, int]] = field(
-        default_factory=list
-    )  # (seconds since start, captions) of each finished chunk
+    # (seconds since start, captions) of each finished chunk
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+
+    def count_failure(self, reason: str) -> None:
+        """One more failed image, counted under its reason's first words."""
+        self.failed += 1
+        key = reason.split(" (")[0]
+        self.failure_reasons[key] = self.failure_reasons.get(key, 0) + 1
 
     def summary(self, dry_run: bool) -> str:
         head = (
@@ -133,7 +140,8 @@ def caption_recipe(
 ) -> dict[str, Any]:
     """Everything that changes the captions (not: executor, shard, chunking, devices)."""
     config = load_config(cfg.model, "--model")
-    engine_args = {k: cfg.engine_args[k] for k in sorted(cfg.engine_args) if k in _output_affecting(cfg.backend)}
+    affecting = get_backend(cfg.backend).output_affecting_args
+    engine_args = {k: cfg.engine_args[k] for k in sorted(cfg.engine_args) if k in affecting}
     return {
         "kind": "vlm-captions",
         **model_identity(cfg.model, config, "--model"),
@@ -149,27 +157,11 @@ def caption_recipe(
     }
 
 
-def _output_affecting(backend: str) -> tuple[str, ...]:
-    if backend == "vllm":
-        from captioning.vllm_engine import OUTPUT_AFFECTING_ARGS
-
-        return OUTPUT_AFFECTING_ARGS
-    return ("dtype",)
-
-
 def make_engine(cfg: CaptionConfig) -> CaptionEngine:
-    if cfg.backend == "vllm":
-        from captioning.vllm_engine import VLLMEngine
-
-        return VLLMEngine(cfg.model, cfg.engine_args, cfg.trust_remote_code)
-    if cfg.backend == "hf":
-        from captioning.hf_engine import HFEngine
-
-        unknown = set(cfg.engine_args) - {"dtype"}
-        if unknown:
-            raise UserError(f"--backend hf takes only dtype among engine options, not {sorted(unknown)}")
-        return HFEngine(cfg.model, cfg.device, str(cfg.engine_args.get("dtype", "auto")), cfg.trust_remote_code)
-    raise UserError(f"--backend {cfg.backend!r}: choose vllm or hf")
+    """Start the engine of `cfg.backend` (slow: a vLLM engine takes ~20 s on a CPU and minutes for a large model)."""
+    backend = get_backend(cfg.backend)
+    backend.check_args(cfg.backend, cfg.engine_args)
+    return backend.start(cfg.model, cfg.engine_args, cfg.device, cfg.trust_remote_code)
 
 
 @dataclass
@@ -186,102 +178,150 @@ def _decode_one(item: _Pending, policy: ImagePolicy) -> tuple[_Pending, Any, str
     return _Pending(item.image_sha256, item.source_id, b""), image, error
 
 
+class Selection:
+    """The images this run captions, streamed from the sources in their order; the others are counted as they pass.
+
+    Iterate it once; its counts are final when the iteration ends.
+    """
+
+    def __init__(self, entries: Iterator[Any], shard: tuple[int, int], done: set[str]) -> None:
+        self._entries, self._shard, self._done = entries, shard, done
+        self.seen = self.other_shards = self.already_cached = 0
+        self.unreadable: list[tuple[str, str]] = []  # (source id, reason) of listed images that could not be read
+
+    def __iter__(self) -> Iterator[_Pending]:
+        index, count = self._shard
+        chosen: set[str] = set()
+        for entry in self._entries:
+            self.seen += 1
+            if entry.data is None:  # unreadable: sharded by its source id, since it has no content hash
+                if in_shard(sha256_bytes(entry.source_id.encode()), index, count):
+                    self.unreadable.append((entry.source_id, entry.error or "unreadable"))
+                else:
+                    self.other_shards += 1
+                continue
+            digest = sha256_bytes(entry.data)
+            if not in_shard(digest, index, count):
+                self.other_shards += 1
+            elif digest in self._done or digest in chosen:
+                self.already_cached += 1
+            else:
+                chosen.add(digest)
+                yield _Pending(digest, entry.source_id, entry.data)
+
+
 def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> CaptionReport:
-    """Caption every image of `cfg.inputs` missing from the cache under this recipe.
+    """Caption every image of `cfg.inputs` missing from the cache under this recipe: select → caption → publish.
 
     An engine passed in is used and left open; one started here is closed at the end.
     """
-    from tqdm import tqdm
-
-    index, count = parse_shard(cfg.shard)
+    shard = parse_shard(cfg.shard)
     if cfg.chunk_images < 1:
         raise UserError("--chunk-images must be positive")
     prompts = load_prompts(cfg.prompts_file)
     counts = samples_per_prompt(cfg.captions_per_image, len(prompts))
-    entries = iter_images(cfg.inputs, cfg.image_column)
+    backend = get_backend(cfg.backend)
     cache = open_cache_for_writing(cfg.cache, cfg.mirror)
-    name, version, template = engine_identity(cfg)
-    if engine is not None and (engine.name != name or engine.engine_args != cfg.engine_args):
+    template = load_processor(cfg.model, cfg.trust_remote_code).chat_template
+    if engine is not None and (engine.name != backend.engine or engine.engine_args != cfg.engine_args):
         raise ValueError(
             f"the engine given ({engine.name}, {engine.engine_args}) does not match the config ({cfg.backend}, "
             f"{cfg.engine_args})"
         )
-    recipe_id = cache.add_recipe(caption_recipe(cfg, prompts, counts, name, version, template), cfg.recipe_name)
+    recipe = caption_recipe(cfg, prompts, counts, backend.engine, backend.version(), template)
+    recipe_id = cache.add_recipe(recipe, cfg.recipe_name)
     report = CaptionReport(recipe=recipe_id)
     done = cache.complete_images(recipe_id, sum(counts))
-    failures_out: list[dict[str, Any]] = []
-
-    def todo() -> Iterator[_Pending]:
-        seen: set[str] = set()
-        for entry in entries:
-            report.images_seen += 1
-            if entry.data is None:
-                if in_shard(sha256_bytes(entry.source_id.encode()), index, count):
-                    _fail(report, failures_out, None, entry.source_id, entry.error or "unreadable")
-                else:
-                    report.other_shards += 1
-                continue
-            digest = sha256_bytes(entry.data)
-            if not in_shard(digest, index, count):
-                report.other_shards += 1
-            elif digest in done or digest in seen:
-                report.already_cached += 1
-            else:
-                seen.add(digest)
-                yield _Pending(digest, entry.source_id, entry.data)
-
-    started = time.perf_counter()
-    if cfg.dry_run:
-        report.captioned = sum(1 for _ in todo())
-        return report
     if cfg.executor == "ray":
         from captioning.ray_executor import caption_on_ray
 
-        caption_on_ray(cfg, list_images(cfg.inputs, cfg.image_column), (index, count), done, prompts, counts, report)
-        return _checked(report)
+        if not cfg.dry_run:
+            caption_on_ray(cfg, list_images(cfg.inputs, cfg.image_column), shard, done, prompts, counts, report)
+            return _checked(report)
+    selection = Selection(iter_images(cfg.inputs, cfg.image_column), shard, done)
+    if cfg.dry_run:
+        report.captioned = sum(1 for _ in selection)
+        for _, reason in selection.unreadable:
+            report.count_failure(reason)
+    else:
+        LocalCaptioning(cfg, cache, recipe_id, prompts, counts, engine, report).run(selection)
+    report.images_seen, report.other_shards = selection.seen, selection.other_shards
+    report.already_cached = selection.already_cached
+    return report if cfg.dry_run else _checked(report)
 
-    owns_engine = engine is None
-    bar = tqdm(unit="image", dynamic_ncols=True)
-    workers = default_decode_workers() if cfg.decode_workers is None else cfg.decode_workers
-    pool: Executor = (
-        ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-        if workers > 0
-        else ThreadPoolExecutor(1)
-    )
-    try:
-        chunks = _chunked(todo(), cfg.chunk_images)
-        decoded = _decode_ahead(pool, chunks, cfg.image_policy)
-        for chunk in decoded:
-            decoded_ok = []
-            for item, image, error in chunk:
-                if image is None:
-                    _fail(report, failures_out, item.image_sha256, item.source_id, error or "undecodable")
-                else:
-                    decoded_ok.append((item.image_sha256, item.source_id, image))
-            if decoded_ok and engine is None:
-                t0 = time.perf_counter()
-                engine = make_engine(cfg)  # only once there is work: a finished cache never starts one
-                report.engine_start_s = time.perf_counter() - t0
-            rows = caption_images(engine, cfg, prompts, counts, recipe_id, decoded_ok) if decoded_ok else []
-            fails = [{**f, "recipe": recipe_id} for f in failures_out]
-            cache.commit(rows, fails)
-            failures_out.clear()
-            images = len({r["image_sha256"] for r in rows})
-            report.captioned += images
-            report.captions += len(rows)
-            bar.update(len(chunk))
-            report.timeline.append((time.perf_counter() - started, len(rows)))
-            busy = time.perf_counter() - started - report.engine_start_s
-            bar.set_postfix(captions_per_s=f"{report.captions / busy:.1f}", failed=report.failed, refresh=False)
-        if failures_out:
-            cache.commit([], [{**f, "recipe": recipe_id} for f in failures_out])
-    finally:
-        pool.shutdown(cancel_futures=True)
-        bar.close()
-        if owns_engine and engine is not None:
-            engine.close()
-    report.seconds = time.perf_counter() - started
-    return _checked(report)
+
+class LocalCaptioning:
+    """Caption selected images in this process, chunk by chunk: decode (a chunk ahead) → generate → commit.
+
+    Each chunk is committed as one shard, captions and failures together, so a killed run
+    loses at most the chunk in flight. The engine starts at the first image to caption.
+    """
+
+    def __init__(
+        self,
+        cfg: CaptionConfig,
+        cache: CaptionCache,
+        recipe_id: str,
+        prompts: list[Prompt],
+        counts: list[int],
+        engine: CaptionEngine | None,
+        report: CaptionReport,
+    ) -> None:
+        self.cfg, self.cache, self.recipe_id, self.prompts, self.counts = cfg, cache, recipe_id, prompts, counts
+        self.engine, self.owns_engine = engine, engine is None
+        self.report = report
+
+    def run(self, selection: Selection) -> None:
+        from tqdm import tqdm
+
+        cfg, report = self.cfg, self.report
+        started = time.perf_counter()
+        workers = default_decode_workers() if cfg.decode_workers is None else cfg.decode_workers
+        pool: Executor = (
+            ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            if workers > 0
+            else ThreadPoolExecutor(1)
+        )
+        bar = tqdm(unit="image", dynamic_ncols=True, disable=not cfg.progress)
+        try:
+            for chunk in _decode_ahead(pool, _chunked(iter(selection), cfg.chunk_images), cfg.image_policy):
+                failures = [self._failure(None, source_id, reason) for source_id, reason in selection.unreadable]
+                selection.unreadable.clear()
+                images = []
+                for item, image, error in chunk:
+                    if image is None:
+                        failures.append(self._failure(item.image_sha256, item.source_id, error or "undecodable"))
+                    else:
+                        images.append((item.image_sha256, item.source_id, image))
+                rows = self._caption(images, started) if images else []
+                self.cache.commit(rows, failures)
+                report.captioned += len({r["image_sha256"] for r in rows})
+                report.captions += len(rows)
+                report.timeline.append((time.perf_counter() - started, len(rows)))
+                bar.update(len(chunk))
+                busy = time.perf_counter() - started - report.engine_start_s
+                bar.set_postfix(captions_per_s=f"{report.captions / busy:.1f}", failed=report.failed, refresh=False)
+            if selection.unreadable:  # unreadable files after the last image to caption
+                self.cache.commit([], [self._failure(None, s, r) for s, r in selection.unreadable])
+                selection.unreadable.clear()
+        finally:
+            pool.shutdown(cancel_futures=True)
+            bar.close()
+            if self.owns_engine and self.engine is not None:
+                self.engine.close()
+        report.seconds = time.perf_counter() - started
+
+    def _caption(self, images: list[tuple[str, str, Any]], started: float) -> list[dict[str, Any]]:
+        if self.engine is None:  # only once there is work: a finished cache never starts one
+            t0 = time.perf_counter()
+            self.engine = make_engine(self.cfg)
+            self.report.engine_start_s = time.perf_counter() - t0
+        return caption_images(self.engine, self.cfg, self.prompts, self.counts, self.recipe_id, images)
+
+    def _failure(self, image_sha256: str | None, source_id: str, reason: str) -> dict[str, Any]:
+        """A failure row for the cache, counted in the report."""
+        self.report.count_failure(reason)
+        return {"image_sha256": image_sha256, "source_id": source_id, "reason": reason, "recipe": self.recipe_id}
 
 
 def _checked(report: CaptionReport) -> CaptionReport:
@@ -319,31 +359,6 @@ def caption_images(
                 )
             )
     return rows
-
-
-def engine_identity(cfg: CaptionConfig) -> tuple[str, str, str]:
-    """Engine name, version and the model's chat template, without starting an engine."""
-    from captioning.engines import load_processor
-
-    template = load_processor(cfg.model, cfg.trust_remote_code).chat_template
-    if cfg.backend == "vllm":
-        import vllm
-
-        return "vllm", vllm.__version__, template
-    if cfg.backend == "hf":
-        import transformers
-
-        return "transformers", transformers.__version__, template
-    raise UserError(f"--backend {cfg.backend!r}: choose vllm or hf")
-
-
-def _fail(
-    report: CaptionReport, out: list[dict[str, Any]], image_sha256: str | None, source_id: str, reason: str
-) -> None:
-    report.failed += 1
-    key = reason.split(" (")[0]
-    report.failure_reasons[key] = report.failure_reasons.get(key, 0) + 1
-    out.append({"image_sha256": image_sha256, "source_id": source_id, "reason": reason})
 
 
 def _chunked(items: Iterator[_Pending], size: int) -> Iterator[list[_Pending]]:

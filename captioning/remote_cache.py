@@ -120,26 +120,26 @@ class RemoteCaptionCache(CaptionCache):
         self._log = PublishLog(url, fs, root, local)
 
     @classmethod
-    def open_or_create(cls, url: str, mirror: Path | None = None) -> RemoteCaptionCache:  # type: ignore[override]
-        fs, root = writable_filesystem(url, "--cache")
-        if not remote_call(url, fs.exists, f"{root}/CACHE.json"):
-            others = [
-                n for n in remote_names(fs, url, root) if n not in (*SUBDIRS, LOG, "CACHE.json")
-            ]  # another creator may be done
-            if others and not remote_call(url, fs.exists, f"{root}/CACHE.json"):
+    def open_or_create(cls, root: str | Path, mirror: Path | None = None) -> RemoteCaptionCache:
+        """Open the cache at the URL `root`, or create it; its mirror (under `mirror`) is brought up to date."""
+        url = str(root)
+        fs, remote_root = writable_filesystem(url, "--cache")
+        if not remote_call(url, fs.exists, f"{remote_root}/CACHE.json"):
+            # Another creator may have finished between the two looks.
+            others = [n for n in remote_names(fs, url, remote_root) if n not in (*SUBDIRS, LOG, "CACHE.json")]
+            if others and not remote_call(url, fs.exists, f"{remote_root}/CACHE.json"):
                 raise UserError(
                     f"--cache {url} holds other objects ({', '.join(others[:3])}) and no CACHE.json; choose a new "
                     "prefix"
                 )
-        marker = canonical_json(
-            {"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex}
-        )  # tells mirrors this cache from a later one
-        create_if_absent(fs, url, f"{root}/CACHE.json", marker)
+        # The random id tells mirrors this cache from one made later under the same URL.
+        marker = canonical_json({"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex})
+        create_if_absent(fs, url, f"{remote_root}/CACHE.json", marker)
         local = mirror_path(url, mirror)
         local.mkdir(parents=True, exist_ok=True)
         with mirror_lock(local):
-            sync_cache_mirror(url, fs, root, local)
-        return cls(url, local, fs, root)
+            sync_cache_mirror(url, fs, remote_root, local)
+        return cls(url, local, fs, remote_root)
 
     def _lock(self) -> FileLock:
         return mirror_lock(self.root)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.model_identity import load_config, model_identity
 
@@ -94,9 +95,7 @@ class T5Encoder:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the embed job shows its own progress
-        dev = torch.device(
-            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-        )
+        dev = resolve_device(device)
         dtype = getattr(torch, compute_dtype)
         net = T5EncoderModel.from_pretrained(model, dtype=dtype).to(dev).eval()
         return cls(net, dev, dtype)

@@ -22,12 +22,15 @@ from captioning.cache import CaptionCache
 from captioning.remote_cache import local_cache
 from embedding_cache.encode import NonFiniteEmbedding, T5Encoder, encoder_recipe, load_tokenizer, plan_batches, tokenize
 from embedding_cache.remote_store import open_existing_store, open_store_for_writing
-from embedding_cache.store import SegmentWriter, TokenLayout
+from embedding_cache.store import KEY_BYTES, EmbeddingStore, SegmentWriter, TokenLayout
 from pipeline.core.errors import UserError
 
 
 @dataclass
 class EmbedConfig:
+    """What `tcjepa embed` was asked to do; the encoder-recipe fields are `model`, `max_length`, `eos` and
+    `compute_dtype`, the rest only say how the work is done."""
+
     cache: str | Path  # a directory or an fsspec URL (mirrored locally)
     store: str | Path  # a directory or an s3:// URL
     model: str
@@ -60,9 +63,8 @@ class EmbedReport:
     segments: list[str] = field(default_factory=list)
     seconds: float = 0.0
     bytes_added: int = 0
-    timeline: list[tuple[float, int]] = field(
-        default_factory=list
-    )  # (seconds since start, captions) of each finished batch
+    # (seconds since start, captions) of each finished batch
+    timeline: list[tuple[float, int]] = field(default_factory=list)
 
     def summary(self, dry_run: bool) -> str:
         head = "would encode" if dry_run else "encoded"
@@ -75,8 +77,18 @@ class EmbedReport:
         )
 
 
-def _texts_to_encode(cache: CaptionCache, recipes: list[str]) -> tuple[list[str], np.ndarray, int]:
-    """Distinct caption texts in image order, their 32-byte keys, and the number of caption rows."""
+@dataclass
+class Selection:
+    """The captions to encode: distinct texts of the chosen recipes in image order, minus those stored."""
+
+    texts: list[str]  # every distinct text, in image order
+    keys: np.ndarray  # uint8 [len(texts), 32]: sha256 of each text
+    todo: np.ndarray  # int64: positions in `texts` that the store lacks
+    caption_rows: int  # caption rows of the chosen recipes (texts repeat across images)
+
+
+def select_captions(cache: CaptionCache, recipes: list[str], store: EmbeddingStore | None) -> Selection:
+    """Distinct caption texts in image order (each image's captions together), and which of them `store` lacks."""
     table = cache.read_captions(columns=["image_sha256", "prompt_id", "sample", "text", "text_sha256"], recipes=recipes)
     table = table.sort_by([("image_sha256", "ascending"), ("prompt_id", "ascending"), ("sample", "ascending")])
     hexes = table.column("text_sha256").to_pylist()
@@ -88,106 +100,135 @@ def _texts_to_encode(cache: CaptionCache, recipes: list[str]) -> tuple[list[str]
             seen.add(h)
             keep_texts.append(t)
             keep_keys.append(bytes.fromhex(h))
-    keys = np.frombuffer(b"".join(keep_keys), dtype=np.uint8).reshape(-1, 32)
-    return keep_texts, keys, table.num_rows
+    keys = np.frombuffer(b"".join(keep_keys), dtype=np.uint8).reshape(-1, KEY_BYTES)
+    todo = np.arange(len(keep_texts)) if store is None else np.flatnonzero(~store.published().contains(keys))
+    return Selection(keep_texts, keys, todo, table.num_rows)
 
 
 def run_embed(cfg: EmbedConfig) -> EmbedReport:
-    from tqdm import tqdm
+    """Encode every caption of the chosen recipes that the store lacks: select → encode → publish segments.
 
-    cache = CaptionCache(local_cache(cfg.cache, cfg.mirror))
-    recipes = cache.resolve_recipes(cfg.recipes)
+    A dry run counts captions, tokens and bytes without loading the encoder or creating the store
+    (a store made with another encoder is refused all the same).
+    """
     if cfg.token_budget < 1 or cfg.window < 1 or cfg.segment_mb <= 0:
         raise UserError("--token-budget, --window and --segment-mb must be positive")
-    recipe, d_model = encoder_recipe(cfg.model, cfg.max_length, cfg.eos, cfg.compute_dtype)
+    cache = CaptionCache(local_cache(cfg.cache, cfg.mirror))
+    recipes = cache.resolve_recipes(cfg.recipes)
+    recipe, width = encoder_recipe(cfg.model, cfg.max_length, cfg.eos, cfg.compute_dtype)
     tokenizer = load_tokenizer(cfg.model)
-    texts, keys, n_rows = _texts_to_encode(cache, recipes)
-    report = EmbedReport(captions_selected=n_rows, unique_texts=len(texts))
-
-    # A dry run creates nothing, but refuses a mismatched store all the same.
     store = (
         open_existing_store(cfg.store, recipe, cfg.mirror)
         if cfg.dry_run
-        else open_store_for_writing(cfg.store, recipe, d_model, cfg.mirror)
+        else open_store_for_writing(cfg.store, recipe, width, cfg.mirror)
     )
-    todo = np.arange(len(texts)) if store is None else np.flatnonzero(~store.published().contains(keys))
-    report.already_stored = len(texts) - len(todo)
-
+    selection = select_captions(cache, recipes, store)
+    report = EmbedReport(captions_selected=selection.caption_rows, unique_texts=len(selection.texts))
+    report.already_stored = len(selection.texts) - len(selection.todo)
     if cfg.dry_run:
-        for start in range(0, len(todo), cfg.window):
-            ids, truncated = tokenize(
-                tokenizer, [texts[i] for i in todo[start : start + cfg.window]], cfg.max_length, cfg.eos
-            )
-            report.encoded += len(ids)
-            report.tokens += sum(len(x) for x in ids)
-            report.truncated += truncated
-        report.bytes_added = report.tokens * d_model * 2 + report.encoded * (8 + 32)
-        return report
+        _count_dry_run(cfg, tokenizer, selection, report)
+    elif len(selection.todo):
+        assert store is not None
+        base = TokenLayout.for_bytes(width)
+        layout = TokenLayout(cfg.chunk_tokens or base.chunk_tokens, cfg.shard_chunks or base.shard_chunks)
+        if cfg.executor == "ray":
+            from embedding_cache.ray_executor import embed_on_ray
 
-    assert store is not None
-    layout = TokenLayout.for_bytes(d_model)
-    layout = TokenLayout(cfg.chunk_tokens or layout.chunk_tokens, cfg.shard_chunks or layout.shard_chunks)
-    segment_tokens = max(int(cfg.segment_mb * 2**20) // (2 * d_model), 1)
-    if len(todo) == 0:
-        return report
-    if cfg.executor == "ray":
-        from embedding_cache.ray_executor import embed_on_ray
+            embed_on_ray(cfg, selection.texts, selection.keys, selection.todo, recipe, width, layout, report)
+        else:
+            _embed_here(cfg, tokenizer, selection, store, layout, report)
+    report.bytes_added = report.tokens * width * 2 + report.encoded * (8 + KEY_BYTES)
+    return report
 
-        embed_on_ray(cfg, texts, keys, todo, recipe, d_model, layout, report)
-        report.bytes_added = report.tokens * d_model * 2 + report.encoded * (8 + 32)
-        return report
-    encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
-    started = time.perf_counter()
-    tokens_done = 0
-    writer: SegmentWriter | None = None
-    truncated_in_segment = 0
 
-    def publish() -> None:
-        nonlocal writer, truncated_in_segment
-        if writer is None:
+def _count_dry_run(cfg: EmbedConfig, tokenizer: Any, selection: Selection, report: EmbedReport) -> None:
+    for start in range(0, len(selection.todo), cfg.window):
+        window = selection.todo[start : start + cfg.window]
+        ids, truncated = tokenize(tokenizer, [selection.texts[i] for i in window], cfg.max_length, cfg.eos)
+        report.encoded += len(ids)
+        report.tokens += sum(len(x) for x in ids)
+        report.truncated += truncated
+
+
+class SegmentPublisher:
+    """Appends encoded captions to a staging segment and publishes it every `segment_tokens` tokens (and at the end).
+
+    A kill loses at most the segment being filled; `discard` drops it after an error.
+    """
+
+    def __init__(
+        self, store: EmbeddingStore, layout: TokenLayout, segment_tokens: int, max_length: int, report: EmbedReport
+    ) -> None:
+        self.store, self.layout, self.segment_tokens, self.max_length = store, layout, segment_tokens, max_length
+        self.report = report
+        self.writer: SegmentWriter | None = None
+        self.truncated = 0  # captions truncated in the segment being filled
+
+    def add(self, key: bytes, tokens: np.ndarray) -> None:
+        if self.writer is None:
+            self.writer = self.store.new_segment(self.layout)
+        self.writer.append(key, tokens)
+        if self.writer.tokens >= self.segment_tokens:
+            self.publish()
+
+    def publish(self) -> None:
+        if self.writer is None:
             return
-        writer.finish(truncated=truncated_in_segment, max_length=cfg.max_length)
-        result = store.publish(writer)
+        self.writer.finish(truncated=self.truncated, max_length=self.max_length)
+        result = self.store.publish(self.writer)
         if result.segment is not None:
-            report.segments.append(result.segment)
-        report.encoded += result.captions
-        report.tokens += result.tokens
-        writer, truncated_in_segment = None, 0
+            self.report.segments.append(result.segment)
+        self.report.encoded += result.captions
+        self.report.tokens += result.tokens
+        self.writer, self.truncated = None, 0
 
-    bar = tqdm(total=len(todo), unit="caption", disable=not cfg.progress, dynamic_ncols=True)
+    def discard(self) -> None:
+        if self.writer is not None:
+            self.writer.discard()
+            self.writer = None
 
-    def progress(captions: int, tokens: int) -> None:
-        nonlocal tokens_done
-        tokens_done += tokens
+
+def _embed_here(
+    cfg: EmbedConfig,
+    tokenizer: Any,
+    selection: Selection,
+    store: EmbeddingStore,
+    layout: TokenLayout,
+    report: EmbedReport,
+) -> None:
+    """The local executor: windows of captions encoded in this process, published as segments."""
+    from tqdm import tqdm
+
+    encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
+    segment_tokens = max(int(cfg.segment_mb * 2**20) // (2 * store.width), 1)
+    publisher = SegmentPublisher(store, layout, segment_tokens, cfg.max_length, report)
+    started = time.perf_counter()
+    bar = tqdm(total=len(selection.todo), unit="caption", disable=not cfg.progress, dynamic_ncols=True)
+    encoded_tokens = [0]
+
+    def show(captions: int, tokens: int) -> None:
+        encoded_tokens[0] += tokens
         bar.update(captions)
-        bar.set_postfix(tokens_per_s=f"{tokens_done / (time.perf_counter() - started):,.0f}", refresh=False)
+        bar.set_postfix(tokens_per_s=f"{encoded_tokens[0] / (time.perf_counter() - started):,.0f}", refresh=False)
 
     try:
-        for start in range(0, len(todo), cfg.window):
-            window = todo[start : start + cfg.window]
-            window = window[~store.published().contains(keys[window])]
-            outputs, truncated = encode_window(
-                encoder, tokenizer, [texts[i] for i in window], keys[window], cfg, progress
-            )
+        for start in range(0, len(selection.todo), cfg.window):
+            window = selection.todo[start : start + cfg.window]
+            window = window[~store.published().contains(selection.keys[window])]  # other writers may have added some
+            texts = [selection.texts[i] for i in window]
+            outputs, truncated = encode_window(encoder, tokenizer, texts, selection.keys[window], cfg, show)
             report.truncated += truncated
-            truncated_in_segment += truncated
-            for j, out in enumerate(outputs):
-                if writer is None:
-                    writer = store.new_segment(layout)
-                writer.append(keys[window[j]].tobytes(), out)
-                if writer.tokens >= segment_tokens:
-                    publish()
+            publisher.truncated += truncated
+            for i, out in zip(window, outputs):
+                publisher.add(selection.keys[i].tobytes(), out)
             report.timeline.append((time.perf_counter() - started, len(window)))
-        publish()
+        publisher.publish()
     except BaseException:
-        if writer is not None:
-            writer.discard()
+        publisher.discard()
         raise
     finally:
         bar.close()
     report.seconds = time.perf_counter() - started
-    report.bytes_added = report.tokens * d_model * 2 + report.encoded * (8 + 32)
-    return report
 
 
 def encode_window(

@@ -28,14 +28,14 @@ from pipeline.core.ray_cluster import actor_resources, start_ray
 class SegmentPerBatch:
     """A Ray Data actor: T5 loaded once; each batch of captions becomes one published segment."""
 
-    def __init__(self, cfg: EmbedConfig, recipe: dict[str, Any], d_model: int, layout: TokenLayout) -> None:
+    def __init__(self, cfg: EmbedConfig, recipe: dict[str, Any], width: int, layout: TokenLayout) -> None:
         from embedding_cache.encode import T5Encoder, load_tokenizer
         from embedding_cache.remote_store import open_store_for_writing
 
         self.cfg, self.layout = cfg, layout
         self.tokenizer = load_tokenizer(cfg.model)
         self.encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
-        self.store = open_store_for_writing(cfg.store, recipe, d_model, cfg.mirror)
+        self.store = open_store_for_writing(cfg.store, recipe, width, cfg.mirror)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         keys = np.frombuffer(b"".join(batch.column("key").to_pylist()), dtype=np.uint8).reshape(-1, KEY_BYTES)
@@ -74,7 +74,7 @@ def embed_on_ray(
     keys: np.ndarray,
     todo: np.ndarray,
     recipe: dict[str, Any],
-    d_model: int,
+    width: int,
     layout: TokenLayout,
     report: EmbedReport,
 ) -> None:
@@ -88,12 +88,11 @@ def embed_on_ray(
     table = pa.table(
         {"key": pa.array([keys[i].tobytes() for i in todo], pa.binary(KEY_BYTES)), "text": [texts[i] for i in todo]}
     )
-    blocks = [
-        table.slice(start, cfg.window) for start in range(0, table.num_rows, cfg.window)
-    ]  # a block per batch: all actors busy
+    # a block per batch: all actors busy
+    blocks = [table.slice(start, cfg.window) for start in range(0, table.num_rows, cfg.window)]
     dataset = ray.data.from_arrow(blocks).map_batches(
         SegmentPerBatch,
-        fn_constructor_args=(cfg, recipe, d_model, layout),
+        fn_constructor_args=(cfg, recipe, width, layout),
         batch_size=cfg.window,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=size),

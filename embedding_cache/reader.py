@@ -54,7 +54,7 @@ class _Segment:
         return chunk
 
 
-def _map_tokens(array_dir: Path, d_model: int) -> tuple[int, list[np.ndarray | None]]:
+def _map_tokens(array_dir: Path, width: int) -> tuple[int, list[np.ndarray | None]]:
     """Memory-map every inner chunk of a sharded, uncompressed float16 `tokens` array."""
     meta = json.loads((array_dir / "zarr.json").read_text())
     shape = meta["shape"]
@@ -73,12 +73,12 @@ def _map_tokens(array_dir: Path, d_model: int) -> tuple[int, list[np.ndarray | N
         raise UserError(f"{array_dir}: tokens must be float16, uncompressed, sharded with the index at the end")
     shard_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
     chunk_rows, chunk_cols = config["chunk_shape"]
-    if chunk_cols != d_model or shape[1] != d_model:
-        raise UserError(f"{array_dir}: tokens width {shape[1]} does not match the store's d_model {d_model}")
+    if chunk_cols != width or shape[1] != width:
+        raise UserError(f"{array_dir}: tokens width {shape[1]} does not match the store's width {width}")
     sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
     per_shard = shard_rows // chunk_rows
     n_chunks = -(-shape[0] // chunk_rows)
-    chunk_bytes = chunk_rows * d_model * 2
+    chunk_bytes = chunk_rows * width * 2
     chunks: list[np.ndarray | None] = []
     for s in range(-(-shape[0] // shard_rows)):
         path = array_dir / f"c{sep}{s}{sep}0"
@@ -91,7 +91,7 @@ def _map_tokens(array_dir: Path, d_model: int) -> tuple[int, list[np.ndarray | N
                 continue
             if nbytes != chunk_bytes:
                 raise UserError(f"{path}: inner chunk {k} has {nbytes} bytes, expected {chunk_bytes} (compressed?)")
-            chunks.append(mapped[int(offset) : int(offset) + chunk_bytes].view(np.float16).reshape(chunk_rows, d_model))
+            chunks.append(mapped[int(offset) : int(offset) + chunk_bytes].view(np.float16).reshape(chunk_rows, width))
     return chunk_rows, chunks
 
 
@@ -131,12 +131,12 @@ class StoreKeys:
 
 
 class EmbeddingReader:
-    """Maps caption keys to float16 `[length, d_model]` arrays of a store, without zarr on the read path."""
+    """Maps caption keys to float16 `[length, width]` arrays of a store, without zarr on the read path."""
 
     def __init__(self, path: str | Path) -> None:
         store = EmbeddingStore(path)
-        self.path = Path(path)
-        self.d_model = store.d_model
+        self.root = Path(path)
+        self.width = store.width
         self.encoder: dict[str, Any] = store.encoder
         self.encoder_hash = store.encoder_hash
         self.keys = StoreKeys(store)
@@ -145,8 +145,8 @@ class EmbeddingReader:
         lengths = []
         for seg_id in self.segment_ids:
             offsets = store.read_offsets(seg_id)
-            chunk_rows, chunks = _map_tokens(store.segment_path(seg_id) / "tokens", self.d_model)
-            self._segments.append(_Segment(offsets, chunk_rows, self.d_model, chunks))
+            chunk_rows, chunks = _map_tokens(store.segment_path(seg_id) / "tokens", self.width)
+            self._segments.append(_Segment(offsets, chunk_rows, self.width, chunks))
             lengths.append(np.diff(offsets).astype(np.int32))
         self._starts = self.keys.starts.tolist()
         self._starts_arr = self.keys.starts
@@ -199,7 +199,7 @@ class EmbeddingReader:
         segs, starts, stops = self._resolve(rows)
         offsets = np.zeros(len(starts) + 1, dtype=np.int64)
         np.cumsum(stops - starts, out=offsets[1:])
-        out = np.empty((int(offsets[-1]), self.d_model), dtype=np.float16)
+        out = np.empty((int(offsets[-1]), self.width), dtype=np.float16)
         segments = self._segments
         for seg, start, stop, lo, hi in zip(
             segs.tolist(), starts.tolist(), stops.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
@@ -216,7 +216,7 @@ class EmbeddingReader:
         lengths = np.array([0 if p is None else len(p) for p in parts], dtype=np.int64)
         if max_len is not None:
             lengths = np.minimum(lengths, max_len)
-        out = np.zeros((len(rows), int(lengths.max(initial=1)) or 1, self.d_model), dtype=np.float16)
+        out = np.zeros((len(rows), int(lengths.max(initial=1)) or 1, self.width), dtype=np.float16)
         for i, p in enumerate(parts):
             if p is not None:
                 out[i, : lengths[i]] = p[: lengths[i]]

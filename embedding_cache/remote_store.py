@@ -108,9 +108,8 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
             doc["attributes"]["tcjepa"]["segments"] = listed
             atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
 
-        list_locally(
-            [s for s in segments if (local / "segments" / s).exists()]
-        )  # a reader meanwhile sees only whole segments
+        # a reader meanwhile sees only whole segments
+        list_locally([s for s in segments if (local / "segments" / s).exists()])
         fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
         store = EmbeddingStore(local)
         fetched = 0
@@ -142,29 +141,35 @@ def local_store(location: str | Path, mirror: Path | None = None, only: Collecti
 class RemoteEmbeddingStore(EmbeddingStore):
     """The store at `url`; `local` is its keys mirror, where segments are also staged."""
 
-    def __init__(self, url: str, local: Path, fs: Any, root: str) -> None:
-        super().__init__(local)
-        self.url, self._fs, self._remote = url, fs, root
-        self._log = PublishLog(url, fs, root, local)
+    def __init__(self, url: str, keys_mirror: Path, fs: Any, remote_root: str) -> None:
+        super().__init__(keys_mirror)
+        self.url, self._fs, self._remote = url, fs, remote_root
+        self._log = PublishLog(url, fs, remote_root, keys_mirror)
 
     @classmethod
-    def open(
-        cls, url: str, mirror: Path | None = None, encoder: dict[str, Any] | None = None, d_model: int | None = None
+    def open_or_create(
+        cls, root: str | Path, encoder_recipe: dict[str, Any], width: int, mirror: Path | None = None
     ) -> RemoteEmbeddingStore:
-        """Open the store at `url` (creating it when `encoder` and `d_model` are given) and bring its keys mirror up to
-        date."""
-        fs, root = writable_filesystem(url, "--store")
-        if not remote_call(url, fs.exists, f"{root}/zarr.json"):
-            if encoder is None or d_model is None:
-                raise UserError(f"--store {url} is not an embedding store (no zarr.json)")
-            _create(url, fs, root, encoder, d_model)
-        store = cls(url, _keys_mirror(url, fs, root, mirror), fs, root)
-        if encoder is not None:
-            store.check_encoder(encoder)
+        """Open the store at the URL `root`, refusing one made with another encoder recipe, or create it; its keys
+        mirror (under `mirror`) is brought up to date."""
+        url = str(root)
+        fs, remote_root = writable_filesystem(url, "--store")
+        if not remote_call(url, fs.exists, f"{remote_root}/zarr.json"):
+            _create(url, fs, remote_root, encoder_recipe, width)
+        store = cls.open(url, mirror)
+        store.check_encoder(encoder_recipe)
         return store
 
+    @classmethod
+    def open(cls, url: str, mirror: Path | None = None) -> RemoteEmbeddingStore:
+        """The existing store at `url`, its keys mirror brought up to date."""
+        fs, remote_root = writable_filesystem(url, "--store")
+        if not remote_call(url, fs.exists, f"{remote_root}/zarr.json"):
+            raise UserError(f"--store {url} is not an embedding store (no zarr.json)")
+        return cls(url, _keys_mirror(url, fs, remote_root, mirror), fs, remote_root)
+
     def _lock(self) -> FileLock:
-        return mirror_lock(self.path)
+        return mirror_lock(self.root)
 
     def _upload(self, segment: SegmentWriter) -> None:
         for dirpath, _, files in os.walk(segment.staging):
@@ -182,7 +187,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
         with self._lock():
             # The next log entry detects any publication this mirror has not seen, so every entry seen must be in it.
             if not {e["segment"] for e in self._log.entries()} <= set(self.segment_ids()):
-                _sync_keys(self.url, self._fs, self._remote, self.path)
+                _sync_keys(self.url, self._fs, self._remote, self.root)
             while True:
                 duplicate = self.published().contains(source.keys_array())
                 if duplicate.any():
@@ -200,8 +205,8 @@ class RemoteEmbeddingStore(EmbeddingStore):
                     break
                 with contextlib.suppress(Exception):  # lost the race: no entry names this upload, so nobody reads it
                     self._fs.rm(f"{self._remote}/segments/{source.segment_id}", recursive=True)
-                _sync_keys(self.url, self._fs, self._remote, self.path)
-            _keep_keys(self.path, source.segment_id, source.staging)
+                _sync_keys(self.url, self._fs, self._remote, self.root)
+            _keep_keys(self.root, source.segment_id, source.staging)
             self._log.keep(seq, canonical_json(entry))
             source.discard()
         self._update_remote_root()
@@ -211,7 +216,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
         """List every published segment in the remote root, for plain zarr readers; repeated while others publish."""
         while True:
             with self._lock():
-                root_raw, segments = remote_store_segments(self.url, self._fs, self._remote, self.path)
+                root_raw, segments = remote_store_segments(self.url, self._fs, self._remote, self.root)
                 seen = set(self._log.seen())
             doc = json.loads(root_raw)
             if doc["attributes"]["tcjepa"]["segments"] != segments:
@@ -223,22 +228,20 @@ class RemoteEmbeddingStore(EmbeddingStore):
                 return
 
 
-def _create(url: str, fs: Any, root: str, encoder: dict[str, Any], d_model: int) -> None:
+def _create(url: str, fs: Any, root: str, encoder: dict[str, Any], width: int) -> None:
     """Create the remote root unless another writer did; refuse a prefix holding anything else."""
-    others = [
-        n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json")
-    ]  # another creator may be done
+    # another creator may be done
+    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json")]
     if remote_call(url, fs.exists, f"{root}/zarr.json"):
         return
     if others or any(n != "zarr.json" for n in remote_names(fs, url, f"{root}/segments")):
         raise UserError(f"--store {url} holds other objects and no zarr.json; choose a new prefix")
     with tempfile.TemporaryDirectory() as tmp:
-        write_empty_root(Path(tmp), encoder, d_model)
+        write_empty_root(Path(tmp), encoder, width)
         segments_group = (Path(tmp) / "segments" / "zarr.json").read_bytes()
         doc = json.loads((Path(tmp) / "zarr.json").read_bytes())
-        doc["attributes"]["tcjepa"]["id"] = (
-            uuid.uuid4().hex
-        )  # tells mirrors this store from one made later under the same URL
+        # tells mirrors this store from one made later under the same URL
+        doc["attributes"]["tcjepa"]["id"] = uuid.uuid4().hex
         remote_call(url, fs.pipe_file, f"{root}/segments/zarr.json", segments_group)
         create_if_absent(fs, url, f"{root}/zarr.json", json.dumps(doc, indent=2).encode())
 
@@ -317,12 +320,12 @@ def _check_keys(url: str, segment: str, into: Path, encoder_hash: str) -> None:
 
 
 def open_store_for_writing(
-    location: str | Path, encoder: dict[str, Any], d_model: int, mirror: Path | None = None
+    location: str | Path, encoder: dict[str, Any], width: int, mirror: Path | None = None
 ) -> EmbeddingStore:
     """A local store directory (created if missing), or an s3:// store through its keys mirror."""
     if is_remote(str(location)):
-        return RemoteEmbeddingStore.open(str(location), mirror, encoder, d_model)
-    return EmbeddingStore.open_or_create(Path(location), encoder, d_model)
+        return RemoteEmbeddingStore.open_or_create(str(location), encoder, width, mirror)
+    return EmbeddingStore.open_or_create(Path(location), encoder, width)
 
 
 def open_existing_store(

@@ -3,8 +3,8 @@
 Layout (readable by plain ``zarr``)::
 
     zarr.json                      root group; attributes["tcjepa"] = {format, version,
-                                   encoder (recipe), encoder_hash, d_model, segments: [ids]}
-    segments/<id>/tokens           float16 [segment_tokens, d_model], flat, uncompressed, sharded
+                                   encoder (recipe), encoder_hash, d_model (the width), segments: [ids]}
+    segments/<id>/tokens           float16 [segment_tokens, width], flat, uncompressed, sharded
     segments/<id>/offsets          int64 [n + 1]: caption i is tokens[offsets[i]:offsets[i+1]]
     segments/<id>/keys             uint8 [n, 32]: sha256 of the caption's UTF-8 text
                                    (segment attributes: captions, tokens, encoder_hash, and
@@ -60,9 +60,9 @@ class TokenLayout:
         return self.chunk_tokens * self.shard_chunks
 
     @classmethod
-    def for_bytes(cls, d_model: int, chunk_bytes: int = 16 << 20, shard_bytes: int = 1 << 30) -> TokenLayout:
+    def for_bytes(cls, width: int, chunk_bytes: int = 16 << 20, shard_bytes: int = 1 << 30) -> TokenLayout:
         """Power-of-two row counts closest below the byte targets (16 MiB chunks, 1 GiB shards)."""
-        row = 2 * d_model
+        row = 2 * width
         chunk = 1 << max(int(np.log2(max(chunk_bytes // row, 1))), 0)
         shards = max(shard_bytes // (chunk * row), 1)
         return cls(chunk, 1 << int(np.log2(shards)))
@@ -84,7 +84,7 @@ def _creator_leftovers_only(path: Path) -> bool:
     return True
 
 
-def write_empty_root(directory: Path, encoder: dict[str, Any], d_model: int) -> None:
+def write_empty_root(directory: Path, encoder: dict[str, Any], width: int) -> None:
     """A store root with no segments in `directory`: its `zarr.json` and the empty `segments` group."""
     import zarr
 
@@ -95,7 +95,7 @@ def write_empty_root(directory: Path, encoder: dict[str, Any], d_model: int) -> 
         "version": VERSION,
         "encoder": encoder,
         "encoder_hash": recipe_hash(encoder),
-        "d_model": d_model,
+        "d_model": width,
         "segments": [],
     }
 
@@ -107,32 +107,38 @@ def _attrs(group: Any) -> dict[str, Any]:
 class EmbeddingStore:
     """A store on the local file system, opened for reading or appending."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, root: str | Path) -> None:
         import zarr
 
-        self.path = Path(path)
-        if not (self.path / "zarr.json").is_file():
+        self.root = Path(root)
+        if not (self.root / "zarr.json").is_file():
             raise UserError(
-                f"{self.path} is not an embedding store (no zarr.json); `tcjepa embed --store {self.path}` creates one"
+                f"{self.root} is not an embedding store (no zarr.json); `tcjepa embed --store {self.root}` creates one"
             )
-        meta = _attrs(zarr.open_group(str(self.path), mode="r", zarr_format=3))
+        meta = _attrs(zarr.open_group(str(self.root), mode="r", zarr_format=3))
         if meta.get("format") != FORMAT:
-            raise UserError(f"{self.path} is a zarr group but not a tcjepa embedding store")
+            raise UserError(f"{self.root} is a zarr group but not a tcjepa embedding store")
         if meta.get("version") != VERSION:
             raise UserError(
-                f"{self.path}: embedding store version {meta.get('version')} is not supported (this tcjepa reads "
+                f"{self.root}: embedding store version {meta.get('version')} is not supported (this tcjepa reads "
                 f"{VERSION})"
             )
         self.encoder: dict[str, Any] = meta["encoder"]
         self.encoder_hash: str = meta["encoder_hash"]
-        self.d_model: int = int(meta["d_model"])
+        self.width: int = int(meta["d_model"])
         self._published_index = DigestIndex()
         self._indexed: set[str] = set()
 
     @classmethod
-    def open_or_create(cls, path: str | Path, encoder: dict[str, Any], d_model: int) -> EmbeddingStore:
-        """Open `path`, refusing a store made with another encoder recipe, or create it."""
-        path = Path(path)
+    def open_or_create(cls, root: str | Path, encoder_recipe: dict[str, Any], width: int) -> EmbeddingStore:
+        """Open the store at `root`, refusing one made with another encoder recipe, or create it.
+
+        `encoder_recipe` is a JSON-able dict that says what made the vectors (for T5: model, revision, tokenizer,
+        max length, EOS policy, dtype); its hash is what decides whether two sets of vectors may share a store.
+        `width` is the vectors' dimension.
+        """
+        path = Path(root)
+        encoder = encoder_recipe
         if not (path / "zarr.json").exists():
             # Another process may be creating the same store: only what a creator makes is tolerated here.
             if path.exists() and (not path.is_dir() or not _creator_leftovers_only(path)):
@@ -143,7 +149,7 @@ class EmbeddingStore:
                     if (path / "segments").exists():  # a creator killed between its two renames
                         shutil.rmtree(path / "segments")
                     staging = path / STAGING / f"root-{uuid.uuid4().hex}"
-                    write_empty_root(staging, encoder, d_model)
+                    write_empty_root(staging, encoder, width)
                     os.rename(staging / "segments", path / "segments")
                     os.rename(staging / "zarr.json", path / "zarr.json")
                     shutil.rmtree(staging)
@@ -158,7 +164,7 @@ class EmbeddingStore:
         if self.encoder_hash != wanted:
             diff = sorted(k for k in set(encoder) | set(self.encoder) if encoder.get(k) != self.encoder.get(k))
             raise UserError(
-                f"--store {self.path} holds embeddings from another encoder recipe ({self.encoder_hash[:12]} vs "
+                f"--store {self.root} holds embeddings from another encoder recipe ({self.encoder_hash[:12]} vs "
                 f"{wanted[:12]}; "
                 f"differs in: {', '.join(diff)}); use a new --store for this encoder"
             )
@@ -166,10 +172,10 @@ class EmbeddingStore:
     def segment_ids(self) -> list[str]:
         import zarr
 
-        return list(_attrs(zarr.open_group(str(self.path), mode="r", zarr_format=3))["segments"])
+        return list(_attrs(zarr.open_group(str(self.root), mode="r", zarr_format=3))["segments"])
 
     def segment_path(self, segment: str) -> Path:
-        return self.path / "segments" / segment
+        return self.root / "segments" / segment
 
     def read_keys(self, segment: str) -> np.ndarray:
         import zarr
@@ -200,15 +206,17 @@ class EmbeddingStore:
         return {"segments": len(self.segment_ids()), "captions": captions, "tokens": tokens}
 
     def _lock(self) -> FileLock:
-        return FileLock(str(self.path / ".lock"), timeout=LOCK_TIMEOUT_S)
+        return FileLock(str(self.root / ".lock"), timeout=LOCK_TIMEOUT_S)
 
-    def new_segment(self, layout: TokenLayout) -> SegmentWriter:
+    def new_segment(self, layout: TokenLayout | None = None) -> SegmentWriter:
+        """A writer for one new segment (staged; part of the store once `publish`ed). `layout` defaults to ~16 MiB
+        chunks in ~1 GiB shard files."""
         self._clean_staging()
-        return SegmentWriter(self, layout)
+        return SegmentWriter(self, layout or TokenLayout.for_bytes(self.width))
 
     def _clean_staging(self) -> None:
         """Remove staging segments left by dead writers on this host."""
-        staging = self.path / STAGING
+        staging = self.root / STAGING
         if not staging.is_dir():
             return
         host = socket.gethostname()
@@ -221,17 +229,17 @@ class EmbeddingStore:
         """Remove `.staging` once no writer uses it; another writer staging (or one that just removed it) is not an
         error."""
         with contextlib.suppress(OSError):
-            (self.path / STAGING).rmdir()
+            (self.root / STAGING).rmdir()
 
     def publish(self, writer: SegmentWriter) -> PublishResult:
         """Make a finished staging segment part of the store; duplicates of published keys are dropped."""
         import zarr
 
         with self._lock():
-            root = zarr.open_group(str(self.path), mode="r+", zarr_format=3)
+            root = zarr.open_group(str(self.root), mode="r+", zarr_format=3)
             meta = _attrs(root)
             listed = list(meta["segments"])
-            for orphan in (self.path / "segments").iterdir():
+            for orphan in (self.root / "segments").iterdir():
                 if orphan.is_dir() and orphan.name not in listed:
                     shutil.rmtree(orphan)
             duplicate = self.published().contains(writer.keys_array())
@@ -280,9 +288,9 @@ class SegmentWriter:
         import zarr
 
         self.segment_id = f"{time.time_ns():020d}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.staging = self.store.path / STAGING / self.segment_id
+        self.staging = self.store.root / STAGING / self.segment_id
         self._group = zarr.open_group(str(self.staging), mode="w", zarr_format=3)
-        d = self.store.d_model
+        d = self.store.width
         self._tokens = self._group.create_array(
             "tokens",
             shape=(0, d),
@@ -302,11 +310,11 @@ class SegmentWriter:
         self._finished = False
 
     def append(self, key: bytes, tokens: np.ndarray) -> None:
-        """Add one caption's `[length, d_model]` float16 embeddings."""
+        """Add one caption's `[length, width]` float16 embeddings."""
         if (
             len(key) != KEY_BYTES
             or tokens.ndim != 2
-            or tokens.shape[1] != self.store.d_model
+            or tokens.shape[1] != self.store.width
             or tokens.dtype != np.float16
         ):
             raise ValueError(f"bad caption entry: key of {len(key)} bytes, tokens {tokens.shape} {tokens.dtype}")
@@ -328,7 +336,7 @@ class SegmentWriter:
         if n_write == 0:
             return
         start = self._written_rows
-        self._tokens.resize((start + n_write, self.store.d_model))
+        self._tokens.resize((start + n_write, self.store.width))
         self._tokens[start : start + n_write] = buf[:n_write]
         self._tokens_sha256.update(np.ascontiguousarray(buf[:n_write], dtype="<f2"))
         self._written_rows += n_write

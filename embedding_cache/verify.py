@@ -96,8 +96,8 @@ def verify_segment(
         raise problem(f"offsets {bad}")
     if keys.dtype != np.uint8 or keys.shape != (n, KEY_BYTES):
         raise problem(f"keys are {keys.dtype}{list(keys.shape)}, expected uint8[{n}, {KEY_BYTES}]")
-    if tokens.dtype != np.float16 or tokens.shape != (n_tokens, store.d_model):
-        raise problem(f"tokens are {tokens.dtype}{list(tokens.shape)}, expected float16[{n_tokens}, {store.d_model}]")
+    if tokens.dtype != np.float16 or tokens.shape != (n_tokens, store.width):
+        raise problem(f"tokens are {tokens.dtype}{list(tokens.shape)}, expected float16[{n_tokens}, {store.width}]")
     recorded = attrs.get("sha256")
     if not isinstance(recorded, dict):
         raise problem("records no checksums (written by an older tcjepa); re-embed into a new store to verify it")
@@ -126,7 +126,7 @@ def verify_segment(
         report.segments += 1
         report.captions += n
         report.tokens += n_tokens
-        report.bytes_hashed += n_tokens * store.d_model * 2 + offsets.nbytes + keys.nbytes
+        report.bytes_hashed += n_tokens * store.width * 2 + offsets.nbytes + keys.nbytes
     return keys
 
 
@@ -170,7 +170,7 @@ def _deep_check(
     tokenizer = load_tokenizer(model)
     ids, _ = tokenize(tokenizer, [texts[h] for h in chosen], int(enc["max_length"]), bool(enc["eos"]))
     encoder = T5Encoder.load(model, device, str(enc["compute_dtype"]))
-    reader = EmbeddingReader(store.path)
+    reader = EmbeddingReader(store.root)
     lowest = 1.0
     for h, x in zip(chosen, ids):
         fresh = encoder.encode([x])[0].astype(np.float32)

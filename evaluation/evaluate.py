@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from evaluation.features import extract_features, resolve_device
+from evaluation.features import extract_features
 from evaluation.labels import Labels, patch_labels, read_labels
 from evaluation.probes import ProbeResult, Split, attentive_probe, dense_probe, knn_probe, linear_probe, random_split
+from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.sources import list_images

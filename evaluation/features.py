@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.images import decode
 from pipeline.core.sources import ImageReader, ImageRef
@@ -86,13 +87,6 @@ def load_trained_encoder(run: Path) -> TrainedEncoder:
 def resize_whole(im: Image.Image, size: int) -> np.ndarray:
     """uint8 `[size, size, 3]`: the whole image resized (bicubic, no crop), as features are extracted."""
     return np.asarray(im.resize((size, size), Image.Resampling.BICUBIC), dtype=np.uint8)
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto` is the first GPU when there is one, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 class ResizedImages(torch.utils.data.Dataset):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -176,6 +176,7 @@ def caption(
             help="With --executor ray: engine actors (default: one per GPU, or per tensor_parallel_size GPUs; else 1)."
         ),
     ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Write N captions per image with a VLM into the caption cache, or import existing captions."""
     if annotations is not None:
@@ -220,6 +221,7 @@ def caption(
         executor=check_executor(executor),
         ray_address=ray_address,
         num_workers=num_workers,
+        progress=progress,
     )
     typer.echo(run_caption(cfg).summary(dry_run))
 
@@ -270,7 +272,7 @@ def store_info(
     from embedding_cache.store import EmbeddingStore
 
     s = EmbeddingStore(store)
-    typer.echo(json.dumps({"encoder_hash": s.encoder_hash, "encoder": s.encoder, "d_model": s.d_model, **s.stats()}))
+    typer.echo(json.dumps({"encoder_hash": s.encoder_hash, "encoder": s.encoder, "d_model": s.width, **s.stats()}))
 
 
 @store_app.command("verify")
@@ -404,15 +406,22 @@ def embed(
     typer.echo(report.summary(dry_run))
 
 
+def config_option(key: str) -> Any:
+    """A `train` flag that sets config key `key`: its help and default come from the config's field."""
+    from train.config import TrainConfig, field_help
+
+    return typer.Option(help=f"{field_help(key)} (config key {key}; default: {getattr(TrainConfig(), key)})")
+
+
 def _help_config(value: bool) -> None:
     if value:
         from dataclasses import fields
 
-        from train.config import FIELD_HELP, TrainConfig
+        from train.config import TrainConfig
 
         for f in fields(TrainConfig):
             default = f.default_factory() if callable(f.default_factory) else f.default
-            typer.echo(f"{f.name:<20} {FIELD_HELP[f.name]} (default: {default!r})")
+            typer.echo(f"{f.name:<20} {f.metadata['help']} (default: {default!r})")
         raise typer.Exit()
 
 
@@ -457,31 +466,20 @@ def train(
         list[str] | None,
         typer.Option("--set", help="Override any config key: key=value (repeatable), e.g. --set ema=[0.996,1.0]."),
     ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="Encoder: vit_tiny, vit_small, vit_base, vit_large, vit_huge, vit_giant.")
-    ] = None,
-    patch_size: Annotated[int | None, typer.Option(help="Patch side in pixels (must divide --image-size).")] = None,
-    image_size: Annotated[int | None, typer.Option(help="Training image side in pixels.")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Global batch size, all processes together.")] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps for the whole run.")] = None,
-    conditioning: Annotated[str | None, typer.Option(help="none (I-JEPA), sequence, or cross (TC-JEPA).")] = None,
-    pool: Annotated[
-        str | None,
-        typer.Option(help="cross mode: max-pool over captions after_mlp (literal) or before_mlp (N× cheaper MLP)."),
-    ] = None,
-    captions_per_image: Annotated[int | None, typer.Option(help="N captions per image per step.")] = None,
-    lambda_sparse: Annotated[float | None, typer.Option(help="λ: weight of the sparsity regulariser.")] = None,
-    beta_consistency: Annotated[float | None, typer.Option(help="β: weight of the consistency regulariser.")] = None,
-    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
-    min_coverage: Annotated[
-        float | None, typer.Option(help="Least fraction of images with ≥1 caption (0 disables the check).")
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option(help="Seed for weights, data order, crops, masks and caption choice.")
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(help="auto, cpu, cuda or cuda:N (torchrun picks cuda:LOCAL_RANK).")
-    ] = None,
+    model: Annotated[str | None, config_option("model")] = None,
+    patch_size: Annotated[int | None, config_option("patch_size")] = None,
+    image_size: Annotated[int | None, config_option("image_size")] = None,
+    batch_size: Annotated[int | None, config_option("batch_size")] = None,
+    steps: Annotated[int | None, config_option("steps")] = None,
+    conditioning: Annotated[str | None, config_option("conditioning")] = None,
+    pool: Annotated[str | None, config_option("pool")] = None,
+    captions_per_image: Annotated[int | None, config_option("captions_per_image")] = None,
+    lambda_sparse: Annotated[float | None, config_option("lambda_sparse")] = None,
+    beta_consistency: Annotated[float | None, config_option("beta_consistency")] = None,
+    lr: Annotated[float | None, config_option("lr")] = None,
+    min_coverage: Annotated[float | None, config_option("min_coverage")] = None,
+    seed: Annotated[int | None, config_option("seed")] = None,
+    device: Annotated[str | None, config_option("device")] = None,
     resume: Annotated[
         bool, typer.Option(help="Require a checkpoint in --out to continue from (resuming is automatic anyway).")
     ] = False,
@@ -531,7 +529,7 @@ def train(
         raise UserError("no images: pass IMAGES (or `images:` in --config)")
     if resume and not (out / "checkpoint.pt").exists():
         raise UserError(f"--resume: {out} holds no checkpoint to continue from")
-    from train.loop import train as run_training
+    from train.loop import run_training
 
     metrics = run_training(cfg, out, progress=progress)
     last = [m for m in metrics if "val_loss_predict" in m]

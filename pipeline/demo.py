@@ -54,14 +54,14 @@ def _train_and_eval(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from evaluation.evaluate import EvalConfig, evaluate
     from train.config import TrainConfig, apply
-    from train.loop import train
+    from train.loop import run_training
 
     data, run = out / "data", out / "runs" / mode
     settings = {**SCENE_TRAINING, "conditioning": mode, "images": [str(data / "images")], "seed": seed, "steps": steps}
     if mode != "none":
         settings.update(cache=str(out / "cache"), store=str(out / "store"), recipes=[SCENE_RECIPE])
     t = announce(f"train {mode}: {steps} steps -> {run}")
-    metrics = train(apply(TrainConfig(), settings, "demo"), run, progress=True)
+    metrics = run_training(apply(TrainConfig(), settings, "demo"), run, progress=True)
     timings[f"train_{mode}_s"] = time.perf_counter() - t
     t = announce(f"eval {mode}: linear, k-NN, dense and attentive probes on the scene labels")
     done = run / "eval" / "labels.json"

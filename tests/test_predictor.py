@@ -126,7 +126,10 @@ def test_target_features_and_prediction_loss():
     normed = (feats - feats.mean(-1, keepdim=True)) / torch.sqrt(feats.var(-1, unbiased=False, keepdim=True) + 1e-5)
     torch.testing.assert_close(got[1, 1, 0], normed[1, 15])
     pred = torch.zeros_like(got)
-    assert math.isclose(float(prediction_loss(pred, got, "l2")), float((got**2).mean()), rel_tol=1e-6)
+    assert math.isclose(float(prediction_loss(pred, got, "mse")), float((got**2).mean()), rel_tol=1e-6)
+    per_patch = got.pow(2).sum(-1).sqrt()  # the paper's: mean over patches of the unsquared L2 norm
+    assert math.isclose(float(prediction_loss(pred, got, "norm")), float(per_patch.mean()), rel_tol=1e-6)
+    assert math.isclose(float(prediction_loss(pred, got)), float(per_patch.mean()), rel_tol=1e-6)
     d = got.abs()
     smooth = torch.where(d < 1, 0.5 * d**2, d - 0.5).mean()
     assert math.isclose(float(prediction_loss(pred, got, "smooth_l1")), float(smooth), rel_tol=1e-6)

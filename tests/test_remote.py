@@ -99,9 +99,8 @@ def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(
     mirror_store(f"s3://{BUCKET}/store", tmp_path / "mirror")
     assert "0 new of 1 segments" in capsys.readouterr().err, "a second mirror fetches only what is new"
     with pytest.raises(DataProblem, match="segment gone-segment is not published there .* train with a new --out"):
-        mirror_store(
-            f"s3://{BUCKET}/store", tmp_path / "mirror", only={"gone-segment"}
-        )  # what a saved index names, rebuilt away
+        # what a saved index names, rebuilt away
+        mirror_store(f"s3://{BUCKET}/store", tmp_path / "mirror", only={"gone-segment"})
     saved = yaml.safe_load((tmp_path / "remote" / "config.yaml").read_text())
     assert saved["store"] == f"s3://{BUCKET}/store", "the run records where its data lives, not the mirror"
     assert tcjepa(
@@ -140,7 +139,7 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
     ours = {row["text_sha256"] for row in table if row["image_sha256"] in shas}
     local = EmbeddingStore(annotated_store)
     url = f"s3://{BUCKET}/two-segment-store"
-    remote = RemoteEmbeddingStore.open(url, tmp_path / "writer", local.encoder, local.d_model)
+    remote = RemoteEmbeddingStore.open_or_create(url, local.encoder, local.width, tmp_path / "writer")
     reader = EmbeddingReader(annotated_store)
     all_keys = np.concatenate([local.read_keys(s) for s in local.segment_ids()])
     for chosen in (
@@ -279,9 +278,8 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     from pipeline.core.remote import PublishLog
 
     log = PublishLog(url, fs, f"{BUCKET}/raced-cache", tmp_path / "fresh-log")
-    fs.pipe_file(
-        f"{BUCKET}/raced-cache/log/000000000000.json", canonical_json({"mine": 1})
-    )  # already there: someone else's
+    # already there: someone else's
+    fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000000.json", canonical_json({"mine": 1}))
     assert log.append({"mine": 2}) is None
     log.keep(0, b"{}"), log.keep(1, b"{}")
     fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000002.json", canonical_json({"mine": 3}))
@@ -344,8 +342,8 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, ann
     env = s3[1]
     encoder = {"kind": "test-encoder"}
     url = f"s3://{BUCKET}/raced-store"
-    a = RemoteEmbeddingStore.open(url, tmp_path / "host-a", encoder, 4)
-    b = RemoteEmbeddingStore.open(url, tmp_path / "host-b", encoder, 4)
+    a = RemoteEmbeddingStore.open_or_create(url, encoder, 4, tmp_path / "host-a")
+    b = RemoteEmbeddingStore.open_or_create(url, encoder, 4, tmp_path / "host-b")
     rng = np.random.default_rng(0)
     keys = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(150)]
     vectors = [rng.standard_normal((1 + i % 5, 4)).astype(np.float16) for i in range(150)]

@@ -36,7 +36,7 @@ def test_reader_returns_exactly_what_zarr_returns(tmp_path):
     _write(store, range(0, 50))
     _write(store, range(50, 53))
     reader = EmbeddingReader(tmp_path / "s")
-    assert len(reader) == 53 and reader.d_model == D
+    assert len(reader) == 53 and reader.width == D
     root = zarr.open_group(str(tmp_path / "s"), mode="r")
     seen = 0
     for seg in root.attrs["tcjepa"]["segments"]:

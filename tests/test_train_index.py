@@ -142,11 +142,12 @@ def test_captions_the_store_lacks_are_dropped_and_counted(tmp_path, synth_dir, m
     assert loose.coverage == {8: N - EXTRA, 9: EXTRA}, "the repeated text counts once per image"
     first = json.loads((synth_dir / "captions.jsonl").read_text().splitlines()[0])
     assert first["image"] == loose.refs[0].source_id
+    # recipes in the order asked
     expected = [
         first["captions"][0],
         "an extra caption for image 0",
         *first["captions"][1:],
-    ]  # recipes in the order asked
+    ]
     assert [k.tobytes() for k in loose.captions_of(0)] == [text_key(t) for t in expected]
 
     index = build_index([synth_dir], cache, store, ["captions", "extra"], progress=False)

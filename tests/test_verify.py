@@ -120,7 +120,7 @@ def test_store_verify_passes_on_a_whole_store(store):
     report = verify_store(store, progress=False)
     stats = EmbeddingStore(store).stats()
     assert (report.segments, report.captions, report.tokens) == (stats["segments"], stats["captions"], stats["tokens"])
-    assert report.bytes_hashed >= stats["tokens"] * EmbeddingStore(store).d_model * 2
+    assert report.bytes_hashed >= stats["tokens"] * EmbeddingStore(store).width * 2
     assert tcjepa("store", "verify", store, "--no-progress").stdout.startswith("ok: ")
 
 

@@ -1,6 +1,6 @@
 """The training configuration: one flat dataclass, filled from defaults < YAML < CLI flags < `--set key=value`.
 
-Every field is documented in `FIELD_HELP` (shown by `tcjepa train --help-config`)
+Every field carries its help text (shown by `tcjepa train --help-config`)
 and type-checked when set, so a typo or a wrong type is a one-line error, not
 a silently ignored option.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,130 +18,127 @@ from typing import Any
 
 import yaml
 
+from pipeline.core.devices import DEVICE_HELP
 from pipeline.core.errors import UserError
 from pipeline.core.keyvalues import parse_key_values
+from train.choices import CONDITIONING, LOSSES, MODELS, POOLING
 from train.masks import MaskConfig
+
+# Values an older tcjepa wrote that mean something else now: (key, old value) -> (new value, why).
+RENAMED_VALUES: dict[tuple[str, Any], tuple[Any, str]] = {
+    ("loss", "l2"): ("mse", "element-wise squared error, what `l2` meant before the paper's `norm` became the default"),
+}
+
+
+def setting(default: Any, help: str) -> Any:
+    """A config field with its help text; a list default is copied for each config."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def field_help(name: str) -> str:
+    """What config key `name` does (from its field)."""
+    return str(next(f for f in dataclasses.fields(TrainConfig) if f.name == name).metadata["help"])
 
 
 @dataclass
 class TrainConfig:
+    """Every setting of a training run. Each field says what it does (`tcjepa train --help-config` lists them);
+    `apply` type-checks values set from YAML or the command line, `validate` refuses combinations that cannot work."""
+
     # data
-    images: list[str] = field(default_factory=list)
-    cache: str | None = None
-    store: str | None = None
-    mirror: str | None = None
-    recipes: list[str] = field(default_factory=list)
-    image_column: str | None = None
-    min_coverage: float = 0.95
-    captions_per_image: int = 8
-    max_words: int = 128
-    val_images: int = 32
-    crop_scale: tuple[float, float] = (0.3, 1.0)
-    crop_ratio: tuple[float, float] = (0.75, 1.3333333333333333)
-    hflip: bool = False
-    num_workers: int = 2
+    images: list[str] = setting(
+        [], "image sources (folders, .parquet, HF datasets dirs, .tar shards), as for `tcjepa caption`"
+    )
+    cache: str | None = setting(None, "caption cache directory (needed unless conditioning is none)")
+    store: str | None = setting(None, "embedding store made by `tcjepa embed` from that cache")
+    mirror: str | None = setting(
+        None,
+        "local directory for copies of a cache or store given as an fsspec URL (s3://...); "
+        "default ~/.cache/tcjepa/mirror",
+    )
+    recipes: list[str] = setting(
+        [], "caption recipes to train on (names or hash prefixes); required when the cache holds several"
+    )
+    image_column: str | None = setting(None, "image column of Parquet / HF datasets sources")
+    min_coverage: float = setting(0.95, "stop unless at least this fraction of images has ≥1 caption (0 disables)")
+    captions_per_image: int = setting(
+        8, "N: captions per image per step (a random N of those available when there are more)"
+    )
+    max_words: int = setting(128, "longest caption, in tokens, fed to the predictor (longer ones are cut)")
+    val_images: int = setting(32, "images held out for the fixed validation batch")
+    crop_scale: tuple[float, float] = setting((0.3, 1.0), "random resized crop: range of the crop's area fraction")
+    crop_ratio: tuple[float, float] = setting(
+        (0.75, 1.3333333333333333), "random resized crop: range of the crop's aspect ratio"
+    )
+    hflip: bool = setting(False, "random horizontal flip (off: captions say left and right)")
+    num_workers: int = setting(2, "DataLoader worker processes per rank")
     # model
-    model: str = "vit_base"
-    width: int | None = None
-    depth: int | None = None
-    heads: int | None = None
-    patch_size: int = 16
-    image_size: int = 224
-    predictor_width: int = 384
-    predictor_depth: int | None = None
-    predictor_heads: int | None = None
-    conditioning: str = "cross"
-    pool: str = "after_mlp"
+    model: str = setting("vit_base", f"encoder size: {', '.join(MODELS)}")
+    width: int | None = setting(None, "override the encoder width (custom sizes)")
+    depth: int | None = setting(None, "override the encoder depth")
+    heads: int | None = setting(None, "override the encoder's attention heads")
+    patch_size: int = setting(16, "patch side in pixels (must divide image_size)")
+    image_size: int = setting(224, "training image side in pixels")
+    predictor_width: int = setting(384, "predictor width")
+    predictor_depth: int | None = setting(
+        None, "predictor depth (default: by model size, 6 / 12 for large and huge / 16 for giant)"
+    )
+    predictor_heads: int | None = setting(None, "predictor attention heads (default: the encoder's)")
+    conditioning: str = setting(
+        "cross", f"{' | '.join(CONDITIONING)}: I-JEPA; caption tokens appended to the predictor's input; TC-JEPA"
+    )
+    pool: str = setting(
+        "after_mlp",
+        f"cross mode, {' | '.join(POOLING)}: max-pool over captions after each caption's MLP (the paper's, literally) "
+        "or before one shared MLP (N× cheaper)",
+    )
     # masks
-    num_targets: int = MaskConfig.num_targets
-    target_scale: tuple[float, float] = MaskConfig.target_scale
-    target_aspect: tuple[float, float] = MaskConfig.target_aspect
-    context_scale: tuple[float, float] = MaskConfig.context_scale
-    context_aspect: tuple[float, float] = MaskConfig.context_aspect
-    min_context: int = MaskConfig.min_context
+    num_targets: int = setting(MaskConfig.num_targets, "target blocks per image")
+    target_scale: tuple[float, float] = setting(MaskConfig.target_scale, "target block area as a fraction of the image")
+    target_aspect: tuple[float, float] = setting(MaskConfig.target_aspect, "target block aspect ratio (height / width)")
+    context_scale: tuple[float, float] = setting(
+        MaskConfig.context_scale, "context block area as a fraction of the image"
+    )
+    context_aspect: tuple[float, float] = setting(MaskConfig.context_aspect, "context block aspect ratio")
+    min_context: int = setting(
+        MaskConfig.min_context, "fewest context patches an image may keep after removing targets"
+    )
     # objective
-    loss: str = "l2"
-    lambda_sparse: float = 0.1
-    beta_consistency: float = 0.5
+    loss: str = setting(
+        "norm",
+        f"prediction distance, {' | '.join(LOSSES)}: mean per-patch L2 norm ‖ẑ − z‖₂ (the paper's); element-wise "
+        "squared error (weighs λ and β ~√D more); smooth-L1 (I-JEPA's code). A saved `l2` is read as mse",
+    )
+    lambda_sparse: float = setting(0.1, "λ, weight of the patch–word sparsity regulariser (cross mode)")
+    beta_consistency: float = setting(0.5, "β, weight of the cross-layer consistency regulariser (cross mode)")
     # optimisation
-    batch_size: int = 64
-    steps: int = 1000
-    lr: float = 1e-3
-    start_lr: float = 2e-4
-    final_lr: float = 1e-6
-    warmup_steps: int = 100
-    text_lr_scale: float = 1.0
-    weight_decay: tuple[float, float] = (0.04, 0.4)
-    betas: tuple[float, float] = (0.9, 0.999)
-    ema: tuple[float, float] = (0.996, 1.0)
-    grad_clip: float = 0.0
+    batch_size: int = setting(64, "global batch size (all ranks together; divisible by the number of processes)")
+    steps: int = setting(1000, "optimizer steps in the whole run")
+    lr: float = setting(1e-3, "peak learning rate")
+    start_lr: float = setting(2e-4, "learning rate at step 0 (linear warmup to lr)")
+    final_lr: float = setting(1e-6, "learning rate at the last step (cosine from lr)")
+    warmup_steps: int = setting(100, "linear warmup steps")
+    text_lr_scale: float = setting(1.0, "learning-rate multiplier for the text conditioner's parameters")
+    weight_decay: tuple[float, float] = setting(
+        (0.04, 0.4), "weight decay, cosine from the first value to the second (not on biases and 1-D params)"
+    )
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
+    ema: tuple[float, float] = setting(
+        (0.996, 1.0), "target-encoder EMA momentum, linear from the first value to the second"
+    )
+    grad_clip: float = setting(0.0, "clip the gradient norm to this value (0: off)")
     # runtime
-    seed: int = 0
-    device: str = "auto"
-    bf16: bool = True
-    compile: bool = False
-    fsdp: bool = False
-    log_every: int = 10
-    val_every: int = 100
-    checkpoint_every: int = 200
+    seed: int = setting(0, "seed for weights, data order, crops, masks and caption sampling")
+    device: str = setting("auto", DEVICE_HELP)
+    bf16: bool = setting(True, "bf16 autocast (no GradScaler is needed for bf16)")
+    compile: bool = setting(False, "torch.compile the encoder and predictor")
+    fsdp: bool = setting(False, "shard the models with FSDP (for vit_huge / vit_giant) instead of DDP")
+    log_every: int = setting(10, "steps between metrics.jsonl lines")
+    val_every: int = setting(100, "steps between validation passes")
+    checkpoint_every: int = setting(200, "steps between checkpoints")
 
-
-FIELD_HELP: dict[str, str] = {
-    "images": "image sources (folders, .parquet, HF datasets dirs, .tar shards), as for `tcjepa caption`",
-    "cache": "caption cache directory (needed unless conditioning is none)",
-    "store": "embedding store made by `tcjepa embed` from that cache",
-    "mirror": "local directory for copies of a cache or store given as an fsspec URL (s3://...); default "
-    "~/.cache/tcjepa/mirror",
-    "recipes": "caption recipes to train on (names or hash prefixes); required when the cache holds several",
-    "image_column": "image column of Parquet / HF datasets sources",
-    "min_coverage": "stop unless at least this fraction of images has ≥1 caption (0 disables)",
-    "captions_per_image": "N: captions per image per step (a random N of those available when there are more)",
-    "max_words": "longest caption, in tokens, fed to the predictor (longer ones are cut)",
-    "val_images": "images held out for the fixed validation batch",
-    "crop_scale": "random resized crop: range of the crop's area fraction",
-    "crop_ratio": "random resized crop: range of the crop's aspect ratio",
-    "hflip": "random horizontal flip (off: captions say left and right)",
-    "num_workers": "DataLoader worker processes per rank",
-    "model": "encoder size: vit_tiny, vit_small, vit_base, vit_large, vit_huge, vit_giant",
-    "width": "override the encoder width (custom sizes)",
-    "depth": "override the encoder depth",
-    "heads": "override the encoder's attention heads",
-    "patch_size": "patch side in pixels (must divide image_size)",
-    "image_size": "training image side in pixels",
-    "predictor_width": "predictor width",
-    "predictor_depth": "predictor depth (default: by model size, 6 / 12 for large and huge / 16 for giant)",
-    "predictor_heads": "predictor attention heads (default: the encoder's)",
-    "conditioning": "none (I-JEPA), sequence (caption tokens appended once), cross (TC-JEPA)",
-    "pool": "cross mode: max-pool over captions after_mlp (literal) or before_mlp (one shared MLP, N× cheaper)",
-    "num_targets": "target blocks per image",
-    "target_scale": "target block area as a fraction of the image",
-    "target_aspect": "target block aspect ratio (height / width)",
-    "context_scale": "context block area as a fraction of the image",
-    "context_aspect": "context block aspect ratio",
-    "min_context": "fewest context patches an image may keep after removing targets",
-    "loss": "prediction distance: l2 (squared error) or smooth_l1",
-    "lambda_sparse": "λ, weight of the patch–word sparsity regulariser (cross mode)",
-    "beta_consistency": "β, weight of the cross-layer consistency regulariser (cross mode)",
-    "batch_size": "global batch size (all ranks together; divisible by the number of processes)",
-    "steps": "optimizer steps in the whole run",
-    "lr": "peak learning rate",
-    "start_lr": "learning rate at step 0 (linear warmup to lr)",
-    "final_lr": "learning rate at the last step (cosine from lr)",
-    "warmup_steps": "linear warmup steps",
-    "text_lr_scale": "learning-rate multiplier for the text conditioner's parameters",
-    "weight_decay": "weight decay, cosine from the first value to the second (not on biases and 1-D params)",
-    "betas": "AdamW betas",
-    "ema": "target-encoder EMA momentum, linear from the first value to the second",
-    "grad_clip": "clip the gradient norm to this value (0: off)",
-    "seed": "seed for weights, data order, crops, masks and caption sampling",
-    "device": "auto (cuda if present), cpu, cuda, cuda:N",
-    "bf16": "bf16 autocast (no GradScaler is needed for bf16)",
-    "compile": "torch.compile the encoder and predictor",
-    "fsdp": "shard the models with FSDP (for vit_huge / vit_giant) instead of DDP",
-    "log_every": "steps between metrics.jsonl lines",
-    "val_every": "steps between validation passes",
-    "checkpoint_every": "steps between checkpoints",
-}
 
 # Options that change neither the data nor the maths: a resumed run may change them.
 RUNTIME_ONLY = {
@@ -204,8 +202,21 @@ _HINTS = typing.get_type_hints(TrainConfig)
 FIELDS = [f.name for f in dataclasses.fields(TrainConfig)]
 
 
+def upgrade(updates: dict[str, Any], where: str | None = None) -> dict[str, Any]:
+    """`updates` with values an older tcjepa wrote read as what they meant; with `where`, one line says so."""
+    out = dict(updates)
+    for key, value in updates.items():
+        renamed = RENAMED_VALUES.get((key, value)) if isinstance(value, (str, int, float, bool)) else None
+        if renamed is not None:
+            out[key] = renamed[0]
+            if where is not None:
+                print(f"{where}: {key}: {value!r} is read as {renamed[0]!r} ({renamed[1]})", file=sys.stderr)
+    return out
+
+
 def apply(config: TrainConfig, updates: dict[str, Any], where: str) -> TrainConfig:
     """A copy of `config` with `updates` type-checked and applied; unknown keys are refused."""
+    updates = upgrade(updates, where)
     for key in updates:
         if key not in _HINTS:
             close = difflib.get_close_matches(key, FIELDS, n=1)
@@ -241,16 +252,11 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
 
 def differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     """Keys (other than runtime-only ones) whose value differs between a saved run and this config."""
-    now = to_dict(current)
+    now, saved = to_dict(current), upgrade(saved)
     return [k for k in FIELDS if k not in RUNTIME_ONLY and saved.get(k) != now[k]]
 
 
-CHOICES = {
-    "conditioning": ("none", "sequence", "cross"),
-    "pool": ("after_mlp", "before_mlp"),
-    "loss": ("l2", "smooth_l1"),
-    "model": ("vit_tiny", "vit_small", "vit_base", "vit_large", "vit_huge", "vit_giant"),
-}
+CHOICES = {"conditioning": CONDITIONING, "pool": POOLING, "loss": LOSSES, "model": MODELS}
 POSITIVE = (
     "captions_per_image",
     "max_words",

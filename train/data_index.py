@@ -59,9 +59,8 @@ class TrainIndex:
     refs: list[ImageRef]  # usable images, in source order
     sha256: list[str]  # hex sha256 of each image's bytes
     caption_offsets: np.ndarray  # int64 [n+1], CSR into caption_keys
-    caption_keys: (
-        np.ndarray
-    )  # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
+    # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
+    caption_keys: np.ndarray
     recipes: list[str]  # recipe hashes, in the order the captions are
     coverage: dict[int, int]  # number of captions -> number of images
     left_out: dict[str, int] = field(default_factory=dict)  # reason -> listed images not in `refs`

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from train.choices import VIT_SIZES
 from train.config import TrainConfig
 from train.losses import prediction_loss, target_features, text_regularisers
 from train.predictor import Predictor, PredictorOutput, TextBatch
-from train.vit import VIT_SIZES, VisionTransformer, build_vit
+from train.vit import VisionTransformer, build_vit
 
 
 class JEPA(nn.Module):

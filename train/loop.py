@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from pipeline.core.devices import resolve_device
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from train.checkpoint import load_checkpoint, save_checkpoint
@@ -65,17 +66,12 @@ def start_runtime(cfg: TrainConfig) -> Runtime:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise UserError(f"--device {cfg.device}: CUDA is not available on this machine; use --device cpu")
-    if want_cuda:
-        device = torch.device(cfg.device if ":" in cfg.device else f"cuda:{local_rank}")
+    device = resolve_device(cfg.device, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         # A long timeout: rank 0 may spend a while building the index while the others wait.
-        dist.init_process_group("nccl" if want_cuda else "gloo", timeout=datetime.timedelta(hours=2))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
     return Runtime(rank, world, device)
 
 
@@ -158,7 +154,7 @@ def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
         return
     atomic_write_bytes(
         record,
-        json.dumps({"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.d_model}).encode(),
+        json.dumps({"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.width}).encode(),
     )
 
 
@@ -234,7 +230,7 @@ def text_width(cfg: TrainConfig) -> int | None:
         return None
     from embedding_cache.store import EmbeddingStore
 
-    return EmbeddingStore(cfg.store).d_model
+    return EmbeddingStore(cfg.store).width
 
 
 def to_device(
@@ -255,9 +251,12 @@ def shuffled(text: TextBatch) -> TextBatch:
 
 
 class Trainer:
+    """One training run on this process: joins the process group, builds the index (rank 0), the models, the data
+    and the optimizer, and resumes from the run's checkpoint when there is one. `run()` trains."""
+
     def __init__(self, cfg: TrainConfig, run: Path, progress: bool = True) -> None:
         validate(cfg)
-        self.run = run
+        self.run_dir = run
         self.progress = progress
         self.rt = start_runtime(cfg)
         for_index = inputs_for_index(cfg, self.rt)
@@ -352,7 +351,8 @@ class Trainer:
             values /= self.rt.world
         return values
 
-    def train(self) -> list[dict[str, Any]]:
+    def run(self) -> list[dict[str, Any]]:
+        """Train from the start step to the last, logging, validating and checkpointing on schedule."""
         cfg, rt = self.cfg, self.rt
         device_type = rt.device.type
         val_batch = self.dataset.validation_batch(self.val_ids)
@@ -416,14 +416,14 @@ class Trainer:
                 record = {"step": done, **self.validate(val_batch)}
                 if rt.main:
                     self.metrics.append(record)
-                    plot_curves(self.run)
+                    plot_curves(self.run_dir)
                 tick = time.perf_counter()
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
                     self._stop_non_finite(done)
                 state = self._state(done)
                 if rt.main:
-                    save_checkpoint(self.run, state)
+                    save_checkpoint(self.run_dir, state)
                 barrier(rt)
         if bar is not None:
             bar.close()
@@ -434,7 +434,7 @@ class Trainer:
         return self.metrics.read() if rt.main else []
 
     def _stop_non_finite(self, step: int) -> None:
-        state = load_checkpoint(self.run)
+        state = load_checkpoint(self.run_dir)
         kept = f"the last good checkpoint (step {state['step']}) is kept" if state else "no checkpoint was written yet"
         raise UserError(f"loss became NaN/Inf by step {step}; {kept}. Lower --lr, enable grad_clip, or check the data")
 
@@ -465,6 +465,6 @@ class Trainer:
         return out
 
 
-def train(cfg: TrainConfig, run: Path, progress: bool = True) -> list[dict[str, Any]]:
-    """Run (or resume) training into `run`; returns the metrics lines (rank 0)."""
-    return Trainer(cfg, run, progress).train()
+def run_training(cfg: TrainConfig, run: Path, progress: bool = True) -> list[dict[str, Any]]:
+    """Run (or resume) training into the run directory `run`; returns the metrics lines (rank 0)."""
+    return Trainer(cfg, run, progress).run()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-LOSSES = ("l2", "smooth_l1")
+from train.choices import LOSSES
 
 
 def target_features(features: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
@@ -26,10 +26,16 @@ def target_features(features: torch.Tensor, target_idx: torch.Tensor) -> torch.T
     return torch.gather(normed, 1, flat).view(b, m, lt, -1)
 
 
-def prediction_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = "l2") -> torch.Tensor:
-    """Mean over target patches (and feature dims) of the squared L2 or smooth-L1 (β=1) distance."""
+def prediction_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = "norm") -> torch.Tensor:
+    """The distance between predicted and target features `[..., D]`, averaged over target patches.
+
+    `norm`: mean over patches of the unsquared L2 norm ‖ẑ − sg(z)‖₂ (the paper's equation); `mse`: mean of the
+    element-wise squared error, ‖·‖²/D per patch; `smooth_l1`: element-wise smooth-L1 with β = 1 (I-JEPA's code).
+    """
     prediction, target = prediction.float(), target.float()
-    if kind == "l2":
+    if kind == "norm":
+        return torch.linalg.vector_norm(prediction - target, dim=-1).mean()
+    if kind == "mse":
         return F.mse_loss(prediction, target)
     if kind == "smooth_l1":
         return F.smooth_l1_loss(prediction, target, beta=1.0)

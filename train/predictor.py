@@ -34,10 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from train.choices import CONDITIONING, POOLING
 from train.vit import LN_EPS, MLP, SelfAttention, init_weights, scale_residual_outputs, sincos_2d
-
-CONDITIONING = ("none", "sequence", "cross")
-POOLING = ("after_mlp", "before_mlp")
 
 
 @dataclass

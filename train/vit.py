@@ -13,31 +13,12 @@ construction and so undid it).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ViTSize:
-    width: int
-    depth: int
-    heads: int
-    mlp_ratio: float = 4.0
-    predictor_depth: int = 6
-
-
-# Widths, depths and heads of the I-JEPA reference; predictor depth by size (6 by default, 12 for L/H, 16 for g).
-VIT_SIZES: dict[str, ViTSize] = {
-    "vit_tiny": ViTSize(192, 12, 3),
-    "vit_small": ViTSize(384, 12, 6),
-    "vit_base": ViTSize(768, 12, 12),
-    "vit_large": ViTSize(1024, 24, 16, predictor_depth=12),
-    "vit_huge": ViTSize(1280, 32, 16, predictor_depth=12),
-    "vit_giant": ViTSize(1408, 40, 16, mlp_ratio=48 / 11, predictor_depth=16),
-}
+from train.choices import VIT_SIZES
 
 LN_EPS = 1e-6
 

@@ -25,9 +25,8 @@ def start_ray(address: str | None) -> None:
         raise UserError(f"--ray-address {address}: {str(exc).splitlines()[0]}") from None
     import ray.data
 
-    logging.getLogger("ray.data").setLevel(
-        logging.ERROR
-    )  # its per-run INFO lines and progress bars would interleave with ours
+    # its per-run INFO lines and progress bars would interleave with ours
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 

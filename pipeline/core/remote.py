@@ -108,9 +108,8 @@ def remote_names(fs: Any, url: str, path: str) -> list[str]:
     def listing() -> list[str]:
         try:
             return fs.ls(path, detail=False)
-        except (
-            FileNotFoundError
-        ):  # nothing there yet (another writer may create it a moment later: that is news for next time)
+        # nothing there yet (another writer may create it a moment later: that is news for next time)
+        except FileNotFoundError:
             return []
 
     fs.invalidate_cache(path)

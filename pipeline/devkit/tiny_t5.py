@@ -363,9 +363,8 @@ def _word_vectors(model_dir: Path, texts: Sequence[str], spans: Sequence[Sequenc
             hidden = model(
                 input_ids=torch.tensor(enc["input_ids"]), attention_mask=torch.tensor(enc["attention_mask"])
             ).last_hidden_state.numpy()
-        offsets = np.asarray(
-            enc["offset_mapping"]
-        )  # [batch, tokens, 2]: character span of each token; (0, 0) for specials
+        # [batch, tokens, 2]: character span of each token; (0, 0) for specials
+        offsets = np.asarray(enc["offset_mapping"])
         for j, i in enumerate(batch):
             first, last = offsets[j, :, 0], offsets[j, :, 1]
             per_text[i] = [

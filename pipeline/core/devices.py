@@ -1,0 +1,35 @@
+"""Which device a command computes on: the one place `--device` is read."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.core.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_HELP = "auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N"
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto` is this process's GPU (cuda:`local_rank`) when CUDA is there, else the CPU; `cuda` is cuda:`local_rank`.
+
+    Asking for CUDA on a machine without it is a one-line error, not a traceback deep in torch.
+    """
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r}: expected {DEVICE_HELP}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} GPUs")
+    return device

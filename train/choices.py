@@ -1,0 +1,33 @@
+"""The named choices of a training run, in one torch-free place: the config validates against them, the models
+are built from them, and the CLI lists them without loading torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ViTSize:
+    width: int
+    depth: int
+    heads: int
+    mlp_ratio: float = 4.0  # the encoder's; the predictor's MLP ratio is always 4, as in I-JEPA
+    predictor_depth: int = 6
+
+
+# Widths, depths and heads of the I-JEPA reference; predictor depth by size (6 by default, 12 for L/H, 16 for g).
+VIT_SIZES: dict[str, ViTSize] = {
+    "vit_tiny": ViTSize(192, 12, 3),
+    "vit_small": ViTSize(384, 12, 6),
+    "vit_base": ViTSize(768, 12, 12),
+    "vit_large": ViTSize(1024, 24, 16, predictor_depth=12),
+    "vit_huge": ViTSize(1280, 32, 16, predictor_depth=12),
+    "vit_giant": ViTSize(1408, 40, 16, mlp_ratio=48 / 11, predictor_depth=16),
+}
+MODELS = tuple(VIT_SIZES)
+# none: I-JEPA; sequence: caption tokens appended to the predictor's input; cross: TC-JEPA's cross-attention.
+CONDITIONING = ("none", "sequence", "cross")
+# cross mode: max-pool over captions after each caption's MLP (the paper, literally), or before one shared MLP.
+POOLING = ("after_mlp", "before_mlp")
+# norm: mean per-patch ‖ẑ − z‖₂ (the paper); mse: element-wise squared error; smooth_l1: I-JEPA's code.
+LOSSES = ("norm", "mse", "smooth_l1")
