@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -217,3 +218,56 @@ def test_residual_max_equals_autograd_masked_max(broadcast):
     torch.testing.assert_close(fused, reference)
     for got, want in zip(grads, grads_ref):
         torch.testing.assert_close(got, want)
+
+
+# ---- initialisation and shapes that follow I-JEPA ---------------------------------------------------------------
+
+
+def test_predictor_mlp_ratio_is_four_whatever_the_encoder():
+    """vit_giant's encoder uses an MLP ratio of 48/11; I-JEPA's predictor always uses 4."""
+    from train.config import TrainConfig
+    from train.jepa import build_models
+
+    cfg = TrainConfig(
+        model="vit_giant",
+        width=88,
+        depth=1,
+        heads=4,
+        patch_size=16,
+        image_size=32,
+        predictor_width=32,
+        predictor_depth=1,
+        conditioning="none",
+    )
+    model, _ = build_models(cfg, text_dim=None)
+    assert model.encoder.blocks[0].mlp.fc1.out_features == int(88 * 48 / 11)
+    assert model.predictor.blocks[0].mlp.fc1.out_features == 4 * 32
+
+
+def test_every_residual_output_is_depth_scaled_the_cross_attention_too():
+    torch.manual_seed(0)
+    predictor = Predictor(encoder_width=64, grid=(4, 4), width=192, depth=3, heads=4, conditioning="cross", text_dim=32)
+    for layer, block in enumerate(predictor.blocks, start=1):
+        for linear in (block.attn.proj, block.mlp.fc2, block.cross.proj):
+            assert float(linear.weight.detach().std()) == pytest.approx(0.02 / math.sqrt(2 * layer), rel=0.05)
+        assert float(block.cross.q.weight.detach().std()) == pytest.approx(0.02, rel=0.05)  # inputs are not rescaled
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"predictor_width": 100, "predictor_heads": 12},
+            "predictor_width 100 must be divisible by predictor_heads (12)",
+        ),
+        ({"predictor_width": 90, "predictor_heads": 3}, "and by 4"),
+        ({"model": "vit_tiny", "width": 200}, "width 200 must be divisible by heads (3)"),
+    ],
+)
+def test_widths_that_heads_or_position_embeddings_cannot_split_are_refused_in_one_line(settings, message):
+    from pipeline.core.errors import UserError
+    from train.config import TrainConfig, apply, validate
+
+    cfg = apply(TrainConfig(conditioning="none"), settings, "test")
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(cfg)

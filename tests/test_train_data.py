@@ -179,10 +179,25 @@ def test_ema_update_and_optimizer_groups():
     assert math.isclose(sum(p.numel() for g in groups for p in g["params"]), sum(p.numel() for p in model.parameters()))
 
 
-def test_an_image_gone_since_the_index_was_built_is_replaced_and_counted(setup, tmp_path):
+def test_an_image_gone_since_the_index_was_built_is_replaced_with_its_captions(setup, tmp_path):
     folder, moved, one = _copied_images(setup[1], tmp_path)
-    (folder / moved.refs[0].source_id).unlink()
-    data = StepBatches(moved, np.array([0]), one, (8, 8))
-    assert data[0].replaced == 1
-    # Replaced by the next usable image: image 1's pixels stand in for image 0's.
-    assert torch.equal(data.validation_batch(np.array([0])).images, data.validation_batch(np.array([1])).images)
+    unreadable = folder / moved.refs[1].source_id
+    unreadable.unlink()
+    unreadable.mkdir()  # reading it raises IsADirectoryError, as an unreadable file would
+    (folder / moved.refs[3].source_id).unlink()  # gone
+    cfg = TrainConfig(**{**one.__dict__, "batch_size": 3})
+    data = StepBatches(moved, np.array([0, 1, 2, 3, 5]), cfg, (8, 8))
+    step = next(s for s in range(20) if {1, 3} & set(data.images_of_step(s).tolist()))
+    asked = data.images_of_step(step)
+    batch = data[step]
+    assert batch.replaced == len({1, 3} & set(asked.tolist()))
+    # The next usable image of the training split stands in, pixels and captions alike: 1 -> 2, 3 -> 5 (4 is not
+    # in this split, so a held-out image never stands in for a training one).
+    stand_in = np.array([{1: 2, 3: 5}.get(i, i) for i in asked.tolist()])
+    for k, i in enumerate(stand_in.tolist()):
+        own = {bytes(key) for key in moved.captions_of(i)}
+        _picked(batch, k, EmbeddingReader(cfg.store), own)
+    # Pixels too: in a validation batch (no random crop), image 1's slot shows image 2.
+    pair, alone = data.validation_batch(np.array([1, 2])), data.validation_batch(np.array([2]))
+    assert pair.replaced == 1 and torch.equal(pair.images[0], alone.images[0])
+    assert torch.equal(pair.tokens[0], pair.tokens[1])

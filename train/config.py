@@ -21,7 +21,7 @@ import yaml
 from pipeline.core.devices import DEVICE_HELP
 from pipeline.core.errors import UserError
 from pipeline.core.keyvalues import parse_key_values
-from train.choices import CONDITIONING, LOSSES, MODELS, POOLING
+from train.choices import CONDITIONING, LOSSES, MODELS, POOLING, VIT_SIZES
 from train.masks import MaskConfig
 
 # Values an older tcjepa wrote that mean something else now: (key, old value) -> (new value, why).
@@ -293,6 +293,18 @@ def validate(config: TrainConfig) -> None:
             f"crop_scale must satisfy 0 < low <= high <= 1 and crop_ratio 0 < low <= high; got {config.crop_scale}, "
             f"{config.crop_ratio}"
         )
+    encoder = VIT_SIZES[config.model]
+    encoder_width, encoder_heads = config.width or encoder.width, config.heads or encoder.heads
+    predictor_heads = config.predictor_heads or encoder_heads
+    for what, width, heads in (
+        ("", encoder_width, encoder_heads),
+        ("predictor_", config.predictor_width, predictor_heads),
+    ):
+        if width % heads or width % 4:
+            raise UserError(
+                f"{what}width {width} must be divisible by {what}heads ({heads}) and by 4 (2-D sin-cos position "
+                f"embeddings); e.g. {what}width {heads * 4 * max(round(width / (heads * 4)), 1)}"
+            )
     if config.conditioning != "none" and not (config.cache and config.store):
         raise UserError(f"conditioning {config.conditioning} needs --cache and --store (or use --conditioning none)")
     try:

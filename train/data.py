@@ -29,7 +29,7 @@ from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.sources import ImageReader
 from train.config import TrainConfig
 from train.data_index import TrainIndex
-from train.masks import MaskConfig, sample_masks
+from train.masks import MaskConfig, Masks, sample_masks
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -134,6 +134,7 @@ class StepBatches(torch.utils.data.Dataset):
         self.text = cfg.conditioning != "none" and cfg.store is not None
         self.policy = image_policy(cfg.image_size)
         self.caption_rows = self._locate_captions() if self.text else None
+        self._train_pool = np.unique(self.image_ids)
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None
 
@@ -173,23 +174,29 @@ class StepBatches(torch.utils.data.Dataset):
         positions = np.arange(self.rows.start, self.rows.stop)
         rngs = [np.random.default_rng([self.cfg.seed, step, int(j), _SAMPLE_STREAM]) for j in positions]
         masks = sample_masks(self.masks, self.grid, self.cfg.seed, step, self.cfg.batch_size, self.rows)
-        return self.make_batch(ids, rngs, masks, augment=True)
+        return self.make_batch(ids, rngs, masks, self._train_pool)
 
     def validation_batch(self, image_ids: np.ndarray) -> Batch:
         """A fixed batch: whole images resized (no crop), masks from a step no run reaches, the first N captions."""
-        masks = sample_masks(self.masks, self.grid, self.cfg.seed, VALIDATION_STEP, len(image_ids))
-        return self.make_batch(np.asarray(image_ids), [None] * len(image_ids), masks, augment=False)
+        ids = np.asarray(image_ids, dtype=np.int64)
+        masks = sample_masks(self.masks, self.grid, self.cfg.seed, VALIDATION_STEP, len(ids))
+        return self.make_batch(ids, [None] * len(ids), masks, np.unique(ids))
 
-    def make_batch(self, ids: np.ndarray, rngs: list[np.random.Generator | None], masks, augment: bool) -> Batch:
+    def make_batch(
+        self, ids: np.ndarray, rngs: list[np.random.Generator | None], masks: Masks, pool: np.ndarray
+    ) -> Batch:
+        """Images `ids` (each replaced, when unusable, by the next usable image of `pool`), their captions, `masks`.
+
+        A replaced image brings its own captions: pixels and text always belong to the same image.
+        """
         images = np.empty((len(ids), 3, self.cfg.image_size, self.cfg.image_size), dtype=np.uint8)
-        replaced = 0
+        used = np.empty(len(ids), dtype=np.int64)
         for k, (i, rng) in enumerate(zip(ids.tolist(), rngs)):
-            pixels, was_replaced = self._image(i, rng)
-            images[k] = pixels
-            replaced += was_replaced
+            images[k], used[k] = self._image(i, rng, pool)
+        replaced = int((used != ids).sum())
         tokens = lengths = None
         if self.text:
-            tokens, lengths = self._captions(ids, rngs)
+            tokens, lengths = self._captions(used, rngs)
         return Batch(
             torch.from_numpy(images),
             torch.from_numpy(masks.context),
@@ -199,14 +206,15 @@ class StepBatches(torch.utils.data.Dataset):
             replaced,
         )
 
-    def _image(self, i: int, rng: np.random.Generator | None) -> tuple[np.ndarray, bool]:
-        """`[3, H, W]` uint8 pixels of image i; an image that is gone, unreadable or undecodable is replaced by
-        the next usable one (counted in `Batch.replaced`, logged as `images_replaced`)."""
+    def _image(self, i: int, rng: np.random.Generator | None, pool: np.ndarray) -> tuple[np.ndarray, int]:
+        """`[3, H, W]` uint8 pixels of image i and the id they come from: an image that is gone, unreadable or
+        undecodable is replaced by the next usable one of `pool` (sorted ids of the same split, so a validation
+        image never stands in for a training one; counted in `Batch.replaced`, logged as `images_replaced`)."""
         if self._images is None:
             self._images = ImageReader()
-        n = len(self.index.refs)
-        for attempt in range(n):
-            j = (i + attempt) % n
+        start = int(np.searchsorted(pool, i))
+        for attempt in range(len(pool)):
+            j = int(pool[(start + attempt) % len(pool)])  # attempt 0 is i itself: `pool` holds every id asked for
             try:
                 data = self._images.read(self.index.refs[j])
             except OSError:
@@ -218,7 +226,7 @@ class StepBatches(torch.utils.data.Dataset):
                 )
             im, _ = decode(data, self.policy)
             if im is not None:
-                return self._transform(im, rng), attempt > 0
+                return self._transform(im, rng), j
         raise RuntimeError("no image of the training set can be read and decoded")
 
     def _transform(self, im: Image.Image, rng: np.random.Generator | None) -> np.ndarray:

@@ -41,7 +41,6 @@ def build_models(cfg: TrainConfig, text_dim: int | None) -> tuple[JEPA, VisionTr
         width=cfg.predictor_width,
         depth=cfg.predictor_depth or size.predictor_depth,
         heads=cfg.predictor_heads or encoder.heads,
-        mlp_ratio=size.mlp_ratio,
         conditioning=cfg.conditioning,
         text_dim=text_dim if cfg.conditioning != "none" else None,
         pool=cfg.pool,

@@ -96,10 +96,14 @@ def init_weights(module: nn.Module) -> None:
 
 
 def scale_residual_outputs(blocks: nn.ModuleList) -> None:
-    """Divide block l's residual output projections by sqrt(2 l), as I-JEPA does, so deep stacks start stable."""
+    """Divide block l's residual output projections by sqrt(2 l), as I-JEPA does, so deep stacks start stable.
+
+    Every residual branch counts: self-attention, the MLP and, in the predictor, the text cross-attention.
+    """
     for layer, block in enumerate(blocks, start=1):
-        block.attn.proj.weight.data.div_(math.sqrt(2.0 * layer))
-        block.mlp.fc2.weight.data.div_(math.sqrt(2.0 * layer))
+        outputs = [block.attn.proj, block.mlp.fc2, *([block.cross.proj] if getattr(block, "cross", None) else [])]
+        for linear in outputs:
+            linear.weight.data.div_(math.sqrt(2.0 * layer))
 
 
 class VisionTransformer(nn.Module):
