@@ -60,7 +60,7 @@ def main() -> None:
         torch.manual_seed(args.seed)
         config = T5Config(
             vocab_size=len(tokenizer),
-            width=args.d_model,
+            d_model=args.d_model,
             d_kv=64,
             d_ff=4 * args.d_model,
             num_layers=args.layers,

@@ -8,10 +8,12 @@ to the batch's longest, float16 → autocast dtype as the loader hands them over
 The same encoder, masks and captions serve every mode:
 
   none          plain I-JEPA (no text)
+  none_cut      the same with I-JEPA's cut of every context to the batch's smallest (pad keeps each whole)
   sequence      N=8 captions' words appended to every predictor sequence
   cross1        TC-JEPA, N=1
   cross8        TC-JEPA, N=8, pool after_mlp (one MLP per caption)
   cross8_before TC-JEPA, N=8, pool before_mlp (one shared MLP)
+  cross8_before_cut  the same with the cut
 
 FLOPs are counted analytically (2·m·k·n per matmul: patch embed, qkv / proj / MLP,
 attention scores and weighted sums, predictor embed / proj, cross-attention
@@ -57,14 +59,17 @@ class Mode:
     conditioning: str
     captions: int
     pool: str = "after_mlp"
+    context_equalise: str = "pad"
 
 
 MODES: dict[str, Mode] = {
     "none": Mode("none", 0),
+    "none_cut": Mode("none", 0, context_equalise="cut"),
     "sequence": Mode("sequence", 8),
     "cross1": Mode("cross", 1),
     "cross8": Mode("cross", 8, "after_mlp"),
     "cross8_before": Mode("cross", 8, "before_mlp"),
+    "cross8_before_cut": Mode("cross", 8, "before_mlp", context_equalise="cut"),
 }
 
 PRESETS = {
@@ -169,7 +174,7 @@ def train_config(args: argparse.Namespace, mode: Mode):
 
     return TrainConfig(
         model=args.model,
-        width=args.d_model,
+        width=args.width,
         depth=args.depth,
         heads=args.heads,
         patch_size=args.patch_size,
@@ -182,6 +187,7 @@ def train_config(args: argparse.Namespace, mode: Mode):
         batch_size=args.batch,
         context_scale=args.context_scale,
         min_context=args.min_context,
+        context_equalise=mode.context_equalise,
         bf16=args.bf16,
         device=args.device,
         seed=args.seed,
@@ -291,8 +297,9 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     import numpy as np
     import torch
 
+    from train.data import mask_config
     from train.jepa import build_models, compute_losses, ema_update, param_groups
-    from train.masks import MaskConfig, sample_masks
+    from train.masks import sample_masks
     from train.predictor import TextBatch
 
     if args.threads:
@@ -313,15 +320,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     # The same synthetic batch in every mode: images, masks, and (for text modes) the first N captions of 8.
     rng = np.random.default_rng(args.seed)
     grid = model.encoder.grid
-    masks = sample_masks(
-        MaskConfig(
-            cfg.num_targets, cfg.target_scale, cfg.target_aspect, cfg.context_scale, cfg.context_aspect, cfg.min_context
-        ),
-        grid,
-        args.seed,
-        args.mask_step,
-        cfg.batch_size,
-    )
+    masks = sample_masks(mask_config(cfg), grid, args.seed, args.mask_step, cfg.batch_size)
     images = torch.from_numpy(
         rng.standard_normal((cfg.batch_size, 3, cfg.image_size, cfg.image_size), dtype=np.float32)
     )
@@ -336,12 +335,14 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64))).to(device, dtype=dtype)
     images = images.to(device)
     context = torch.from_numpy(masks.context).to(device)
+    valid = masks.context_valid()
+    context_valid = None if valid.all() else torch.from_numpy(valid).to(device)
     targets = torch.from_numpy(masks.targets).to(device)
     lc, (m, lt) = context.shape[1], targets.shape[1:]
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=cfg.bf16):
-            losses = compute_losses(model, target, images, context, targets, text, cfg)
+            losses = compute_losses(model, target, images, context, targets, text, cfg, context_valid)
         optimizer.zero_grad(set_to_none=True)
         losses.total.backward()
         optimizer.step()
@@ -565,6 +566,11 @@ def main() -> None:
         if "cross8" in modes:
             result["time_ratio_over_flop_ratio"] = result["cross8_time_ratio_over_flop_ratio"]
             result["goal_met"] = result["time_ratio_over_flop_ratio"] <= 1.2
+    for padded in ("none", "cross8_before"):  # what keeping every context patch (pad) costs against I-JEPA's cut
+        if padded in modes and f"{padded}_cut" in modes:
+            cut = f"{padded}_cut"
+            result[f"{padded}_pad_vs_cut_time"] = round(medians[padded] / medians[cut], 3)
+            result[f"{padded}_pad_vs_cut_context_tokens"] = round(info[padded]["lc"] / info[cut]["lc"], 3)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print_result(result)
 

@@ -120,6 +120,7 @@ def patch_errors(
     features = target(image)
     masks = sample_masks(mask_config(cfg), grid, cfg.seed, 0, draws)
     ctx = torch.from_numpy(masks.context)
+    ctx_valid = torch.from_numpy(masks.context_valid())
     tgt = torch.from_numpy(masks.targets)
     images = image.expand(draws, -1, -1, -1)
     truth = target_features(features.expand(draws, -1, -1), tgt)
@@ -128,7 +129,7 @@ def patch_errors(
         batch = (
             None if text is None else TextBatch(text.tokens.expand(draws, -1, -1, -1), text.lengths.expand(draws, -1))
         )
-        pred = model(images, ctx, tgt, batch).prediction
+        pred = model(images, ctx, tgt, batch, ctx_valid).prediction
         err = ((pred - truth) ** 2).mean(-1).flatten()
         total = torch.zeros(grid[0] * grid[1]).index_add_(0, tgt.flatten(), err)
         count = torch.zeros(grid[0] * grid[1]).index_add_(0, tgt.flatten(), torch.ones_like(err))

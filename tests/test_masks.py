@@ -17,28 +17,70 @@ def check_masks(m: Masks, cfg: MaskConfig, grid: tuple[int, int], batch: int) ->
     ch, cw = m.context_hw
     assert 1 <= h <= H and 1 <= w <= W and 1 <= ch <= H and 1 <= cw <= W
     assert m.context.dtype == np.int64 and m.targets.dtype == np.int64
-    assert m.context.ndim == 2 and m.context.shape[0] == batch
+    assert m.context.ndim == 2 and m.context.shape[0] == batch and m.context_lengths.shape == (batch,)
     assert m.targets.shape == (batch, cfg.num_targets, h * w)
-    assert m.context.shape[1] >= cfg.min_context
+    assert m.context_lengths.min() >= cfg.min_context and m.context_lengths.max() <= m.context.shape[1]
     for arr in (m.context, m.targets):
         assert arr.min() >= 0 and arr.max() < H * W
-    assert (np.diff(m.context, axis=1) > 0).all(), "context rows sorted and unique"
+    valid = m.context_valid()
+    for row, keep, n in zip(m.context, valid, m.context_lengths):
+        assert (np.diff(row[:n]) > 0).all(), "real context patches sorted and unique"
+        assert (row[~keep] == row[0]).all(), "padding repeats the row's first patch"
     # Each target block is exactly the h×w rectangle whose top-left patch is its first index.
     offsets = (np.arange(h)[:, None] * W + np.arange(w)[None, :]).ravel()
     first = m.targets[..., :1]
     assert (m.targets == first + offsets).all()
     assert (first[..., 0] // W <= H - h).all() and (first[..., 0] % W <= W - w).all()
     # The context lies within one ch×cw block and misses every target patch.
-    rows, cols = m.context // W, m.context % W
+    rows, cols = m.context // W, m.context % W  # padding repeats a real patch, so it cannot widen the span
     assert (rows.max(1) - rows.min(1) < ch).all() and (cols.max(1) - cols.min(1) < cw).all()
     for ctx, tgt in zip(m.context, m.targets):
         assert not np.isin(ctx, tgt).any()
 
 
 @pytest.mark.parametrize("grid", [(16, 16), (14, 14), (8, 12), (12, 8)])
-def test_masks_valid(grid):
+@pytest.mark.parametrize("equalise", ["pad", "cut"])
+def test_masks_valid(grid, equalise):
+    cfg = MaskConfig(context_equalise=equalise)
     for step in range(10):
-        check_masks(sample_masks(CFG, grid, 0, step, 64), CFG, grid, 64)
+        check_masks(sample_masks(cfg, grid, 0, step, 64), cfg, grid, 64)
+
+
+def test_pad_keeps_every_context_patch_and_cut_keeps_the_batch_minimum():
+    """Both settings draw the same blocks; pad keeps each image's whole context, cut the batch's smallest count."""
+    H, W = 16, 16
+    for step in range(5):
+        pad = sample_masks(MaskConfig(context_equalise="pad"), (H, W), 9, step, 32)
+        cut = sample_masks(MaskConfig(context_equalise="cut"), (H, W), 9, step, 32)
+        assert np.array_equal(pad.targets, cut.targets) and pad.context_hw == cut.context_hw
+        assert pad.context.shape[1] == pad.context_lengths.max()
+        assert (cut.context_lengths == pad.context_lengths.min()).all() and cut.context.shape[
+            1
+        ] == pad.context_lengths.min()
+        for p_row, p_n, c_row in zip(pad.context, pad.context_lengths, cut.context):
+            assert set(c_row) <= set(p_row[:p_n]), "cut keeps a subset of the sampled context"
+        # pad's context is a whole ch×cw context block minus the targets: no patch of it is dropped.
+        ch, cw = pad.context_hw
+        for b in range(32):
+            kept = set(pad.context[b, : pad.context_lengths[b]].tolist())
+            targets = set(pad.targets[b].ravel().tolist())
+            blocks = (
+                {(r0 + i) * W + c0 + j for i in range(ch) for j in range(cw)} - targets
+                for r0 in range(H - ch + 1)
+                for c0 in range(W - cw + 1)
+            )
+            assert any(kept == block for block in blocks), f"image {b}: not a whole context block minus its targets"
+
+
+def test_with_pad_the_context_an_image_keeps_does_not_depend_on_the_batch_size():
+    """The mean context per image is the same at global batch 8 and 256 with pad; cut's falls as the batch grows."""
+
+    def mean_context(equalise: str, batch: int) -> float:
+        cfg = MaskConfig(context_equalise=equalise)
+        return float(np.mean([sample_masks(cfg, (14, 14), 1, s, batch).context_lengths.mean() for s in range(200)]))
+
+    assert mean_context("pad", 8) == pytest.approx(mean_context("pad", 256), rel=0.02)
+    assert mean_context("cut", 256) < 0.85 * mean_context("cut", 8) < 0.85 * mean_context("pad", 8)
 
 
 def test_tiny_grid_with_lower_min_context():
@@ -103,7 +145,8 @@ def test_targets_reach_every_edge():
 def test_context_subset_has_no_spatial_bias():
     """P(kept | eligible) is the same in the top-left and bottom-right corners (first-k keeping fails this)."""
     H, W = 16, 16
-    cfg = MaskConfig(context_scale=(1.0, 1.0))  # the context block is the whole grid: eligible = not a target
+    # I-JEPA's cut; the context block is the whole grid: eligible = not a target.
+    cfg = MaskConfig(context_scale=(1.0, 1.0), context_equalise="cut")
     kept = np.zeros((H, W))
     eligible = np.zeros((H, W))
     for step in range(20):

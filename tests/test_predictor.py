@@ -178,10 +178,10 @@ def _train_predictor(conditioning: str, steps: int = 250) -> tuple[float, float,
         opt.step()
     with torch.no_grad():
         context, text, target = _wiring_batch(torch.Generator().manual_seed(99), words, colours)
-        true = prediction_loss(pred(context, context_idx, target_idx, text).prediction, target)
+        true = prediction_loss(pred(context, context_idx, target_idx, text).prediction, target, "mse")
         swapped = TextBatch(text.tokens.roll(1, 0), text.lengths)
-        shuffled = prediction_loss(pred(context, context_idx, target_idx, swapped).prediction, target)
-        notext = prediction_loss(pred(context, context_idx, target_idx, None).prediction, target)
+        shuffled = prediction_loss(pred(context, context_idx, target_idx, swapped).prediction, target, "mse")
+        notext = prediction_loss(pred(context, context_idx, target_idx, None).prediction, target, "mse")
     return float(true), float(shuffled), float(notext)
 
 
@@ -271,3 +271,49 @@ def test_widths_that_heads_or_position_embeddings_cannot_split_are_refused_in_on
     cfg = apply(TrainConfig(conditioning="none"), settings, "test")
     with pytest.raises(UserError, match=re.escape(message)):
         validate(cfg)
+
+
+@pytest.mark.parametrize("conditioning", ["cross", "sequence", "none"])
+def test_a_padded_context_gives_the_same_prediction_and_regularisers_as_the_unpadded_one(conditioning):
+    """Image 0 alone (its own context length) and beside an image with a longer context (so padded): same outputs."""
+    from train.config import TrainConfig
+    from train.jepa import build_models, compute_losses
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(
+        model="vit_tiny",
+        depth=2,
+        patch_size=8,
+        image_size=32,
+        predictor_width=48,
+        predictor_depth=2,
+        conditioning=conditioning,
+        cache="c",
+        store="s",
+        bf16=False,
+    )
+    model, target = build_models(cfg, text_dim=16)
+    model.eval()
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(2, 3, 32, 32, generator=g)
+    short, long = torch.tensor([0, 1, 2, 4, 5, 6]), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8])
+    context = torch.stack([torch.cat([short, short[:1].repeat(3)]), long])  # row 0 padded with its first patch
+    valid = torch.arange(9) < torch.tensor([6, 9])[:, None]
+    targets = torch.tensor([[[10, 11], [14, 15]], [[12, 13], [9, 10]]])
+    text = TextBatch(torch.randn(2, 3, 5, 16, generator=g), torch.tensor([[5, 3, 0], [2, 5, 4]]))
+    with torch.no_grad():
+        both = compute_losses(model, target, images, context, targets, text, cfg, valid)
+        alone = compute_losses(model, target, images[:1], short[None], targets[:1], text_row(text, 0), cfg)
+        pred_both = model(images, context, targets, text, valid).prediction[0]
+        pred_alone = model(images[:1], short[None], targets[:1], text_row(text, 0)).prediction[0]
+        unmasked = model(images, context, targets, text).prediction[0]
+    torch.testing.assert_close(pred_both, pred_alone, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(unmasked, pred_alone, atol=1e-3), "without the mask the padding would be attended to"
+    if conditioning == "cross":  # the regularisers average over image 0's real tokens only
+        one = compute_losses(model, target, images[1:], long[None], targets[1:], text_row(text, 1), cfg)
+        torch.testing.assert_close(both.sparse, (alone.sparse + one.sparse) / 2, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(both.consistency, (alone.consistency + one.consistency) / 2, rtol=1e-4, atol=1e-6)
+
+
+def text_row(text: TextBatch, i: int) -> TextBatch:
+    return TextBatch(text.tokens[i : i + 1], text.lengths[i : i + 1])

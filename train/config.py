@@ -21,7 +21,7 @@ import yaml
 from pipeline.core.devices import DEVICE_HELP
 from pipeline.core.errors import UserError
 from pipeline.core.keyvalues import parse_key_values
-from train.choices import CONDITIONING, LOSSES, MODELS, POOLING, VIT_SIZES
+from train.choices import CONDITIONING, CONTEXT_EQUALISE, LOSSES, MODELS, POOLING, VIT_SIZES
 from train.masks import MaskConfig
 
 # Values an older tcjepa wrote that mean something else now: (key, old value) -> (new value, why).
@@ -104,6 +104,12 @@ class TrainConfig:
     context_aspect: tuple[float, float] = setting(MaskConfig.context_aspect, "context block aspect ratio")
     min_context: int = setting(
         MaskConfig.min_context, "fewest context patches an image may keep after removing targets"
+    )
+    context_equalise: str = setting(
+        MaskConfig.context_equalise,
+        f"{' | '.join(CONTEXT_EQUALISE)}: every image keeps the context it sampled, rows padded and the padding masked "
+        "out of attention; or I-JEPA's cut of every context to the batch's smallest (makes the task depend on the "
+        "batch size)",
     )
     # objective
     loss: str = setting(
@@ -256,7 +262,13 @@ def differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     return [k for k in FIELDS if k not in RUNTIME_ONLY and saved.get(k) != now[k]]
 
 
-CHOICES = {"conditioning": CONDITIONING, "pool": POOLING, "loss": LOSSES, "model": MODELS}
+CHOICES = {
+    "conditioning": CONDITIONING,
+    "pool": POOLING,
+    "loss": LOSSES,
+    "model": MODELS,
+    "context_equalise": CONTEXT_EQUALISE,
+}
 POSITIVE = (
     "captions_per_image",
     "max_words",
@@ -315,6 +327,7 @@ def validate(config: TrainConfig) -> None:
             config.context_scale,
             config.context_aspect,
             config.min_context,
+            config.context_equalise,
         )
     except ValueError as exc:
         raise UserError(f"mask settings: {exc}") from None

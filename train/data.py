@@ -15,6 +15,7 @@ lazily in each worker (a memory map must not be pickled).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -43,7 +44,13 @@ VALIDATION_STEP = 2**62
 
 def mask_config(cfg: TrainConfig) -> MaskConfig:
     return MaskConfig(
-        cfg.num_targets, cfg.target_scale, cfg.target_aspect, cfg.context_scale, cfg.context_aspect, cfg.min_context
+        cfg.num_targets,
+        cfg.target_scale,
+        cfg.target_aspect,
+        cfg.context_scale,
+        cfg.context_aspect,
+        cfg.min_context,
+        cfg.context_equalise,
     )
 
 
@@ -85,17 +92,23 @@ def crop_box(
 @dataclass
 class Batch:
     images: torch.Tensor  # uint8 [b, 3, H, W]
-    context: torch.Tensor  # int64 [b, Lc]
+    context: torch.Tensor  # int64 [b, Lc]: each row's context patches, then padding
+    context_lengths: torch.Tensor  # int64 [b]: real context patches of each row
     targets: torch.Tensor  # int64 [b, M, Lt]
     tokens: torch.Tensor | None  # float16 [b, N, S, d_text]
     lengths: torch.Tensor | None  # int64 [b, N]; 0 = no caption
     replaced: int  # images that could not be read or decoded and were replaced by another
 
     def pin_memory(self) -> Batch:
-        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return Batch(
-            pin(self.images), pin(self.context), pin(self.targets), pin(self.tokens), pin(self.lengths), self.replaced
-        )
+        """Page-locked copies, for asynchronous host-to-device copies (the DataLoader calls this on CUDA)."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Batch(*(v.pin_memory() if isinstance(v, torch.Tensor) else v for v in values))
+
+    def context_valid(self) -> torch.Tensor | None:
+        """bool `[b, Lc]`, True on real context patches; None when no row is padded (attention needs no mask)."""
+        if bool((self.context_lengths == self.context.shape[1]).all()):
+            return None
+        return torch.arange(self.context.shape[1]) < self.context_lengths[:, None]
 
 
 def image_policy(image_size: int) -> ImagePolicy:
@@ -200,6 +213,7 @@ class StepBatches(torch.utils.data.Dataset):
         return Batch(
             torch.from_numpy(images),
             torch.from_numpy(masks.context),
+            torch.from_numpy(masks.context_lengths),
             torch.from_numpy(masks.targets),
             tokens,
             lengths,

@@ -26,9 +26,15 @@ class JEPA(nn.Module):
         self.predictor = predictor
 
     def forward(
-        self, images: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor, text: TextBatch | None
+        self,
+        images: torch.Tensor,
+        context_idx: torch.Tensor,
+        target_idx: torch.Tensor,
+        text: TextBatch | None,
+        context_valid: torch.Tensor | None = None,
     ) -> PredictorOutput:
-        return self.predictor(self.encoder(images, keep=context_idx), context_idx, target_idx, text)
+        context = self.encoder(images, keep=context_idx, keep_valid=context_valid)
+        return self.predictor(context, context_idx, target_idx, text, context_valid)
 
 
 def build_models(cfg: TrainConfig, text_dim: int | None) -> tuple[JEPA, VisionTransformer]:
@@ -96,15 +102,19 @@ def compute_losses(
     target_idx: torch.Tensor,
     text: TextBatch | None,
     cfg: TrainConfig,
+    context_valid: torch.Tensor | None = None,
 ) -> StepLosses:
-    """L = L_predict + λ·L_sparse + β·L_consistency for one batch (regularisers only in cross mode with text)."""
+    """L = L_predict + λ·L_sparse + β·L_consistency for one batch (regularisers only in cross mode with text).
+
+    `context_valid` bool `[B, Lc]` marks real context patches when contexts are padded to one length.
+    """
     with torch.no_grad():
         targets = target_features(target_encoder(images), target_idx)
-    out = model(images, context_idx, target_idx, text)
+    out = model(images, context_idx, target_idx, text, context_valid)
     predict = prediction_loss(out.prediction, targets, cfg.loss)
     zero = predict.new_zeros(())
-    if not out.cosines:
+    if not out.cosines or text is None:
         return StepLosses(predict, predict, zero, zero, None)
-    regs = text_regularisers(out.cosines, text.word_mask, text.valid)
+    regs = text_regularisers(out.cosines, text.word_mask, text.valid, out.token_valid)
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency
     return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction)

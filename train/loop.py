@@ -39,10 +39,11 @@ from train.checkpoint import load_checkpoint, save_checkpoint
 from train.config import TrainConfig, differences, to_dict, validate
 from train.data import Batch, StepBatches, normalise, split_images
 from train.data_index import TrainIndex, build_index
-from train.jepa import JEPA, build_models, compute_losses, ema_update, param_groups
+from train.jepa import JEPA, StepLosses, build_models, compute_losses, ema_update, param_groups
 from train.metrics import MetricsLog, effective_rank, plot_curves
 from train.predictor import TextBatch
 from train.schedules import Cosine, Linear, WarmupCosine
+from train.vit import VisionTransformer
 
 CONFIG = "config.yaml"
 INDEX = "index.parquet"
@@ -233,16 +234,35 @@ def text_width(cfg: TrainConfig) -> int | None:
     return EmbeddingStore(cfg.store).width
 
 
-def to_device(
-    batch: Batch, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TextBatch | None]:
-    images = normalise(batch.images.to(device, non_blocking=True))
-    context = batch.context.to(device, non_blocking=True)
-    targets = batch.targets.to(device, non_blocking=True)
+@dataclass
+class DeviceBatch:
+    """A batch on the device, as the model takes it."""
+
+    images: torch.Tensor  # float [b, 3, H, W], normalised
+    context: torch.Tensor  # int64 [b, Lc]
+    context_valid: torch.Tensor | None  # bool [b, Lc]; None when no row is padded
+    targets: torch.Tensor  # int64 [b, M, Lt]
+    text: TextBatch | None
+
+    def losses(
+        self, model: torch.nn.Module, target: VisionTransformer, cfg: TrainConfig, text: TextBatch | None
+    ) -> StepLosses:
+        """This batch's losses with captions `text` (the batch's own, shuffled ones, or None)."""
+        return compute_losses(model, target, self.images, self.context, self.targets, text, cfg, self.context_valid)
+
+
+def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> DeviceBatch:
+    valid = batch.context_valid()
     text = None
-    if batch.tokens is not None:
+    if batch.tokens is not None and batch.lengths is not None:
         text = TextBatch(batch.tokens, batch.lengths).to(device, dtype=dtype, non_blocking=True)
-    return images, context, targets, text
+    return DeviceBatch(
+        normalise(batch.images.to(device, non_blocking=True)),
+        batch.context.to(device, non_blocking=True),
+        None if valid is None else valid.to(device, non_blocking=True),
+        batch.targets.to(device, non_blocking=True),
+        text,
+    )
 
 
 def shuffled(text: TextBatch) -> TextBatch:
@@ -368,9 +388,9 @@ class Trainer:
         self.train_module.train()
         for step, batch in zip(range(self.start_step, cfg.steps), self._loader()):
             momentum = self._set_schedules(step)
-            images, context, targets, text = to_device(batch, rt.device, self.autocast_dtype)
+            on_device = to_device(batch, rt.device, self.autocast_dtype)
             with torch.autocast(device_type, dtype=self.autocast_dtype, enabled=cfg.bf16):
-                losses = compute_losses(self.train_module, self.target, images, context, targets, text, cfg)
+                losses = on_device.losses(self.train_module, self.target, cfg, on_device.text)
             self.optimizer.zero_grad(set_to_none=True)
             losses.total.backward()
             if cfg.grad_clip > 0:
@@ -443,19 +463,16 @@ class Trainer:
         """Prediction loss with true / shuffled / no captions, positive patch–word cosines per layer, RankMe."""
         cfg, rt = self.cfg, self.rt
         self.model.eval()
-        images, context, targets, text = to_device(batch, rt.device, self.autocast_dtype)
+        on_device = to_device(batch, rt.device, self.autocast_dtype)
+        text = on_device.text
         out: dict[str, Any] = {}
         with torch.autocast(rt.device.type, dtype=self.autocast_dtype, enabled=cfg.bf16):
-            true = compute_losses(self.model, self.target, images, context, targets, text, cfg)
+            true = on_device.losses(self.model, self.target, cfg, text)
             out["val_loss_predict"] = float(true.predict)
             swapped = shuffled(text) if text is not None else None
-            out["val_loss_predict_shuffled"] = float(
-                compute_losses(self.model, self.target, images, context, targets, swapped, cfg).predict
-            )
-            out["val_loss_predict_notext"] = float(
-                compute_losses(self.model, self.target, images, context, targets, None, cfg).predict
-            )
-            features = self.target(images)
+            out["val_loss_predict_shuffled"] = float(on_device.losses(self.model, self.target, cfg, swapped).predict)
+            out["val_loss_predict_notext"] = float(on_device.losses(self.model, self.target, cfg, None).predict)
+            features = self.target(on_device.images)
         if true.positive_fraction is not None:
             out["val_positive_cosine"] = [round(float(v), 5) for v in true.positive_fraction]
         flat = torch.nn.functional.layer_norm(features.float(), features.shape[-1:]).reshape(-1, features.shape[-1])

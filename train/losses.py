@@ -49,13 +49,18 @@ class TextRegularisers:
     positive_fraction: torch.Tensor  # [L]: share of valid patch–word cosines > 0 per layer (0 = regulariser dead)
 
 
-def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, valid: torch.Tensor) -> TextRegularisers:
+def text_regularisers(
+    cosines: list[torch.Tensor], word_mask: torch.Tensor, valid: torch.Tensor, token_valid: torch.Tensor | None = None
+) -> TextRegularisers:
     """Sparsity and cross-layer consistency of rectified patch–word cosines.
 
-    `cosines`: per layer `[B, I, N, S]`; `word_mask` `[B, N, S]`; `valid` `[B, N]`.
+    `cosines`: per layer `[B, I, N, S]`; `word_mask` `[B, N, S]`; `valid` `[B, N]`; `token_valid` `[B, I]` marks
+    real tokens (None: all are; context padding is neither averaged nor counted).
     """
     stacked = torch.stack(cosines).float()  # [L, B, I, N, S], a fresh tensor: padding words are zeroed in place
     words = word_mask[None, :, None].to(stacked.dtype)
+    if token_valid is not None:
+        words = words * token_valid[None, :, :, None, None].to(stacked.dtype)
     rectified = stacked.mul_(words).clamp_min(0)  # = clamp_min(cosine, 0) · words, gradient included
     mean_over_layers = rectified.mean(dim=0, keepdim=True)
     sparse = rectified.sum(dim=-1).mean(dim=0)  # [B, I, N]
@@ -65,8 +70,13 @@ def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, vali
     with_text = (weights.sum(dim=1) > 0).to(sparse.dtype)
     denom = with_text.sum().clamp_min(1)
 
+    tokens = None if token_valid is None else token_valid.to(sparse.dtype)  # [B, I]
+
     def average(per_token: torch.Tensor) -> torch.Tensor:
-        per_caption = per_token.mean(dim=1)  # [B, N]
+        if tokens is None:
+            per_caption = per_token.mean(dim=1)  # [B, N]
+        else:
+            per_caption = (per_token * tokens[..., None]).sum(dim=1) / tokens.sum(dim=1, keepdim=True).clamp_min(1)
         return ((per_caption * weights).sum(dim=1) / per_image * with_text).sum() / denom
 
     with torch.no_grad():  # counted in integers on a bool mask (`stacked` is zero on padding words)
@@ -76,6 +86,9 @@ def text_regularisers(cosines: list[torch.Tensor], word_mask: torch.Tensor, vali
             .view(len(cosines), per_layer)
             .sum(dim=1, dtype=torch.int32 if per_layer < 2**31 else torch.int64)
         )
-        counted = word_mask.sum() * stacked.shape[2]  # valid words × tokens, the same in every layer
+        if token_valid is None:  # valid words × tokens, the same in every layer
+            counted = word_mask.sum() * stacked.shape[2]
+        else:
+            counted = (word_mask.flatten(1).sum(dim=1) * token_valid.sum(dim=1)).sum()
         positive_fraction = positive.to(stacked.dtype) / counted.clamp_min(1).to(stacked.dtype)
     return TextRegularisers(average(sparse), average(consistency), positive_fraction)

@@ -7,13 +7,18 @@ the reference sampler (facebookresearch/ijepa ``MaskCollator``):
   tall blocks were always the large ones; we draw scale and aspect independently;
 * its origins ran over ``[0, H - h)``, never reaching the last row or column; ours
   are uniform over all ``[0, H - h]`` × ``[0, W - w]``;
-* it equalised context lengths by keeping each image's *first* k patches, which
-  favours the top of the image; we keep a uniformly random subset of size k.
+* it equalised context lengths by cutting every image's context to the batch's
+  smallest, keeping each image's *first* k patches: that drops 36–45% of the
+  context at global batch 128–2048, always from the bottom of the image, and makes
+  the task depend on the batch size. We keep every image's context whole and pad
+  the rows to one length (`context_equalise="pad"`, the default; the encoder and
+  predictor mask the padding out of attention). The cut stays available
+  (`"cut"`), with a uniformly random subset instead of the first k.
 
 Everything for a step is drawn for the whole global batch from one generator
 seeded by (seed, step), and a process then takes its own rows: the masks of a
-sample, and the common context length, do not depend on how many processes
-share the batch.
+sample, and the padded (or cut) context length, do not depend on how many
+processes share the batch.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from train.choices import CONTEXT_EQUALISE
 
 # Third word of the generator's seed, so the mask stream differs from other streams seeded by (seed, step).
 _MASK_STREAM = 0x6D61736B  # "mask"
@@ -51,9 +58,14 @@ class MaskConfig:
     context_scale: tuple[float, float] = (0.85, 1.0)
     context_aspect: tuple[float, float] = (1.0, 1.0)
     min_context: int = 10
+    context_equalise: str = "pad"  # pad: each image keeps its whole context; cut: I-JEPA's cut to the batch minimum
 
     def __post_init__(self) -> None:
         """Refuse a bad config when it is built, not at the first step."""
+        if self.context_equalise not in CONTEXT_EQUALISE:
+            raise ValueError(
+                f"context_equalise must be one of {', '.join(CONTEXT_EQUALISE)}, got {self.context_equalise!r}"
+            )
         if self.num_targets < 1:
             raise ValueError(f"num_targets must be >= 1, got {self.num_targets}")
         if self.min_context < 1:
@@ -68,10 +80,15 @@ class MaskConfig:
 class Masks:
     """Patch indices (row-major, r * W + c) for the requested rows of a step's global batch."""
 
-    context: np.ndarray  # int64 [B, Lc], sorted patch indices per row
+    context: np.ndarray  # int64 [B, Lc]: each row's patches sorted, then padding (copies of its first patch)
+    context_lengths: np.ndarray  # int64 [B]: real context patches per row; the rest of the row is padding
     targets: np.ndarray  # int64 [B, M, Lt], each block sorted; Lt = h*w
     target_hw: tuple[int, int]
     context_hw: tuple[int, int]
+
+    def context_valid(self) -> np.ndarray:
+        """bool `[B, Lc]`: True on real context patches."""
+        return np.arange(self.context.shape[1]) < self.context_lengths[:, None]
 
 
 def block_size(scale: float, aspect: float, grid: tuple[int, int]) -> tuple[int, int]:
@@ -180,15 +197,25 @@ def sample_masks(
     if (counts < cfg.min_context).any():
         raise ValueError(no_context)
 
-    # Equalise by a uniformly random subset: random keys for every global image (so the stream does
-    # not depend on `rows`), non-context patches pushed past the end, then the smallest Lc keys kept.
-    length = int(counts.min())
-    keys = rng.random((global_batch, H * W))
-    keys = np.where(context.reshape(global_batch, H * W)[idx], keys[idx], 2.0)
-    kept = np.argpartition(keys, length - 1, axis=1)[:, :length]
-    context_idx = np.sort(kept, axis=1).astype(np.int64)
+    flat = context.reshape(global_batch, H * W)[idx]
+    if cfg.context_equalise == "cut":
+        # A uniformly random subset of the batch minimum: random keys for every global image (so the stream does not
+        # depend on `rows`), non-context patches pushed past the end, then the smallest Lc keys kept.
+        length = int(counts.min())
+        keys = rng.random((global_batch, H * W))
+        keys = np.where(flat, keys[idx], 2.0)
+        context_idx = np.sort(np.argpartition(keys, length - 1, axis=1)[:, :length], axis=1).astype(np.int64)
+        lengths = np.full(len(idx), length, dtype=np.int64)
+    else:
+        # Every patch kept, rows padded to the global batch's longest (so the shape does not depend on `rows`):
+        # a stable sort puts each row's context patches first, in patch order, then pads with its first patch.
+        length = int(counts.max())
+        order = np.argsort(~flat, axis=1, kind="stable")[:, :length]
+        lengths = counts[idx].astype(np.int64)
+        pad = np.arange(length) >= lengths[:, None]
+        context_idx = np.where(pad, order[:, :1], order).astype(np.int64)
 
     h, w = target_hw
     offsets = (np.arange(h)[:, None] * W + np.arange(w)[None, :]).ravel()
     targets = (origins[idx][..., None] + offsets).astype(np.int64)
-    return Masks(context=context_idx, targets=targets, target_hw=target_hw, context_hw=context_hw)
+    return Masks(context_idx, lengths, targets, target_hw, context_hw)

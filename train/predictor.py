@@ -67,6 +67,7 @@ class TextBatch:
 class PredictorOutput:
     prediction: torch.Tensor  # [B, M, Lt, encoder width]
     cosines: list[torch.Tensor]  # cross mode: per layer, patch–word cosine [B, M*T, N, S]; else empty
+    token_valid: torch.Tensor | None = None  # bool [B, M*T]: False on context padding (None: no padding)
 
 
 class TextCrossAttention(nn.Module):
@@ -228,11 +229,18 @@ class Predictor(nn.Module):
         scale_residual_outputs(self.blocks)
 
     def forward(
-        self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor, text: TextBatch | None = None
+        self,
+        context: torch.Tensor,
+        context_idx: torch.Tensor,
+        target_idx: torch.Tensor,
+        text: TextBatch | None = None,
+        context_valid: torch.Tensor | None = None,
     ) -> PredictorOutput:
         """`context` `[B, Lc, D]` at `context_idx` `[B, Lc]`; predicts `[B, M, Lt, D]` at `target_idx` `[B, M, Lt]`.
 
-        `text` None (or mode ``none``) predicts without captions: the no-text control.
+        `context_valid` bool `[B, Lc]` marks real context patches (None: all are): padding is never attended to and
+        never counted by the regularisers. `text` None (or mode ``none``) predicts without captions: the no-text
+        control.
         """
         b, m, lt = target_idx.shape
         lc = context_idx.shape[1]
@@ -241,14 +249,21 @@ class Predictor(nn.Module):
         ctx = ctx.repeat_interleave(m, dim=0)  # [B*M, Lc, w], image-major
         queries = self.mask_token + pos[target_idx.reshape(b * m, lt)]
         x = torch.cat([ctx, queries.to(ctx.dtype)], dim=1)
-        key_mask = None
+        token_valid = None  # [B*M, Lc + Lt]: False on context padding
+        if context_valid is not None:
+            targets_valid = torch.ones(b, lt, dtype=torch.bool, device=x.device)
+            token_valid = torch.cat([context_valid, targets_valid], dim=1).repeat_interleave(m, dim=0)
+        key_mask = token_valid
         use_text = text if self.conditioning != "none" else None
         if use_text is not None and self.conditioning == "sequence":
             words = self.text_embed(use_text.tokens) + self.text_type  # [B, N, S, w]
             words = words.reshape(b, -1, words.shape[-1]).repeat_interleave(m, dim=0)
             x = torch.cat([x, words.to(x.dtype)], dim=1)
             word_mask = use_text.word_mask.reshape(b, -1).repeat_interleave(m, dim=0)
-            key_mask = torch.cat([torch.ones(b * m, lc + lt, dtype=torch.bool, device=x.device), word_mask], dim=1)
+            image_tokens = token_valid
+            if image_tokens is None:
+                image_tokens = torch.ones(b * m, lc + lt, dtype=torch.bool, device=x.device)
+            key_mask = torch.cat([image_tokens, word_mask], dim=1)
         cross_text = use_text if self.conditioning == "cross" else None
         cosines = []
         for block in self.blocks:
@@ -256,4 +271,5 @@ class Predictor(nn.Module):
             if cosine is not None:
                 cosines.append(cosine)
         out = self.proj(self.norm(x[:, lc : lc + lt]))
-        return PredictorOutput(out.view(b, m, lt, -1), cosines)
+        per_image_valid = None if token_valid is None else token_valid.reshape(b, m * (lc + lt))
+        return PredictorOutput(out.view(b, m, lt, -1), cosines, per_image_valid)

@@ -128,13 +128,19 @@ class VisionTransformer(nn.Module):
     def num_patches(self) -> int:
         return self.grid[0] * self.grid[1]
 
-    def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """`images` `[B, 3, H, W]` → features `[B, L, width]`; `keep` `[B, L]` patch indices, or None for all."""
+    def forward(
+        self, images: torch.Tensor, keep: torch.Tensor | None = None, keep_valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`images` `[B, 3, H, W]` → features `[B, L, width]`; `keep` `[B, L]` patch indices, or None for all.
+
+        `keep_valid` bool `[B, L]` marks the real entries of `keep` (None: all): padding is never attended to, so
+        each image's features depend only on its own context, however long the batch's longest is.
+        """
         x = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos_embed
         if keep is not None:
             x = torch.gather(x, 1, keep[..., None].expand(-1, -1, x.shape[-1]))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, keep_valid)
         return self.norm(x)
 
 
