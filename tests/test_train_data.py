@@ -37,7 +37,7 @@ def setup(synth_dir, annotated_cache, annotated_store):
 
 
 def _same(a, b):
-    for name in ("images", "context", "targets", "lengths"):
+    for name in ("images", "context", "context_lengths", "targets", "lengths"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     # Ranks pad captions to their own longest; compare the real words.
     for i in range(a.lengths.shape[0]):
@@ -55,7 +55,13 @@ def test_a_step_is_the_same_on_one_or_two_processes(setup):
     for r, half in enumerate(halves):
         rows = slice(4 * r, 4 * r + 4)
         sliced = type(whole)(
-            whole.images[rows], whole.context[rows], whole.targets[rows], whole.tokens[rows], whole.lengths[rows], 0
+            whole.images[rows],
+            whole.context[rows],
+            whole.context_lengths[rows],
+            whole.targets[rows],
+            whole.tokens[rows],
+            whole.lengths[rows],
+            0,
         )
         _same(half, sliced)
     again = StepBatches(index, ids, cfg, (8, 8))[7]
