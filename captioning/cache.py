@@ -6,7 +6,8 @@ Layout of a cache directory::
     recipes/<hash>.json           {"hash", "name", "recipe"}: each recipe stored once
     captions/<shard>.parquet      one row per caption (CAPTION_SCHEMA); immutable
     failures/<shard>.parquet      images that could not be captioned (FAILURE_SCHEMA)
-    manifests/<shard>.json        rows, bytes and sha256 of the shard's files, per-recipe counts
+    manifests/<shard>.json        rows, bytes and sha256 of the shard's files, per-recipe counts; a compacted
+                                  shard's also lists the shards it `replaces`
     .lock                         file lock held while a shard is checked and published
 
 A caption is identified by (image_sha256, recipe, prompt_id, sample). A writer
@@ -15,6 +16,12 @@ name and renames it into `captions/`: whoever writes, `captions/*.parquet` holds
 each caption exactly once, so ``datasets.load_dataset("parquet", ...)`` reads the
 cache as it is. The shard files are the truth; a manifest missing after a crash
 is rebuilt by the next writer.
+
+`tcjepa cache compact` merges small shards: it writes the merged shard's manifest
+(naming the shards it replaces) before its captions file, so from the moment that
+file appears, readers skip the replaced shards, which are then deleted. tcjepa's
+readers see every row exactly once throughout; a plain Parquet reader listing
+`captions/` during that moment may see the merged rows twice.
 On object storage (no lock, no rename) `captioning.remote_cache` publishes the
 same shards through a log of conditional puts instead.
 """
@@ -27,6 +34,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,6 +168,7 @@ class CaptionCache:
         self._caption_index = DigestIndex()
         self._failure_index = DigestIndex()
         self._indexed_shards: set[str] = set()
+        self._replaces: dict[str, list[str]] = {}  # compacted shard -> the shards it replaces (manifests are final)
 
     @classmethod
     def open_or_create(cls, root: str | Path) -> CaptionCache:
@@ -228,7 +237,20 @@ class CaptionCache:
     # ---- reading -------------------------------------------------------------------------
 
     def shard_ids(self) -> list[str]:
-        return sorted(p.stem for p in (self.root / "captions").glob("*.parquet"))
+        """Published shards, oldest first: those with a captions file, less those a compacted shard replaces."""
+        present = sorted(p.stem for p in (self.root / "captions").glob("*.parquet"))
+        hidden = {old for shard in present if is_compacted(shard) for old in self.replaced_by(shard)}
+        return [s for s in present if s not in hidden]
+
+    def replaced_by(self, shard: str) -> list[str]:
+        """The shards a compacted shard replaces (its manifest, written before its captions file, says so)."""
+        if shard not in self._replaces:
+            try:
+                doc = json.loads((self.root / "manifests" / f"{shard}.json").read_text())
+            except FileNotFoundError:  # being deleted: it is replaced itself, and its own list no longer matters
+                return []
+            self._replaces[shard] = [str(s) for s in doc.get("replaces", [])]
+        return self._replaces[shard]
 
     def caption_files(self) -> list[str]:
         """Paths of every published caption shard, for ``datasets.load_dataset("parquet", data_files=...)``."""
@@ -236,6 +258,9 @@ class CaptionCache:
 
     def read_captions(self, columns: list[str] | None = None, recipes: list[str] | None = None) -> pa.Table:
         """All published captions (optionally some columns, some recipes) as one table."""
+        return _retry_if_compacted(lambda: self._read_captions(columns, recipes))
+
+    def _read_captions(self, columns: list[str] | None, recipes: list[str] | None) -> pa.Table:
         wanted = (
             None if columns is None else list(dict.fromkeys([*columns, *(["recipe"] if recipes is not None else [])]))
         )
@@ -260,10 +285,15 @@ class CaptionCache:
         return set(full.column("image_sha256").to_pylist())
 
     def read_failures(self) -> pa.Table:
-        published = set(self.shard_ids())
-        paths = sorted(p for p in (self.root / "failures").glob("*.parquet") if p.stem in published)
-        tables = [pq.read_table(p) for p in paths]
-        return pa.concat_tables(tables) if tables else FAILURE_SCHEMA.empty_table()
+        """Every published failure record as one table."""
+
+        def read() -> pa.Table:
+            published = set(self.shard_ids())
+            paths = sorted(p for p in (self.root / "failures").glob("*.parquet") if p.stem in published)
+            tables = [pq.read_table(p) for p in paths]
+            return pa.concat_tables(tables) if tables else FAILURE_SCHEMA.empty_table()
+
+        return _retry_if_compacted(read)
 
     def info(self) -> CacheInfo:
         captions = self.read_captions(columns=["image_sha256", "recipe"])
@@ -302,16 +332,64 @@ class CaptionCache:
             self._indexed_shards.add(shard)
 
     def _clean_and_repair(self) -> None:
-        """Under the lock: drop temporaries of dead writers, rebuild manifests lost in a crash."""
+        """Under the lock: drop temporaries of dead writers and what a killed compaction left (replaced shards, a
+        manifest whose shard never appeared), rebuild manifests lost in a crash."""
         for tmp in (self.root / "tmp").iterdir():
             tmp.unlink(missing_ok=True)
-        published = set(self.shard_ids())
+        self.remove_replaced()
+        present = {p.stem for p in (self.root / "captions").glob("*.parquet")}
+        for manifest in (self.root / "manifests").glob("*.json"):
+            if manifest.stem not in present:  # a compaction killed before its shard appeared: nothing refers to it
+                manifest.unlink()
         for orphan in (self.root / "failures").glob("*.parquet"):
-            if orphan.stem not in published:
+            if orphan.stem not in present:
                 orphan.unlink()
         for shard in self.shard_ids():
             if not (self.root / "manifests" / f"{shard}.json").exists():
                 self._write_manifest(shard)
+
+    def remove_replaced(self) -> list[str]:
+        """Delete the shards that compacted shards replace (call under the lock); returns their ids.
+
+        Captions first (from then on the shard is not listed at all), then failures, then the manifest.
+        """
+        present = {p.stem for p in (self.root / "captions").glob("*.parquet")}
+        gone = sorted({old for s in present if is_compacted(s) for old in self.replaced_by(s)} & present)
+        for shard in gone:
+            for path in (
+                self.root / "captions" / f"{shard}.parquet",
+                self.root / "failures" / f"{shard}.parquet",
+                self.root / "manifests" / f"{shard}.json",
+            ):
+                path.unlink(missing_ok=True)
+            self._replaces.pop(shard, None)
+        if gone:
+            fsync_dir(self.root / "captions")
+        return gone
+
+    def replace_shards(
+        self, old: list[str], captions: pa.Table, failures: pa.Table, note: dict[str, Any] | None = None
+    ) -> str | None:
+        """Publish the rows of shards `old` as one compacted shard, then delete them; None when one of them is no
+        longer published (another compaction got there first), and nothing is changed.
+
+        The merged shard's manifest, naming `old` (and holding `note`), is written before its captions file: the
+        moment the shard exists for readers, they stop listing `old`. A kill at any point leaves every row readable
+        exactly once.
+        """
+        with self._lock():
+            self._clean_and_repair()
+            if not set(old) <= set(self.shard_ids()):
+                return None
+            shard = new_shard_id(compacted=True)
+            staged = self._stage(shard, captions.cast(CAPTION_SCHEMA), failures.cast(FAILURE_SCHEMA))
+            doc = {**manifest_doc(shard, staged), **(note or {}), "replaces": sorted(old)}
+            atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
+            self._replaces[shard] = sorted(old)
+            self._publish_staged(shard, staged, np.zeros((0, 16), np.uint8), np.zeros((0, 16), np.uint8))
+            self._indexed_shards.discard(shard)  # its rows are indexed from the next look, if they were not yet
+            self.remove_replaced()
+        return shard
 
     def _write_manifest(self, shard: str) -> None:
         published = {kind: self.root / kind / f"{shard}.parquet" for kind in ("captions", "failures")}
@@ -374,9 +452,29 @@ class CaptionCache:
         return CommitResult(shard, cap_table.num_rows, batch.offered - cap_table.num_rows, fail_table.num_rows)
 
 
-def new_shard_id() -> str:
-    """Unique across hosts and processes, and sorted by creation time."""
-    return f"{time.time_ns():020d}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+COMPACTED = "compacted"
+
+
+def new_shard_id(compacted: bool = False) -> str:
+    """Unique across hosts and processes, and sorted by creation time; a compacted shard's says so."""
+    tag = f"{COMPACTED}-" if compacted else ""
+    return f"{time.time_ns():020d}-{tag}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def is_compacted(shard: str) -> bool:
+    """Only compacted shards replace others, so only their manifests need reading to list the cache."""
+    return f"-{COMPACTED}-" in shard
+
+
+def _retry_if_compacted(read: Callable[[], pa.Table], attempts: int = 5) -> pa.Table:
+    """`read()` again when a shard it listed was deleted meanwhile (a compaction replaced it); the next listing
+    names the shard that holds those rows now."""
+    for _ in range(attempts - 1):
+        try:
+            return read()
+        except FileNotFoundError:
+            continue
+    return read()
 
 
 def manifest_doc(shard: str, files: dict[str, Path]) -> dict[str, Any]:

@@ -21,16 +21,29 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from filelock import FileLock
 
-from captioning.cache import FORMAT, SUBDIRS, VERSION, CaptionCache, CommitResult, RowBatch, manifest_doc, new_shard_id
+from captioning.cache import (
+    CAPTION_SCHEMA,
+    FAILURE_SCHEMA,
+    FORMAT,
+    SUBDIRS,
+    VERSION,
+    CaptionCache,
+    CommitResult,
+    RowBatch,
+    manifest_doc,
+    new_shard_id,
+)
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.recipes import canonical_json, recipe_hash
 from pipeline.core.remote import (
     LOG,
     PublishLog,
+    RemoteFileMissing,
     create_if_absent,
     fetch,
     is_remote,
@@ -39,6 +52,7 @@ from pipeline.core.remote import (
     parse_json,
     plain_name,
     remote_call,
+    remote_error,
     remote_names,
     remote_root,
     reset_if_rebuilt,
@@ -64,8 +78,16 @@ def _fetch_cache_shard(fs: Any, root: str, local: Path, stem: str, source: str, 
 def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
     """Bring the mirror `local` up to date with the cache at `url` (call under `mirror_lock`); returns shards fetched.
 
-    A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer).
+    A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer). A shard that a
+    compacted shard replaces is not fetched; one deleted while this sync ran is found replaced on a second look.
     """
+    try:
+        return _sync_cache_mirror(url, fs, root, local)
+    except RemoteFileMissing:  # most likely compacted away since the listing: the log now says by which shard
+        return _sync_cache_mirror(url, fs, root, local)
+
+
+def _sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
     marker = remote_call(url, fs.cat_file, f"{root}/CACHE.json")
     reset_if_rebuilt(local, marker)
     for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
@@ -74,21 +96,26 @@ def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
     for name in remote_names(fs, url, f"{root}/recipes"):
         if name.endswith(".json"):
             fetch(fs, f"{root}/recipes/{name}", local / "recipes" / name)
+    log = PublishLog(url, fs, root, local)
+    entries = [(seq, raw, parse_json(f"{url}/{LOG}/{seq:012d}.json", raw)) for seq, raw in log.unseen()]
+    replaced = {str(old) for _, _, doc in entries for old in doc.get("replaces", [])}
     fetched = 0
     for name in remote_names(fs, url, f"{root}/manifests"):
         stem = name.removesuffix(".json")
-        if name.endswith(".json") and not (local / "manifests" / name).exists():  # written last: the shard is all here
+        # The manifest is written last, so a shard that has one here is all here.
+        if name.endswith(".json") and stem not in replaced and not (local / "manifests" / name).exists():
             path = f"{root}/manifests/{name}"
-            _fetch_cache_shard(fs, root, local, stem, path, parse_json(path, remote_call(url, fs.cat_file, path)))
+            doc = parse_json(path, remote_call(url, fs.cat_file, path))
+            replaced.update(str(old) for old in doc.get("replaces", []))
+            _fetch_cache_shard(fs, root, local, stem, path, doc)
             fetched += 1
-    log = PublishLog(url, fs, root, local)
-    for seq, raw in log.unseen():
-        doc = parse_json(f"{url}/{LOG}/{seq}", raw)
+    for seq, raw, doc in entries:
         stem = doc.get("shard")
-        if not (local / "manifests" / f"{stem}.json").exists():
+        if stem not in replaced and not (local / "manifests" / f"{stem}.json").exists():
             _fetch_cache_shard(fs, root, local, stem, f"{url}/{LOG}/{seq:012d}.json", doc)
             fetched += 1
         log.keep(seq, raw)
+    CaptionCache(local).remove_replaced()
     return fetched
 
 
@@ -190,6 +217,45 @@ class RemoteCaptionCache(CaptionCache):
             atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
             self._log.keep(seq, canonical_json(doc))
         return CommitResult(shard, cap_table.num_rows, batch.offered - cap_table.num_rows, fail_table.num_rows)
+
+    def replace_shards(
+        self, old: list[str], captions: pa.Table, failures: pa.Table, note: dict[str, Any] | None = None
+    ) -> str | None:
+        """Publish the rows of shards `old` as one compacted shard through the log, then delete `old` in the mirror
+        and on the remote side; None when one of them is no longer published (nothing changed).
+
+        Mirrors that have not synced past `old` skip them once they see this entry; one that listed them just
+        before they were deleted looks again (see `sync_cache_mirror`).
+        """
+        with self._lock():
+            sync_cache_mirror(self.url, self._fs, self._remote, self.root)
+            self._clean_and_repair()
+            while True:
+                if not set(old) <= set(self.shard_ids()):
+                    return None
+                shard = new_shard_id(compacted=True)
+                staged = self._stage(shard, captions.cast(CAPTION_SCHEMA), failures.cast(FAILURE_SCHEMA))
+                doc = {**manifest_doc(shard, staged), **(note or {}), "replaces": sorted(old)}
+                self._upload(shard, staged)
+                seq = self._log.append(doc)
+                if seq is not None:
+                    break
+                self._withdraw(shard, staged)
+                sync_cache_mirror(self.url, self._fs, self._remote, self.root)
+            atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
+            self._publish_staged(shard, staged, np.zeros((0, 16), np.uint8), np.zeros((0, 16), np.uint8))
+            self._indexed_shards.discard(shard)
+            self._log.keep(seq, canonical_json(doc))
+            self.remove_replaced()
+        for old_shard in old:  # the manifest first: a mirror listing manifests then never finds files missing
+            for kind, suffix in (("manifests", "json"), ("captions", "parquet"), ("failures", "parquet")):
+                try:
+                    self._fs.rm_file(f"{self._remote}/{kind}/{old_shard}.{suffix}")
+                except FileNotFoundError:
+                    continue
+                except Exception as exc:
+                    raise remote_error(self.url, exc) from None
+        return shard
 
 
 def open_cache_for_writing(location: str | Path, mirror: Path | None = None) -> CaptionCache:

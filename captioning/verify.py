@@ -22,7 +22,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from captioning.cache import CAPTION_KEY, CAPTION_SCHEMA, FAILURE_SCHEMA, LOCK_TIMEOUT_S, CaptionCache, _row_digests
+from captioning.cache import (
+    CAPTION_KEY,
+    CAPTION_SCHEMA,
+    FAILURE_SCHEMA,
+    LOCK_TIMEOUT_S,
+    CaptionCache,
+    _row_digests,
+    is_compacted,
+)
 from pipeline.core.digests import as_digests, first_repeat
 from pipeline.core.errors import DataProblem
 from pipeline.core.recipes import recipe_hash, sha256_file, text_key
@@ -153,7 +161,14 @@ def _snapshot(cache: CaptionCache) -> tuple[list[str], set[str]]:
     """
 
     def listing() -> tuple[list[str], set[str]]:
-        return cache.shard_ids(), {p.stem for p in (cache.root / "manifests").glob("*.json")}
+        shards = cache.shard_ids()
+        present = {p.stem for p in (cache.root / "captions").glob("*.parquet")}
+        manifests = {p.stem for p in (cache.root / "manifests").glob("*.json")}
+        # What a compaction leaves until the next writer or compaction cleans up is not published, and not a problem:
+        # what is left of the shards it replaced, and the manifest of a shard it did not get to publish.
+        replaced = {old for s in shards if is_compacted(s) for old in cache.replaced_by(s)}
+        leftovers = (present - set(shards)) | replaced | {m for m in manifests - present if is_compacted(m)}
+        return shards, manifests - leftovers
 
     try:
         lock = FileLock(str(cache.root / ".lock"), timeout=LOCK_TIMEOUT_S)

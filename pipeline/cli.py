@@ -250,6 +250,23 @@ def cache_info(
         )
 
 
+@cache_app.command("compact")
+def cache_compact(
+    cache: Annotated[str, typer.Argument(help="Caption cache: a directory, or an s3:// URL.")],
+    target_mb: Annotated[
+        float, typer.Option(help="Merge consecutive shards smaller than this into shards of about this size (MiB).")
+    ] = 256.0,
+    mirror: Annotated[
+        Path | None, typer.Option(help="Local mirror directory of an s3:// cache (default: ~/.cache/tcjepa/mirror).")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Merge small shards into few large ones; readers see every row once throughout, and a kill is safe (rerun)."""
+    from captioning.compact import compact_cache
+
+    typer.echo(compact_cache(cache, target_mb, mirror, progress).summary())
+
+
 @cache_app.command("verify")
 def cache_verify(
     cache: Annotated[

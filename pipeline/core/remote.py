@@ -46,6 +46,10 @@ _ENTRY = re.compile(r"^(\d{12})\.json$")
 T = TypeVar("T")
 
 
+class RemoteFileMissing(DataProblem):
+    """A file that a listing or a log entry named is gone (deleted since, e.g. by a compaction: look again)."""
+
+
 def is_remote(location: str | Path | None) -> bool:
     """A URL (scheme://...); plain paths are local."""
     return isinstance(location, str) and "://" in location
@@ -138,7 +142,7 @@ def fetch(fs: Any, remote: str, local: Path, sha256: str | None = None) -> None:
         try:
             fs.get_file(remote, str(tmp))
         except FileNotFoundError:
-            raise DataProblem(f"{remote}: listed but missing on the remote side") from None
+            raise RemoteFileMissing(f"{remote}: listed but missing on the remote side") from None
         except Exception as exc:
             detail = str(exc).splitlines()[0] if str(exc) else ""
             raise UserError(f"{remote}: cannot fetch ({type(exc).__name__}: {detail[:200]})") from None
