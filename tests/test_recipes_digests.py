@@ -47,3 +47,28 @@ def test_digest_index_keeps_first_payload():
 
 def test_first_occurrence():
     assert first_occurrence(_keys([3, 1, 3, 2, 1])).tolist() == [True, True, False, True, False]
+
+
+def test_weight_hashes_are_remembered_by_path_size_mtime_and_inode(tmp_path, monkeypatch):
+    import os
+
+    from pipeline.core.recipes import remembered_sha256, sha256_file, sha256_tree
+
+    monkeypatch.setenv("TCJEPA_CACHE_DIR", str(tmp_path / "cache"))
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"a" * 1000)
+    first = remembered_sha256(weights)
+    assert first == sha256_file(weights) and len(list((tmp_path / "cache" / "file-sha256").iterdir())) == 1
+    # Rewritten in place with the same size and mtime: the remembered hash is served (the file is not read again).
+    stat = weights.stat()
+    with open(weights, "r+b") as f:
+        f.write(b"b")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert remembered_sha256(weights) == first
+    # Replaced (a new mtime): hashed again.
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert remembered_sha256(weights) == sha256_file(weights) != first
+    assert sha256_tree(weights.parent, ["model.safetensors"], remember=True) == sha256_tree(
+        weights.parent, ["model.safetensors"]
+    )

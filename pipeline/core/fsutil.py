@@ -50,3 +50,8 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def user_cache_dir() -> Path:
+    """This user's tcjepa cache (remote mirrors, remembered file hashes): $TCJEPA_CACHE_DIR, else ~/.cache/tcjepa."""
+    return Path(os.environ.get("TCJEPA_CACHE_DIR") or Path.home() / ".cache" / "tcjepa")

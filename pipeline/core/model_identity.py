@@ -2,7 +2,9 @@
 
 A local directory is identified by the sha256 of its weight files and of its
 tokenizer/processor files (a renamed copy of the same weights gives the same
-recipe); a hub id by the id and the commit it resolved to.
+recipe); a hub id by the id and the commit it resolved to. Weight hashes are
+remembered per machine by (path, size, mtime, inode), so a 16 GB checkpoint is
+read once, not at the start of each of 64 array tasks.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def model_identity(model: str, config: Any, option: str) -> dict[str, Any]:
             raise UserError(f"{option} {model}: no weight files (*.safetensors, *.bin) in the directory")
         return {
             "model": local.name,
-            "weights_sha256": sha256_tree(local, weights),
+            "weights_sha256": sha256_tree(local, weights, remember=True),
             "tokenizer_sha256": sha256_tree(local, [n for n in TOKENIZER_FILES if (local / n).exists()]),
         }
     return {"model": model, "revision": getattr(config, "_commit_hash", None)}

@@ -40,13 +40,44 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def sha256_tree(root: str | Path, names: Iterable[str]) -> str:
-    """One hash over several files of a directory (name and content of each, sorted by name)."""
+def sha256_tree(root: str | Path, names: Iterable[str], remember: bool = False) -> str:
+    """One hash over several files of a directory (name and content of each, sorted by name).
+
+    With `remember`, each file's hash is kept by (path, size, mtime, inode) in the user's tcjepa cache, for large
+    files replaced but never edited in place (model weights: 16 GB for a 7B VLM, hashed at every job start else).
+    """
     digest = hashlib.sha256()
     root = Path(root)
     for name in sorted(names):
-        digest.update(name.encode("utf-8") + b"\0" + sha256_file(root / name).encode("ascii") + b"\n")
+        file_hash = remembered_sha256(root / name) if remember else sha256_file(root / name)
+        digest.update(name.encode("utf-8") + b"\0" + file_hash.encode("ascii") + b"\n")
     return digest.hexdigest()
+
+
+def remembered_sha256(path: Path) -> str:
+    """`sha256_file(path)`, read once per (real path, size, mtime, inode) and remembered under the tcjepa cache.
+
+    Each entry is its own small file, written atomically, so concurrent jobs on one machine share it safely.
+    """
+    from pipeline.core.fsutil import atomic_write_bytes, user_cache_dir
+
+    real = Path(path).resolve()
+    st = real.stat()
+    key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode()).hexdigest()
+    entry = user_cache_dir() / "file-sha256" / key
+    try:
+        known = entry.read_text().strip()
+        if len(known) == 64:
+            return known
+    except OSError:
+        pass
+    digest = sha256_file(real)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(entry, digest.encode("ascii"))
+    except OSError:  # a read-only home: the hash is still right, only not remembered
+        pass
+    return digest
 
 
 def text_key(text: str) -> bytes:

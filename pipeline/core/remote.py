@@ -35,10 +35,9 @@ from typing import Any, TypeVar
 from filelock import FileLock
 
 from pipeline.core.errors import DataProblem, UserError
-from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.fsutil import atomic_write_bytes, user_cache_dir
 from pipeline.core.recipes import canonical_json, sha256_file
 
-DEFAULT_MIRROR = Path.home() / ".cache" / "tcjepa" / "mirror"
 WRITABLE_PROTOCOLS = ("s3", "s3a")
 LOG = "log"
 MIRROR_LOCK = ".mirror.lock"
@@ -123,7 +122,7 @@ def remote_names(fs: Any, url: str, path: str) -> list[str]:
 
 def mirror_path(url: str, mirror: Path | None = None, suffix: str = "") -> Path:
     """Where `url` is (or will be) mirrored: one directory per URL under `mirror`."""
-    base = Path(mirror) if mirror is not None else DEFAULT_MIRROR
+    base = Path(mirror) if mirror is not None else user_cache_dir() / "mirror"
     return base / f"{Path(url.rstrip('/')).name}-{hashlib.sha256(url.rstrip('/').encode()).hexdigest()[:16]}{suffix}"
 
 
