@@ -1,10 +1,13 @@
-"""Import existing captions (our JSONL, COCO captions JSON) into the caption cache.
+"""Import existing captions into the caption cache: our JSONL, COCO captions JSON, the captions that sit beside the
+images in WebDataset tar shards (``.txt``, ``.json`` members), or a caption column of a Parquet / HF datasets table.
 
-An import is a recipe of kind ``annotations`` keyed by the source file's sha256,
-so importing the same file twice adds nothing. Bad entries never stop an
-import: missing image files, empty or whitespace captions, captions that are not
-valid UTF-8 and unparseable lines are counted, reported and skipped, and rows
-are published only in whole shards.
+An import is a recipe of kind ``annotations`` keyed by its source (an annotation
+file's sha256; the names and sizes of tar shards and tables), so importing the
+same source twice adds nothing. Images are identified by the sha256 of their
+bytes, as everywhere. Bad entries never stop an import: missing images, samples
+without an image, empty or non-text captions, captions that are not valid UTF-8,
+unparseable lines and broken JSON are counted, reported and skipped, and rows are
+published only in whole shards.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 
 from captioning.cache import CaptionCache, caption_row
 from pipeline.core.errors import UserError
-from pipeline.core.recipes import sha256_file
+from pipeline.core.recipes import sha256_bytes, sha256_file
+from pipeline.core.sources import DEFAULT_SPLIT, describe_sources, iter_samples
 
 PROMPT_ID = "annotation"
 FINISH_REASON = "annotation"
@@ -112,6 +116,95 @@ def _detect_format(path: Path) -> tuple[str, dict[str, Any] | None]:
         f"--annotations {path}: JSON without 'images' and 'annotations'; expected COCO captions JSON, or JSONL lines "
         f'{{"image": ..., "captions": [...]}}'
     )
+
+
+ANNOTATION_SUFFIXES = (".json", ".jsonl")
+
+
+def import_captions(
+    cache: CaptionCache,
+    inputs: list[Path],
+    image_root: Path | None = None,
+    name: str | None = None,
+    caption_column: str | None = None,
+    image_column: str | None = None,
+    split: str = DEFAULT_SPLIT,
+) -> ImportReport:
+    """Import one annotation file (JSONL, COCO JSON), or the captions beside the images of `inputs` (tar shards,
+    folders of them, Parquet files, HF datasets, ``hf:`` sources; tables need `caption_column`)."""
+    files = [Path(p) for p in inputs]
+    annotation_files = [p for p in files if p.suffix.lower() in ANNOTATION_SUFFIXES]
+    if annotation_files:
+        if len(files) > 1:
+            raise UserError(
+                "--annotations: give one JSONL / COCO file, or image sources that hold captions (tar shards, "
+                "tables), not both"
+            )
+        return import_annotations(cache, files[0], image_root, name)
+    return import_from_sources(cache, files, name, caption_column, image_column, split)
+
+
+def import_from_sources(
+    cache: CaptionCache,
+    inputs: list[Path],
+    name: str | None = None,
+    caption_column: str | None = None,
+    image_column: str | None = None,
+    split: str = DEFAULT_SPLIT,
+) -> ImportReport:
+    """Import the captions each sample of `inputs` holds beside its image, committing every ROWS_PER_SHARD rows."""
+    recipe = {
+        "kind": "annotations",
+        "format": "samples",
+        "sources": describe_sources(inputs, split),
+        "caption_column": caption_column,
+        "text_normalisation": "strip",
+    }
+    recipe_id = cache.add_recipe(recipe, name or Path(str(inputs[0])).stem)
+    report = ImportReport(recipe_id)
+    rows: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
+    for sample in iter_samples(inputs, image_column, caption_column, split):
+        for problem in sample.problems:
+            report.skipped[problem] += 1
+        texts = [t for t in (_clean_caption(c, report.skipped) for c in sample.captions) if t is not None]
+        if sample.image is None:
+            report.skipped["sample without an image"] += 1
+            continue
+        if not texts:
+            report.skipped["image without captions"] += 1
+            continue
+        if sample.image.data is None:
+            report.skipped["unreadable image"] += 1
+            failures.append(
+                {
+                    "image_sha256": None,
+                    "source_id": sample.image.source_id,
+                    "recipe": recipe_id,
+                    "reason": sample.image.error or "unreadable",
+                }
+            )
+            continue
+        digest = sha256_bytes(sample.image.data)
+        report.images += 1
+        rows.extend(
+            caption_row(digest, sample.image.source_id, recipe_id, PROMPT_ID, k, text, FINISH_REASON)
+            for k, text in enumerate(texts)
+        )
+        if len(rows) >= ROWS_PER_SHARD:
+            _commit(cache, rows, failures, report)
+            rows, failures = [], []
+    _commit(cache, rows, failures, report)
+    return report
+
+
+def _commit(
+    cache: CaptionCache, rows: list[dict[str, Any]], failures: list[dict[str, Any]], report: ImportReport
+) -> None:
+    if rows or failures:
+        result = cache.commit(rows, failures)
+        report.captions_added += result.captions_added
+        report.captions_already_cached += result.captions_duplicate
 
 
 def import_annotations(

@@ -51,6 +51,7 @@ class CaptionConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)
     image_column: str | None = None
+    split: str = "train"  # of hf: inputs that do not name one
     chunk_images: int = 256
     decode_workers: int | None = None
     device: str = "auto"
@@ -236,9 +237,10 @@ def run_caption(cfg: CaptionConfig, engine: CaptionEngine | None = None) -> Capt
         from captioning.ray_executor import caption_on_ray
 
         if not cfg.dry_run:
-            caption_on_ray(cfg, list_images(cfg.inputs, cfg.image_column), shard, done, prompts, counts, report)
+            refs = list_images(cfg.inputs, cfg.image_column, cfg.split)
+            caption_on_ray(cfg, refs, shard, done, prompts, counts, report)
             return _checked(report)
-    selection = Selection(iter_images(cfg.inputs, cfg.image_column), shard, done)
+    selection = Selection(iter_images(cfg.inputs, cfg.image_column, cfg.split), shard, done)
     if cfg.dry_run:
         report.captioned = sum(1 for _ in selection)
         for _, reason in selection.unreadable:

@@ -146,15 +146,25 @@ def caption(
     ] = False,
     dry_run: Annotated[bool, typer.Option(help="Only count the images that would be captioned.")] = False,
     annotations: Annotated[
-        Path | None,
+        bool,
         typer.Option(
-            help="Instead: import existing captions, our JSONL ({'image', 'captions'}) or COCO captions JSON."
+            "--annotations",
+            help="Instead of captioning with a model, import the captions IMAGES hold: one JSONL "
+            "({'image', 'captions'}) or COCO captions file, or WebDataset tar shards (a sample's .txt: a caption per "
+            "line; .json: caption or captions) and folders of them, or tables with --caption-column.",
         ),
-    ] = None,
+    ] = False,
     image_root: Annotated[
         Path | None,
         typer.Option(help="With --annotations: where the file's image paths point (default: its directory)."),
     ] = None,
+    caption_column: Annotated[
+        str | None,
+        typer.Option(help="With --annotations: the caption column of Parquet / datasets inputs (a string or a list)."),
+    ] = None,
+    split: Annotated[
+        str, typer.Option(help="Split of hf:PATH_OR_ID inputs (datasets.load_dataset) that do not name one.")
+    ] = "train",
     mirror: Annotated[
         Path | None,
         typer.Option(help="Local mirror directory of an s3:// --cache (default: ~/.cache/tcjepa/mirror)."),
@@ -179,18 +189,19 @@ def caption(
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
 ) -> None:
     """Write N captions per image with a VLM into the caption cache, or import existing captions."""
-    if annotations is not None:
-        from captioning.annotations import import_annotations
+    if annotations:
+        from captioning.annotations import import_captions
         from captioning.remote_cache import open_cache_for_writing
 
-        if images:
-            raise UserError(
-                "give either IMAGES (to caption with a model) or --annotations (to import captions), not both"
-            )
-        report = import_annotations(open_cache_for_writing(cache, mirror), annotations, image_root, recipe_name)
+        if not images:
+            raise UserError("--annotations needs what to import: a JSONL / COCO file, tar shards or tables")
+        report = import_captions(
+            open_cache_for_writing(cache, mirror), images, image_root, recipe_name, caption_column, image_column, split
+        )
         typer.echo(report.summary())
         if report.captions_added + report.captions_already_cached == 0:
-            raise UserError(f"--annotations {annotations}: no usable caption (skipped: {dict(report.skipped)})")
+            shown = " ".join(map(str, images[:3]))
+            raise UserError(f"--annotations {shown}: no usable caption (skipped: {dict(report.skipped)})")
         return
     if not images or model is None:
         raise UserError("captioning needs IMAGES and --model (or --annotations FILE to import captions)")
@@ -212,6 +223,7 @@ def caption(
         sampling=SamplingConfig(max_tokens=max_tokens, temperature=temperature, top_p=top_p),
         image_policy=ImagePolicy(max_pixels=max_pixels),
         image_column=image_column,
+        split=split,
         chunk_images=chunk_images,
         decode_workers=decode_workers,
         device=device,
@@ -497,6 +509,8 @@ def train(
     min_coverage: Annotated[float | None, config_option("min_coverage")] = None,
     seed: Annotated[int | None, config_option("seed")] = None,
     device: Annotated[str | None, config_option("device")] = None,
+    image_column: Annotated[str | None, config_option("image_column")] = None,
+    split: Annotated[str | None, config_option("split")] = None,
     resume: Annotated[
         bool, typer.Option(help="Require a checkpoint in --out to continue from (resuming is automatic anyway).")
     ] = False,
@@ -539,6 +553,8 @@ def train(
         "min_coverage": min_coverage,
         "seed": seed,
         "device": device,
+        "image_column": image_column,
+        "split": split,
     }
     cfg = apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line")
     cfg = apply(cfg, parse_set(set_ or []), "--set")

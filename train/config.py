@@ -62,6 +62,7 @@ class TrainConfig:
         [], "caption recipes to train on (names or hash prefixes); required when the cache holds several"
     )
     image_column: str | None = setting(None, "image column of Parquet / HF datasets sources")
+    split: str = setting("train", "split of hf:PATH_OR_ID image sources (datasets.load_dataset) that do not name one")
     min_coverage: float = setting(0.95, "stop unless at least this fraction of images has ≥1 caption (0 disables)")
     captions_per_image: int = setting(
         8, "N: captions per image per step (a random N of those available when there are more)"

@@ -250,6 +250,7 @@ def build_index(
     image_column: str | None = None,
     verify_sample: int = 64,
     progress: bool = True,
+    split: str = "train",
 ) -> TrainIndex:
     """Join the images of `inputs` with their captions in `cache` whose embeddings `store` holds.
 
@@ -261,7 +262,7 @@ def build_index(
     caption_cache = CaptionCache(cache) if cache is not None else None
     chosen = caption_cache.resolve_recipes(recipes) if caption_cache is not None else []
     embeddings = StoreKeys(EmbeddingStore(store)) if store is not None else None
-    refs = list_images(inputs, image_column)
+    refs = list_images(inputs, image_column, split)
     if not refs:
         raise UserError(f"no images found in {', '.join(map(str, inputs))}")
     recorded: dict[str, str] = {}

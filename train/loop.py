@@ -216,9 +216,8 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
     def build() -> None:
         cache = Path(cfg.cache) if cfg.conditioning != "none" else None
         store = Path(cfg.store) if cfg.conditioning != "none" else None
-        index = build_index(
-            [Path(p) for p in cfg.images], cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column
-        )
+        images = [Path(p) for p in cfg.images]
+        index = build_index(images, cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column, split=cfg.split)
         print(index.coverage_line(), file=sys.stderr)
         index.save(path)
 

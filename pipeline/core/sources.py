@@ -1,11 +1,20 @@
-"""Image sources: folders, Parquet files / HF `datasets` directories, WebDataset tar shards.
+"""Image sources: folders, Parquet files, HF `datasets` (saved to disk, or whatever `load_dataset` opens),
+WebDataset tar shards.
 
 One abstraction for the captioner and the trainer: `iter_images(inputs)` yields
 every image's raw bytes with a stable *source id* (the path inside a folder,
-``file.parquet::row``, ``shard.tar::member``). Nothing here decodes images;
-an entry that cannot be read comes with an error instead of bytes, so one bad
-file never stops a job. Images are identified downstream by the sha256 of
-their bytes; the source id is recorded beside it.
+``file.parquet::row``, ``shard.tar::member``, ``hf:ID[split]::row``). Nothing here
+decodes images; an entry that cannot be read comes with an error instead of bytes,
+so one bad file never stops a job. Images are identified downstream by the sha256
+of their bytes; the source id is recorded beside it.
+
+An input ``hf:PATH_OR_ID`` (optionally ``hf:PATH_OR_ID[split]``; else `split`) is
+opened with ``datasets.load_dataset``: a hub id and a local ``imagefolder`` or
+Parquet data directory go through the same code, streamed when read in order.
+
+`iter_samples` also yields each image's captions, for importing captions that sit
+beside the images: a WebDataset sample's ``.txt`` (one caption per non-blank line)
+and ``.json`` (``caption`` or ``captions``) members, or a table's caption column.
 
 The trainer reads images at random instead: `list_images(inputs)` lists the
 same images as `ImageRef`s without reading their bytes, and an `ImageReader`
@@ -22,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import UserError
 
@@ -33,6 +42,9 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 TABLE_SUFFIXES = (".parquet",)
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 IMAGE_COLUMNS = ("image", "img", "jpg", "png", "image_bytes")
+HF_PREFIX = "hf:"
+DEFAULT_SPLIT = "train"
+CAPTION_SUFFIXES = (".txt", ".json")
 COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ")  # gzip, bzip2, xz
 OPEN_HANDLES = 64  # per reader: enough for a worker's working set, far below the fd limit
 
@@ -42,6 +54,17 @@ class ImageEntry:
     source_id: str
     data: bytes | None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    """An image (as `ImageEntry`) with the captions its source holds beside it, as raw values (checked by the
+    importer): strings, lists, or what a caption member or cell held."""
+
+    image: ImageEntry | None  # None: a WebDataset sample without an image member
+    key: str  # the sample's key (tar: member path without its extensions; table: the row's source id)
+    captions: list[object]
+    problems: list[str]  # caption members that could not be read as text or JSON
 
 
 @dataclass(frozen=True)
@@ -60,6 +83,9 @@ def _leaves(kinds: list[tuple[Path, str]]) -> Iterator[tuple[Path, str, str]]:
     """(path, kind, label) of every single source: folders expand to their files (recursive,
     sorted, links to directories not followed); the label prefixes the source ids."""
     for path, kind in kinds:
+        if kind == "hf":
+            yield path, kind, str(path)
+            continue
         if kind != "folder":
             yield path, kind, path.name
             continue
@@ -163,12 +189,14 @@ def _load_hf(root: Path) -> datasets.Dataset:
     return ds
 
 
-def _undecoded(ds: datasets.Dataset, name: str) -> datasets.Dataset:
-    """Only column `name`, with an Image feature left as its stored {bytes, path}."""
+def _undecoded(ds: Any, name: str, *others: str) -> Any:
+    """Only columns `name` (and `others`), with an Image feature left as its stored {bytes, path} (a Dataset or an
+    IterableDataset alike)."""
     import datasets
 
-    ds = ds.select_columns([name])
-    return ds.cast_column(name, datasets.Image(decode=False)) if isinstance(ds.features[name], datasets.Image) else ds
+    ds = ds.select_columns([name, *others])
+    image = (ds.features or {}).get(name)
+    return ds.cast_column(name, datasets.Image(decode=False)) if isinstance(image, datasets.Image) else ds
 
 
 def _hf_dataset(root: Path, column: str | None) -> Iterator[ImageEntry]:
@@ -179,8 +207,63 @@ def _hf_dataset(root: Path, column: str | None) -> Iterator[ImageEntry]:
         yield ImageEntry(f"{root.name}::{row}", data, error)
 
 
+def hf_spec(text: str, split: str = DEFAULT_SPLIT) -> str:
+    """The canonical form ``hf:PATH_OR_ID[split]`` of an ``hf:`` input (the split given in it, else `split`)."""
+    name, inner = _parse_hf(text)
+    return f"{HF_PREFIX}{name}[{inner or split}]"
+
+
+def _parse_hf(spec: str) -> tuple[str, str | None]:
+    body = spec[len(HF_PREFIX) :]
+    if body.endswith("]") and "[" in body:
+        name, split = body[:-1].rsplit("[", 1)
+    else:
+        name, split = body, None
+    if not name or split == "":
+        raise UserError(f"{spec}: expected hf:PATH_OR_ID or hf:PATH_OR_ID[split] (a hub id or a local data directory)")
+    return name, split
+
+
+def _open_hf(spec: str, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+    """`datasets.load_dataset` of a canonical spec; a failure to open it is one line."""
+    import datasets
+
+    name, split = _parse_hf(spec)
+    try:
+        return datasets.load_dataset(name, split=split, streaming=streaming)
+    except Exception as exc:  # datasets raises many types: not found, offline, unknown split, bad config
+        raise UserError(
+            f"{spec}: datasets.load_dataset cannot open it ({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).splitlines() or [""])[0][:300]
+
+
+def _hf_base(spec: str) -> Path:
+    """Where relative image paths of an ``hf:`` dataset are resolved: its directory when it is a local one."""
+    name = Path(_parse_hf(spec)[0])
+    return name if name.is_dir() else Path.cwd()
+
+
+def _hf_columns(ds: datasets.Dataset | datasets.IterableDataset) -> list[str]:
+    names = ds.column_names if ds.column_names is not None else list(ds.features or {})
+    return list(names)
+
+
+def _hf_stream(spec: str, column: str | None) -> Iterator[ImageEntry]:
+    ds = _open_hf(spec, streaming=True)
+    name = _image_column(_hf_columns(ds), column, spec)
+    for row, value in enumerate(_undecoded(ds, name)):
+        data, error = _value_bytes(value[name], _hf_base(spec))
+        yield ImageEntry(f"{spec}::{row}", data, error)
+
+
 def describe_input(path: Path) -> str:
-    """Which kind of source `path` is: folder, hf-dataset, parquet, tar or image."""
+    """Which kind of source `path` is: hf (``hf:PATH_OR_ID``), folder, hf-dataset, parquet, tar or image."""
+    if str(path).startswith(HF_PREFIX):
+        return "hf"
     if path.is_dir():
         return "hf-dataset" if (path / "dataset_info.json").exists() and (path / "state.json").exists() else "folder"
     name = path.name.lower()
@@ -190,24 +273,35 @@ def describe_input(path: Path) -> str:
     raise UserError(f"{path}: not a folder, .parquet file, .tar shard, HF datasets directory or image file")
 
 
-def _check_inputs(inputs: list[Path]) -> list[tuple[Path, str]]:
-    """(path, kind) of each input; a missing or unknown one is refused before any is read."""
+def _check_inputs(inputs: list[Path], split: str = DEFAULT_SPLIT) -> list[tuple[Path, str]]:
+    """(path, kind) of each input (an ``hf:`` one in its canonical form); a missing or unknown one is refused before
+    any is read."""
     kinds = []
     for path in map(Path, inputs):
+        if str(path).startswith(HF_PREFIX):
+            kinds.append((Path(hf_spec(str(path), split)), "hf"))
+            continue
         if not path.exists():
             raise UserError(f"{path}: no such file or directory")
         kinds.append((path, describe_input(path)))
     return kinds
 
 
-def iter_images(inputs: list[Path], image_column: str | None = None) -> Iterator[ImageEntry]:
-    """Every image of every input, in a deterministic order; bad inputs are refused before any is read."""
-    return _iter_inputs(_check_inputs(inputs), image_column)
+def iter_images(
+    inputs: list[Path], image_column: str | None = None, split: str = DEFAULT_SPLIT
+) -> Iterator[ImageEntry]:
+    """Every image of every input, in a deterministic order; bad inputs are refused before any is read.
+
+    `split` is the split of ``hf:`` inputs that do not name one.
+    """
+    return _iter_inputs(_check_inputs(inputs, split), image_column)
 
 
 def _iter_inputs(kinds: list[tuple[Path, str]], image_column: str | None) -> Iterator[ImageEntry]:
     for path, kind, label in _leaves(kinds):
-        if kind == "hf-dataset":
+        if kind == "hf":
+            yield from _hf_stream(label, image_column)
+        elif kind == "hf-dataset":
             yield from _hf_dataset(path, image_column)
         elif kind == "parquet":
             yield from _parquet(path, image_column, label)
@@ -215,6 +309,141 @@ def _iter_inputs(kinds: list[tuple[Path, str]], image_column: str | None) -> Ite
             yield from _tar(path, label)
         else:
             yield _file(path, label)
+
+
+# ---- images with the captions beside them (importing a data set's own captions) -----------
+
+
+def iter_samples(
+    inputs: list[Path], image_column: str | None = None, caption_column: str | None = None, split: str = DEFAULT_SPLIT
+) -> Iterator[Sample]:
+    """Every image of `inputs` with the captions its source holds beside it, in `iter_images` order and with its
+    source ids.
+
+    Tar shards are read as WebDataset: consecutive members sharing a key (the member path up to the first dot of
+    its file name) form a sample. Tables (Parquet, HF datasets, ``hf:``) take their captions from `caption_column`.
+    A loose image file holds no captions: it is yielded without any, unread.
+    """
+    kinds = _check_inputs(inputs, split)
+    if caption_column is None and any(k in ("parquet", "hf-dataset", "hf") for _, k in kinds):
+        raise UserError("captions in a table (Parquet, HF datasets, hf:) need --caption-column NAME")
+    for path, kind, label in _leaves(kinds):
+        if kind == "tar":
+            yield from _tar_samples(path, label)
+        elif kind in ("parquet", "hf-dataset", "hf"):
+            if caption_column is None:  # a table found inside a folder
+                raise UserError(f"{label}: captions in a table need --caption-column NAME")
+            yield from _table_samples(path, kind, label, image_column, caption_column)
+        else:
+            yield Sample(ImageEntry(label, None, "an image file holds no captions"), label, [], [])
+
+
+def describe_sources(inputs: list[Path], split: str = DEFAULT_SPLIT) -> list[dict[str, object]]:
+    """What identifies a set of sources without reading them, however they are named on the command line (a folder
+    or its files): each file's name and size, sorted; each ``hf:`` spec."""
+    out: list[dict[str, object]] = []
+    for path, kind, label in _leaves(_check_inputs(inputs, split)):
+        if kind == "hf":
+            out.append({"source": label})
+        else:  # a saved HF dataset is a directory: its files' sizes
+            files = [p for p in Path(path).rglob("*") if p.is_file()] if Path(path).is_dir() else [Path(path)]
+            out.append({"source": Path(path).name, "bytes": sum(p.stat().st_size for p in files)})
+    return sorted(out, key=lambda d: (str(d["source"]), int(str(d.get("bytes", 0)))))
+
+
+def webdataset_key(member: str) -> tuple[str, str]:
+    """(key, extension) of a WebDataset member: ``dir/abc.seg.jpg`` -> (``dir/abc``, ``seg.jpg``)."""
+    head, _, base = member.rpartition("/")
+    stem, _, extension = base.partition(".")
+    return (f"{head}/{stem}" if head else stem), extension.lower()
+
+
+def _caption_values(extension: str, data: bytes, problems: list[str]) -> list[object]:
+    """Captions of one ``.txt`` (a caption per non-blank line) or ``.json`` (``caption`` or ``captions``) member."""
+    import json
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        problems.append("caption not valid UTF-8")
+        return []
+    if not extension.endswith("json"):
+        return [line for line in text.splitlines() if line.strip()] or [""]
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        problems.append("unparseable JSON caption")
+        return []
+    if not isinstance(doc, dict) or not ("caption" in doc or "captions" in doc):
+        problems.append("JSON without caption or captions")
+        return []
+    values = doc.get("captions", doc.get("caption"))
+    return list(values) if isinstance(values, list) else [values]
+
+
+def _tar_samples(path: Path, label: str) -> Iterator[Sample]:
+    try:
+        tar = tarfile.open(path, mode="r:*")
+    except (tarfile.TarError, OSError) as exc:
+        yield Sample(ImageEntry(f"{label}::", None, f"unreadable tar shard: {exc}"), f"{label}::", [], [])
+        return
+    key, image, captions, problems = None, None, [], []
+    with tar:
+        try:
+            for member in tar:
+                member_key, extension = webdataset_key(member.name)
+                if not (f".{extension}".endswith(IMAGE_SUFFIXES) or f".{extension}".endswith(CAPTION_SUFFIXES)):
+                    continue
+                if member_key != key:
+                    if key is not None:
+                        yield Sample(image, f"{label}::{key}", captions, problems)
+                    key, image, captions, problems = member_key, None, [], []
+                sid = f"{label}::{member.name}"
+                if not member.isreg():
+                    if f".{extension}".endswith(IMAGE_SUFFIXES):
+                        image = ImageEntry(sid, None, "tar member is a link or not a regular file")
+                    continue
+                handle = tar.extractfile(member)
+                data = handle.read() if handle else b""
+                if f".{extension}".endswith(IMAGE_SUFFIXES):
+                    image = image or ImageEntry(sid, data)
+                else:
+                    captions.extend(_caption_values(extension, data, problems))
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            problems.append(f"tar shard ends early or is corrupt: {exc}")
+    if key is not None:
+        yield Sample(image, f"{label}::{key}", captions, problems)
+
+
+def _table_samples(
+    path: Path, kind: str, label: str, image_column: str | None, caption_column: str
+) -> Iterator[Sample]:
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        names, prefix, base = pf.schema_arrow.names, label, path.parent
+    else:
+        ds = _open_hf(label, streaming=True) if kind == "hf" else _load_hf(path)
+        names = _hf_columns(ds)
+        prefix = label if kind == "hf" else path.name
+        base = _hf_base(label) if kind == "hf" else path
+    image = _image_column(names, image_column, label)
+    if caption_column not in names:
+        raise UserError(f"{label} has no column {caption_column!r} (columns: {', '.join(names)})")
+    if kind == "parquet":
+        rows: Iterator[dict[str, Any]] = (
+            row
+            for batch in pf.iter_batches(columns=[image, caption_column], batch_size=256)
+            for row in batch.to_pylist()
+        )
+    else:
+        rows = iter(_undecoded(ds, image, caption_column))
+    for row_number, row in enumerate(rows):
+        data, error = _value_bytes(row[image], base)
+        sid = f"{prefix}::{row_number}"
+        value = row[caption_column]
+        yield Sample(ImageEntry(sid, data, error), sid, list(value) if isinstance(value, list) else [value], [])
 
 
 # ---- random access (the trainer) ----------------------------------------------------------
@@ -271,7 +500,14 @@ def _hf_refs(root: Path, column: str | None) -> list[ImageRef]:
     return [ImageRef(f"{root.name}::{row}", "table", where, row, column=name) for row in range(ds.num_rows)]
 
 
-def list_images(inputs: list[Path], image_column: str | None = None) -> list[ImageRef]:
+def _hf_spec_refs(spec: str, column: str | None) -> list[ImageRef]:
+    """One ref per row of an ``hf:`` dataset, read at random from the Arrow files `datasets` prepares once."""
+    ds = _open_hf(spec, streaming=False)
+    name = _image_column(_hf_columns(ds), column, spec)
+    return [ImageRef(f"{spec}::{row}", "hf", spec, row, column=name) for row in range(ds.num_rows)]
+
+
+def list_images(inputs: list[Path], image_column: str | None = None, split: str = DEFAULT_SPLIT) -> list[ImageRef]:
     """Same images, same order, same source ids as iter_images, without reading image bytes.
 
     Tar shards are listed from their headers, Parquet files from their metadata. Entries
@@ -279,8 +515,10 @@ def list_images(inputs: list[Path], image_column: str | None = None) -> list[Ima
     out; a file or table cell that turns out unreadable fails in `ImageReader.read`.
     """
     refs: list[ImageRef] = []
-    for path, kind, label in _leaves(_check_inputs(inputs)):
-        if kind == "hf-dataset":
+    for path, kind, label in _leaves(_check_inputs(inputs, split)):
+        if kind == "hf":
+            refs.extend(_hf_spec_refs(label, image_column))
+        elif kind == "hf-dataset":
             refs.extend(_hf_refs(path, image_column))
         elif kind == "parquet":
             refs.extend(_parquet_refs(path, image_column, label))
@@ -321,11 +559,12 @@ class ImageReader:
             if len(data) != ref.size:
                 raise OSError(f"{ref.source_id}: tar shard {ref.path} is shorter than when it was listed")
             return data
-        if ref.kind == "table":
-            data, error = _value_bytes(
-                self._handle(ref)[ref.offset][ref.column],
-                Path(ref.path) if os.path.isdir(ref.path) else Path(ref.path).parent,
-            )
+        if ref.kind in ("table", "hf"):
+            if ref.kind == "hf":
+                base = _hf_base(ref.path)
+            else:
+                base = Path(ref.path) if os.path.isdir(ref.path) else Path(ref.path).parent
+            data, error = _value_bytes(self._handle(ref)[ref.offset][ref.column], base)
             if data is None:
                 raise OSError(f"{ref.source_id}: {error}")
             return data
@@ -353,6 +592,8 @@ class ImageReader:
                 return os.open(ref.path, os.O_RDONLY)
             except OSError as exc:
                 raise OSError(f"{ref.source_id}: unreadable tar shard: {exc.strerror or exc}") from exc
+        if ref.kind == "hf":
+            return _undecoded(_open_hf(ref.path, streaming=False), ref.column)
         if os.path.isdir(ref.path):
             return _undecoded(_load_hf(Path(ref.path)), ref.column)
         import datasets
