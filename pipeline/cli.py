@@ -59,11 +59,18 @@ def synth(
     image_size: Annotated[int, typer.Option(help="Image side in pixels (a multiple of --grid).")] = 64,
     grid: Annotated[int, typer.Option(help="Cells per side; each cell is empty or holds one shape.")] = 4,
     seed: Annotated[int, typer.Option(help="Image i depends only on (seed, i).")] = 0,
+    captions: Annotated[
+        str,
+        typer.Option(
+            help="full: every caption names every object and its cell; partial: each names 1-3 objects, some by shape "
+            "or colour alone, some at a loose position (what the demo and the ablations use)."
+        ),
+    ] = "full",
 ) -> None:
     """Draw synthetic scenes of shapes with 8 captions each that say what is where."""
     from pipeline.devkit.synth import generate
 
-    generate(out, n, image_size=image_size, grid=grid, seed=seed)
+    generate(out, n, image_size=image_size, grid=grid, seed=seed, captions=captions)
     typer.echo(f"wrote {n} images, captions.jsonl and labels.jsonl to {out}")
 
 

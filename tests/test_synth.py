@@ -65,3 +65,51 @@ def test_every_caption_phrasing_names_positions():
     assert len(set(caps)) == 8
     for c in caps:
         assert any(w in c for w in ("row", "position", "top", "bottom", "middle"))
+
+
+def test_partial_captions_name_a_few_objects_some_loosely_and_say_so_in_their_spans():
+    import numpy as np
+
+    seen = {"loose": 0, "exact": 0, "shape_or_colour_only": 0}
+    for i in range(40):
+        rng = np.random.default_rng([7, i])
+        objs = synth.draw_scene(rng, 4)
+        if not objs:
+            continue
+        full = synth.scene_captions(objs, 4, np.random.default_rng([7, i, 1]), "full")
+        partial = synth.scene_captions(objs, 4, rng, "partial")
+        assert len(partial) == 8 and all(len(c.mentions) == len(objs) for c in full)
+        for caption in partial:
+            assert 1 <= len(caption.mentions) <= min(3, len(objs))
+            assert len({m.obj for m in caption.mentions}) == len(caption.mentions)
+            for m in caption.mentions:
+                phrase = caption.text[m.start : m.end].lower()
+                o = m.obj
+                assert o.shape in phrase or o.colour in phrase, phrase
+                assert m.class_named == (o.shape in phrase and o.colour in phrase), phrase
+                exact = any(phrase.endswith(synth.where_phrase(o, s, 4).lower()) for s in range(4))
+                assert m.cell_named == exact, phrase
+                seen["exact" if exact else "loose"] += 1
+                seen["shape_or_colour_only"] += not m.class_named
+    assert min(seen.values()) > 20, seen
+    for i in range(5):  # deterministic
+        a = synth.captions_for(
+            synth.draw_scene(np.random.default_rng([1, i]), 4), 4, np.random.default_rng(i), "partial"
+        )
+        b = synth.captions_for(
+            synth.draw_scene(np.random.default_rng([1, i]), 4), 4, np.random.default_rng(i), "partial"
+        )
+        assert a == b
+
+
+def test_synth_writes_the_caption_mode_and_refuses_an_unknown_one(tmp_path):
+    import json
+
+    import pytest
+
+    from pipeline.core.errors import UserError
+
+    synth.generate(tmp_path / "p", 3, captions="partial")
+    assert json.loads((tmp_path / "p" / "classes.json").read_text())["captions"] == "partial"
+    with pytest.raises(UserError, match="choose full or partial"):
+        synth.generate(tmp_path / "x", 3, captions="some")

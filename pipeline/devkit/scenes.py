@@ -16,6 +16,9 @@ from pipeline.core.errors import UserError
 SCENE_IMAGES = 600
 SCENE_T5_STEPS = 600  # phrase tagging right on 0.996 of phrase tokens, probe colour-from-position 1.0 (README)
 SCENE_RECIPE = "synthetic-scenes"
+# Partial captions (a few objects each, some loosely): the text says some things, the pixels the rest, as with real
+# captions. Full ones (every object and its cell) are for checking that the text reaches the predictor at all.
+SCENE_CAPTIONS = "partial"
 # A tiny ViT on 64 px scenes, one 16 px patch per grid cell; N=4 captions per image and the
 # cheaper pooling (before_mlp) keep `cross` at about 2.5x the step time of `none`.
 SCENE_TRAINING: dict[str, Any] = {
@@ -48,8 +51,11 @@ def announce(name: str) -> float:
     return time.perf_counter()
 
 
-def prepare_scenes(out: Path, n_images: int, t5_steps: int, seed: int, timings: dict[str, float]) -> dict[str, Any]:
-    """synth, tiny models, the scenes' captions imported and embedded into `out`; returns the tiny models' stats.
+def prepare_scenes(
+    out: Path, n_images: int, t5_steps: int, seed: int, timings: dict[str, float], captions: str = SCENE_CAPTIONS
+) -> dict[str, Any]:
+    """synth (`captions` full or partial), tiny models, the scenes' captions imported and embedded into `out`; returns
+    the tiny models' stats.
 
     Each part is skipped when its output is there, so a second call resumes.
     """
@@ -60,9 +66,12 @@ def prepare_scenes(out: Path, n_images: int, t5_steps: int, seed: int, timings: 
     from pipeline.devkit.tiny_models import build_tiny_models
 
     data = out / "data"
-    t = announce(f"synth: {n_images} scenes with 8 captions each -> {data}")
+    t = announce(f"synth: {n_images} scenes with 8 {captions} captions each -> {data}")
     if not (data / "classes.json").exists():
-        generate(data, n_images, seed=seed)
+        generate(data, n_images, seed=seed, captions=captions)
+    made_with = json.loads((data / "classes.json").read_text()).get("captions", "full")
+    if made_with != captions:
+        raise UserError(f"{out} holds scenes with {made_with} captions, not {captions}; use another --out")
     have = sum(1 for _ in (data / "images").glob("*.png"))
     if have != n_images:
         raise UserError(f"{out} holds a demo of {have} scenes, not {n_images}; use another --out or --n-images {have}")

@@ -2,8 +2,9 @@
 
 Each image is a G×G grid of cells; each cell is empty or holds one shape whose
 colour, size and texture are drawn independently. Every image gets 8 captions
-in varied phrasing that name what is where, so a predictor that reads them can
-tell what sits in a hidden cell, and one that does not cannot.
+in varied phrasing. ``full`` captions name every object and its cell, so a
+predictor that reads them can tell what sits in a hidden cell, and one that does
+not cannot; ``partial`` ones name a few objects, some loosely, as real captions do.
 
 Outputs under DIR: ``images/NNNNNN.png``, ``captions.jsonl`` (``{"image",
 "captions"}``), ``labels.jsonl`` (image label and per-cell class map with the
@@ -129,6 +130,7 @@ def render(objs: list[Obj], grid: int, size: int, rng: np.random.Generator) -> n
 
 
 def where_phrase(o: Obj, style: int, grid: int) -> str:
+    """An exact position: the phrase names the object's cell."""
     if style == 0:
         return f"in row {o.row + 1}, column {o.col + 1}"
     if style == 1 and grid == 4:
@@ -136,6 +138,18 @@ def where_phrase(o: Obj, style: int, grid: int) -> str:
     if style == 2:
         return f"in the {ORDINALS[o.col]} cell of the {ORDINALS[o.row]} row"
     return f"at position ({o.row + 1}, {o.col + 1})"
+
+
+def loose_where_phrase(o: Obj, style: int, grid: int) -> str:
+    """A loose position, as real captions give one: a half, a row or a column, never the cell."""
+    half = grid // 2
+    if style == 0:
+        return "near the top" if o.row < half else "near the bottom"
+    if style == 1:
+        return "on the left" if o.col < half else "on the right"
+    if style == 2:
+        return f"somewhere in the {ORDINALS[o.row]} row"
+    return f"somewhere in the {ORDINALS[o.col]} column"
 
 
 def article(phrase: str) -> str:
@@ -150,32 +164,100 @@ def describe(o: Obj, detail: int) -> str:
     return f"{o.size} {o.texture} {o.colour} {o.shape}"
 
 
-def captions_for(objs: list[Obj], grid: int, rng: np.random.Generator) -> list[str]:
-    """Eight captions in varied phrasing; each names every object and its cell."""
+@dataclass(frozen=True)
+class Mention:
+    """Where a caption speaks of an object, and what it says: enough to tell what the text determines."""
+
+    obj: Obj
+    start: int  # character span of the whole phrase ("a red circle in row 1, column 2")
+    end: int
+    cell_named: bool  # the position phrase names the object's cell
+    class_named: bool  # both its colour and its shape are named
+
+
+@dataclass(frozen=True)
+class Caption:
+    text: str
+    mentions: tuple[Mention, ...]
+
+
+EMPTY_CAPTIONS = (
+    "An empty grey grid with no shapes.",
+    "Nothing is drawn on the grey background.",
+    "A blank scene.",
+    "The grid is empty.",
+    "No objects at all, only grey.",
+    "An empty picture with a grey background.",
+    "There are no shapes in any cell.",
+    "All cells are empty.",
+)
+CAPTION_MODES = ("full", "partial")
+
+
+def _join(parts: list[tuple[str, Obj, bool, bool]], template: int, lead: str) -> Caption:
+    """One caption from its object phrases, with each phrase's span."""
+    pieces: list[str] = []
+    mentions = []
+    if template == 0:
+        text, sep, end = "There is ", "; ", "."
+    elif template == 1:
+        text, sep, end = lead, ", ", "."
+    else:
+        text, sep, end = "", " ", ""
+    for k, (phrase, obj, cell_named, class_named) in enumerate(parts):
+        if template == 2:
+            phrase = phrase[0].upper() + phrase[1:] + "."
+        if k:
+            text += sep
+        start = len(text)
+        text += phrase
+        mentions.append(Mention(obj, start, start + len(phrase.rstrip(".")), cell_named, class_named))
+        pieces.append(phrase)
+    return Caption(text + end, tuple(mentions))
+
+
+def scene_captions(objs: list[Obj], grid: int, rng: np.random.Generator, mode: str = "full") -> list[Caption]:
+    """Eight captions of a scene with the spans of the objects they mention.
+
+    ``full``: each caption names every object and its cell. ``partial``: each names a random 1–3 of the objects,
+    some by shape or colour alone and some at a loose position ("near the top"), as real captions do: the text
+    then says some things, loosely, and the pixels the rest.
+    """
+    if mode not in CAPTION_MODES:
+        raise UserError(f"--captions {mode!r}: choose {' or '.join(CAPTION_MODES)}")
     if not objs:
-        return [
-            "An empty grey grid with no shapes.",
-            "Nothing is drawn on the grey background.",
-            "A blank scene.",
-            "The grid is empty.",
-            "No objects at all, only grey.",
-            "An empty picture with a grey background.",
-            "There are no shapes in any cell.",
-            "All cells are empty.",
-        ]
+        return [Caption(text, ()) for text in EMPTY_CAPTIONS]
     out = []
     for k in range(CAPTIONS_PER_IMAGE):
-        order = rng.permutation(len(objs)) if k % 2 else np.arange(len(objs))
-        style, detail = k % 4, (k // 2) % 3
-        parts = [f"{article(describe(objs[i], detail))} {where_phrase(objs[i], style, grid)}" for i in order]
-        if k % 3 == 0:
-            text = "There is " + "; ".join(parts) + "."
-        elif k % 3 == 1:
-            text = f"A grid scene with {len(objs)} shapes: " + ", ".join(parts) + "."
-        else:
-            text = " ".join(p[0].upper() + p[1:] + "." for p in parts)
-        out.append(text)
+        if mode == "full":
+            order = rng.permutation(len(objs)) if k % 2 else np.arange(len(objs))
+            style, detail = k % 4, (k // 2) % 3
+            parts = [
+                (f"{article(describe(objs[i], detail))} {where_phrase(objs[i], style, grid)}", objs[i], True, True)
+                for i in order
+            ]
+            out.append(_join(parts, k % 3, f"A grid scene with {len(objs)} shapes: "))
+            continue
+        chosen = rng.permutation(len(objs))[: int(rng.integers(1, min(3, len(objs)) + 1))]
+        parts = []
+        for i in chosen:
+            o, what_kind, loose = objs[i], int(rng.integers(4)), bool(rng.random() < 0.5)
+            if what_kind == 0:
+                what = f"a {o.shape}"
+            elif what_kind == 1:
+                what = f"something {o.colour}"
+            else:
+                what = article(describe(o, int(rng.integers(3))))
+            style = int(rng.integers(4))
+            where = loose_where_phrase(o, style, grid) if loose else where_phrase(o, style, grid)
+            parts.append((f"{what} {where}", o, not loose, what_kind >= 2))
+        out.append(_join(parts, k % 3, "A grid scene with, among other things, "))
     return out
+
+
+def captions_for(objs: list[Obj], grid: int, rng: np.random.Generator, mode: str = "full") -> list[str]:
+    """The texts of `scene_captions`."""
+    return [c.text for c in scene_captions(objs, grid, rng, mode)]
 
 
 def image_label(objs: list[Obj]) -> str:
@@ -188,8 +270,10 @@ def image_label(objs: list[Obj]) -> str:
     return max(counts, key=lambda c: (counts[c], -list(COLOURS).index(c)))
 
 
-def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int = 0) -> None:
-    """Write `n` scenes with captions and labels under `out`."""
+def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int = 0, captions: str = "full") -> None:
+    """Write `n` scenes with captions (`full` or `partial`, see `scene_captions`) and labels under `out`."""
+    if captions not in CAPTION_MODES:
+        raise UserError(f"--captions {captions!r}: choose {' or '.join(CAPTION_MODES)}")
     if n < 1:
         raise UserError(f"--n must be at least 1 (got {n})")
     if grid < 1 or image_size % grid or image_size // grid < 4:
@@ -203,7 +287,7 @@ def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int =
             objs = draw_scene(rng, grid)
             name = f"images/{i:06d}.png"
             Image.fromarray(render(objs, grid, image_size, rng)).save(out / name, optimize=False)
-            caps.write(json.dumps({"image": name, "captions": captions_for(objs, grid, rng)}) + "\n")
+            caps.write(json.dumps({"image": name, "captions": captions_for(objs, grid, rng, captions)}) + "\n")
             cells = [[0] * grid for _ in range(grid)]
             for o in objs:
                 cells[o.row][o.col] = cell_class(o)
@@ -217,5 +301,6 @@ def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int =
         "image_size": image_size,
         "seed": seed,
         "n": n,
+        "captions": captions,
     }
     (out / "classes.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -184,22 +184,27 @@ def _batches(
 
 
 def _tagged_batch(tokenizer: transformers.T5Tokenizer, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """TAG_BATCH captions of fresh synth scenes (one of each scene's eight), as (input ids, attention mask, cell tags,
-    class tags): every token of an object's phrase is tagged with its cell (1 + row * GRID + col) and
-    `synth.cell_class`; other tokens are cell 0 and carry no class (-100)."""
+    """TAG_BATCH captions of fresh synth scenes (one of each scene's eight; full captions in even rows, partial ones
+    in odd rows), as (input ids, attention mask, cell tags, class tags): every token of an object's phrase is tagged
+    with what its phrase determines, its cell (1 + row * GRID + col) when the position is exact and `synth.cell_class`
+    when colour and shape are both named (else -100, no target); other tokens are cell 0 and carry no class."""
     texts, phrases = [], []
-    for _ in range(TAG_BATCH):
+    for row in range(TAG_BATCH):
         objs = synth.draw_scene(rng, GRID)
-        captions = synth.captions_for(objs, GRID, rng)
-        text = captions[rng.integers(len(captions))]
-        texts.append(text)
-        spans = []
-        for obj in objs:
-            start, what, where = _phrase(obj, text)
-            spans.append(
-                (start, start + len(what) + 1 + len(where), 1 + obj.row * GRID + obj.col, synth.cell_class(obj))
-            )
-        phrases.append(spans)
+        captions = synth.scene_captions(objs, GRID, rng, "partial" if row % 2 else "full")
+        caption = captions[rng.integers(len(captions))]
+        texts.append(caption.text)
+        phrases.append(
+            [
+                (
+                    m.start,
+                    m.end,
+                    1 + m.obj.row * GRID + m.obj.col if m.cell_named else -100,
+                    synth.cell_class(m.obj) if m.class_named else -100,
+                )
+                for m in caption.mentions
+            ]
+        )
     enc = tokenizer(texts, padding=True, return_offsets_mapping=True, return_tensors="np")
     cells = np.zeros(enc.input_ids.shape, dtype=np.int64)
     classes = np.full(enc.input_ids.shape, -100, dtype=np.int64)
@@ -248,9 +253,11 @@ def _pretrain(
         loss = F.cross_entropy(cell_logits.flatten(0, 1), cells.flatten()) + F.cross_entropy(
             class_logits.flatten(0, 1), classes.flatten()
         )
-        in_phrase = classes >= 0
-        both = (cell_logits.argmax(-1) == cells) & (class_logits.argmax(-1) == classes)
-        return loss, both[in_phrase].float().mean()
+        tagged = (classes >= 0) | (cells > 0)  # tokens of a phrase that determines its cell, its class or both
+        both = ((cells < 0) | (cell_logits.argmax(-1) == cells)) & (
+            (classes < 0) | (class_logits.argmax(-1) == classes)
+        )
+        return loss, both[tagged].float().mean()
 
     held_out = _tagged_batch(tokenizer, np.random.default_rng([rng.integers(2**32), 1])) if phrase_tags else None
     model.train()
