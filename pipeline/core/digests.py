@@ -3,16 +3,21 @@
 The caption cache deduplicates rows and the embedding store finds captions by
 key among tens of millions of entries; Python sets of bytes would cost ~90 bytes
 an entry, this costs 16 (+8 with a payload). New digests arrive in runs (one
-shard or segment at a time); each run is sorted once and runs are merged when
-there are many, so adding a run never re-sorts the whole set.
+shard or segment at a time); each run is sorted once, and a run is merged into the
+one before it while that one is not more than twice its size, as a log-structured
+merge does: every digest is merged O(log n) times, the runs' sizes fall
+geometrically (at most log2 n of them to search), and building an index of n keys
+from many small runs costs O(n log n) whatever the number of runs. (Merging
+everything every 8 runs cost 0.51 µs a key at 25 segments and 1.03 µs at 400.)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 DIGEST = np.dtype("V16")
-MAX_RUNS = 8
 
 
 def as_digests(keys: np.ndarray) -> np.ndarray:
@@ -23,14 +28,49 @@ def as_digests(keys: np.ndarray) -> np.ndarray:
     return keys.view(DIGEST).reshape(-1)
 
 
+def _prefix(digests: np.ndarray) -> np.ndarray:
+    """The first 8 bytes of each digest as a big-endian uint64: sorting and searching on it is native-speed, and it
+    orders digests as their bytes do."""
+    return (
+        np.ascontiguousarray(digests)
+        .view(np.uint8)
+        .reshape(-1, 16)[:, :8]
+        .copy()
+        .view(">u8")
+        .reshape(-1)
+        .astype(np.uint64)
+    )
+
+
+@dataclass
+class _Run:
+    """Digests sorted (by their 64-bit prefix, ties in insertion order), their payloads, and the longest streak of
+    equal prefixes (1 unless two different digests share their first 8 bytes, which is rare but handled)."""
+
+    prefix: np.ndarray  # uint64 [n]
+    digests: np.ndarray  # V16 [n]
+    values: np.ndarray  # int64 [n]
+    streak: int
+
+    @classmethod
+    def of(cls, prefix: np.ndarray, digests: np.ndarray, values: np.ndarray) -> _Run:
+        order = np.argsort(prefix, kind="stable")
+        prefix, digests, values = prefix[order], digests[order], values[order]
+        streak = 1
+        if len(prefix) > 1 and (same := prefix[1:] == prefix[:-1]).any():
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], same.astype(np.int8), [0]])))
+            streak = int((edges[1::2] - edges[::2]).max()) + 1
+        return cls(prefix, digests, values, streak)
+
+
 class DigestIndex:
     """Membership and lookup of 16-byte digests; payload -1 means "absent"."""
 
     def __init__(self) -> None:
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._runs: list[_Run] = []
 
     def __len__(self) -> int:
-        return sum(len(d) for d, _ in self._runs)
+        return sum(len(r.prefix) for r in self._runs)
 
     def add(self, keys: np.ndarray, payload: np.ndarray | None = None) -> None:
         """Add digests (and their payloads); a digest already present keeps its first payload."""
@@ -38,26 +78,37 @@ class DigestIndex:
         if len(digests) == 0:
             return
         values = np.arange(len(digests), dtype=np.int64) if payload is None else np.asarray(payload, dtype=np.int64)
-        order = np.argsort(digests, kind="stable")
-        self._runs.append((digests[order], values[order]))
-        if len(self._runs) > MAX_RUNS:
-            self._merge()
+        self._runs.append(_Run.of(_prefix(digests), digests, values))
+        while len(self._runs) > 1 and len(self._runs[-2].prefix) <= 2 * len(self._runs[-1].prefix):
+            self._merge_last_two()
 
-    def _merge(self) -> None:
-        digests = np.concatenate([d for d, _ in self._runs])
-        values = np.concatenate([v for _, v in self._runs])
-        order = np.argsort(digests, kind="stable")
-        self._runs = [(digests[order], values[order])]
+    def _merge_last_two(self) -> None:
+        """One sorted run from the last two; older entries first among equal digests (the first payload wins)."""
+        older, newer = self._runs[-2], self._runs[-1]
+        self._runs[-2:] = [
+            _Run.of(
+                np.concatenate([older.prefix, newer.prefix]),  # two sorted runs: a stable (tim)sort merges them
+                np.concatenate([older.digests, newer.digests]),
+                np.concatenate([older.values, newer.values]),
+            )
+        ]
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Payload of each key, or -1 where the key is absent."""
-        digests = as_digests(keys)
-        out = np.full(len(digests), -1, dtype=np.int64)
-        for run_digests, run_values in self._runs:
-            pos = np.searchsorted(run_digests, digests)
-            pos_clipped = np.minimum(pos, len(run_digests) - 1)
-            hit = (pos < len(run_digests)) & (run_digests[pos_clipped] == digests) & (out < 0)
-            out[hit] = run_values[pos_clipped[hit]]
+        # Keys searched in sorted order: each run is then walked front to back (cache-friendly), not at random.
+        unsorted = as_digests(keys)
+        unsorted_prefix = _prefix(unsorted)
+        order = np.argsort(unsorted_prefix, kind="stable")
+        digests, prefix = unsorted[order], unsorted_prefix[order]
+        found = np.full(len(digests), -1, dtype=np.int64)
+        for run in self._runs:
+            start = np.searchsorted(run.prefix, prefix, side="left")
+            for offset in range(run.streak):  # the entries sharing a key's prefix, oldest first
+                pos = np.minimum(start + offset, len(run.prefix) - 1)
+                hit = (start + offset < len(run.prefix)) & (run.digests[pos] == digests) & (found < 0)
+                found[hit] = run.values[pos[hit]]
+        out = np.empty_like(found)
+        out[order] = found
         return out
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
