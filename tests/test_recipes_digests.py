@@ -72,3 +72,23 @@ def test_weight_hashes_are_remembered_by_path_size_mtime_and_inode(tmp_path, mon
     assert sha256_tree(weights.parent, ["model.safetensors"], remember=True) == sha256_tree(
         weights.parent, ["model.safetensors"]
     )
+
+
+def test_digest_index_tells_digests_that_share_their_first_8_bytes_apart_and_keeps_first_payloads():
+    import numpy as np
+
+    from pipeline.core.digests import DigestIndex
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, size=(1, 32), dtype=np.uint8)
+    twins = np.repeat(base, 4, axis=0)
+    twins[:, 8] = [1, 2, 3, 4]  # same 64-bit prefix, different digests
+    index = DigestIndex()
+    index.add(twins[:2], np.array([10, 20]))
+    for k in range(40):  # many runs, merged as they come
+        index.add(rng.integers(0, 256, size=(50, 32), dtype=np.uint8), np.arange(50) + 1000 * (k + 1))
+    index.add(twins, np.array([30, 40, 50, 60]))  # two repeats (first payload wins) and two new ones
+    assert index.lookup(twins).tolist() == [10, 20, 50, 60]
+    other = twins.copy()
+    other[:, 9] = 99  # prefix present, digest absent
+    assert not index.contains(other).any() and len(index) == 2 + 40 * 50 + 4
