@@ -221,7 +221,7 @@ def import_annotations(
     recipe = {"kind": "annotations", "format": fmt, "source_sha256": sha256_file(path), "text_normalisation": "strip"}
     recipe_id = cache.add_recipe(recipe, name or path.stem)
     report = ImportReport(recipe_id)
-    entries = _read_jsonl(path, report.skipped) if fmt == "jsonl" else _read_coco(doc, report.skipped)
+    entries = _read_jsonl(path, report.skipped) if doc is None else _read_coco(doc, report.skipped)
 
     captions_by_image: dict[str, tuple[str, list[str]]] = {}
     image_hashes: dict[str, str | None] = {}
@@ -249,7 +249,7 @@ def import_annotations(
         texts = [t for t in (_clean_caption(c, report.skipped) for c in raw_captions) if t is not None]
         captions_by_image.setdefault(digest, (rel, []))[1].extend(texts)
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for digest, (rel, texts) in captions_by_image.items():
         if texts:
             report.images += 1

@@ -110,7 +110,7 @@ def _sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
             _fetch_cache_shard(fs, root, local, stem, path, doc)
             fetched += 1
     for seq, raw, doc in entries:
-        stem = doc.get("shard")
+        stem = str(doc.get("shard"))
         if stem not in replaced and not (local / "manifests" / f"{stem}.json").exists():
             _fetch_cache_shard(fs, root, local, stem, f"{url}/{LOG}/{seq:012d}.json", doc)
             fetched += 1

@@ -27,6 +27,23 @@ app.add_typer(cache_app, name="cache")
 app.add_typer(store_app, name="store")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"tcjepa {version('tcjepa')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Options before the command."""
+
+
 @app.command("tiny-models")
 def tiny_models(
     out: Annotated[Path, typer.Option(help="Directory to write `t5/` and `vlm/` into.")],
@@ -88,19 +105,20 @@ def check_executor(name: str) -> str:
 
 @app.command()
 def caption(
-    images: Annotated[
-        list[Path] | None,
-        typer.Argument(
-            help="Image folders (recursive), Parquet files, HF datasets directories, tar shards or image files."
-        ),
-    ] = None,
     cache: Annotated[
         str,
         typer.Option(
             help="Caption cache (created if missing): a directory, or an s3:// URL that several hosts may write at "
             "once."
         ),
-    ] = ...,
+    ],
+    images: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Image folders (recursive), Parquet files, HF datasets directories, tar shards, image files, or "
+            "hf:PATH_OR_ID[split] (whatever datasets.load_dataset opens)."
+        ),
+    ] = None,
     model: Annotated[
         str | None, typer.Option(help="Vision-language chat model: a local directory or a hub id.")
     ] = None,
@@ -463,17 +481,17 @@ def _help_config(value: bool) -> None:
 
 @app.command()
 def train(
-    images: Annotated[
-        list[Path] | None,
-        typer.Argument(help="Image sources, as for `tcjepa caption` (the same ones the cache was made from)."),
-    ] = None,
     out: Annotated[
         Path,
         typer.Option(
             help="Run directory: config.yaml, index.parquet, checkpoint.pt, metrics.jsonl, curves.png. Resumes if it "
             "holds a checkpoint."
         ),
-    ] = ...,
+    ],
+    images: Annotated[
+        list[Path] | None,
+        typer.Argument(help="Image sources, as for `tcjepa caption` (the same ones the cache was made from)."),
+    ] = None,
     cache: Annotated[
         str | None,
         typer.Option(
@@ -697,10 +715,16 @@ def demo(
 
 
 def main() -> None:
-    """Console-script entry point: `UserError` and I/O failures become one `error:` line (exit 2), `DataProblem` one
-    `problem:` line (exit 1)."""
+    """Console-script entry point: bad usage, `UserError` and I/O failures become one `error:` line (exit 2),
+    `DataProblem` one `problem:` line (exit 1)."""
+    usage_error = typer.BadParameter.__base__  # click's UsageError, as the click that typer ships defines it
     try:
-        app(prog_name="tcjepa")
+        code = app(prog_name="tcjepa", standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except usage_error as exc:  # a missing or unknown option: one line, and where the help is
+        ctx = getattr(exc, "ctx", None)
+        typer.echo(f"error: {exc.format_message()} (see `{ctx.command_path if ctx else 'tcjepa'} --help`)", err=True)
+        sys.exit(2)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -60,7 +60,7 @@ def decode(data: bytes | None, policy: ImagePolicy) -> tuple[Image.Image | None,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
+            im: Image.Image = Image.open(io.BytesIO(data))
             width, height = im.size
             if min(width, height) < policy.min_side:
                 return None, f"too small ({width}x{height} pixels)"

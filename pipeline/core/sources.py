@@ -89,7 +89,7 @@ def _leaves(kinds: list[tuple[Path, str]]) -> Iterator[tuple[Path, str, str]]:
         if kind != "folder":
             yield path, kind, path.name
             continue
-        paths = []
+        paths: list[Path] = []
         for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
             dirnames.sort()
             paths.extend(
@@ -387,7 +387,10 @@ def _tar_samples(path: Path, label: str) -> Iterator[Sample]:
     except (tarfile.TarError, OSError) as exc:
         yield Sample(ImageEntry(f"{label}::", None, f"unreadable tar shard: {exc}"), f"{label}::", [], [])
         return
-    key, image, captions, problems = None, None, [], []
+    key: str | None = None
+    image: ImageEntry | None = None
+    captions: list[object] = []
+    problems: list[str] = []
     with tar:
         try:
             for member in tar:
@@ -564,10 +567,12 @@ class ImageReader:
                 base = _hf_base(ref.path)
             else:
                 base = Path(ref.path) if os.path.isdir(ref.path) else Path(ref.path).parent
-            data, error = _value_bytes(self._handle(ref)[ref.offset][ref.column], base)
-            if data is None:
+            table = self._handle(ref)
+            assert not isinstance(table, int)
+            cell, error = _value_bytes(table[ref.offset][ref.column], base)
+            if cell is None:
                 raise OSError(f"{ref.source_id}: {error}")
-            return data
+            return cell
         raise ValueError(f"unknown ImageRef kind {ref.kind!r}")
 
     def _handle(self, ref: ImageRef) -> int | datasets.Dataset:

@@ -259,7 +259,7 @@ def _pretrain(
         )
         return loss, both[tagged].float().mean()
 
-    held_out = _tagged_batch(tokenizer, np.random.default_rng([rng.integers(2**32), 1])) if phrase_tags else None
+    held_out = _tagged_batch(tokenizer, np.random.default_rng([int(rng.integers(2**32)), 1])) if phrase_tags else None
     model.train()
     recent: dict[str, list[float]] = {"span": [], "tags": []}
     result: dict[str, float] = {}
