@@ -674,6 +674,8 @@ def main() -> None:
             result[f"{lean}_cross_attention_saved_ref_over_lean"] = round(saved_ratio, 2)
             result[f"{lean}_saved_ref_over_lean"] = round(info[ref]["saved_bytes"] / info[lean]["saved_bytes"], 2)
             result[f"{lean}_time_lean_over_ref"] = round(medians[lean] / medians[ref], 3)
+            if not args.device.startswith("cuda"):
+                result[f"{lean}_cpu_time_lean_over_ref"] = round(cpu_medians[lean] / cpu_medians[ref], 3)
             goals.append(saved_ratio >= 2)
     if goals:
         result["goal_met"] = all(goals)
