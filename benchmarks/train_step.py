@@ -3,25 +3,35 @@
 One full step, built as the trainer builds it (`build_models`, `compute_losses`,
 AdamW over `param_groups`, `ema_update`), under bf16 autocast, on synthetic
 tensors: random images, multi-block masks from `sample_masks`, and random
-caption token embeddings (d_text 64, mostly 20–40 words, some shorter, zero-padded
-to the batch's longest, float16 → autocast dtype as the loader hands them over).
-The same encoder, masks and captions serve every mode:
+caption token embeddings, by default realistic ones: d_text 1024 (T5-large),
+every caption padded to 128 words (the loader's max_words), most 64–128 words
+long and one in six 16–63 (float16 → autocast dtype as the loader hands them
+over). The same encoder, masks and captions serve every mode:
 
   none          plain I-JEPA (no text)
   none_cut      the same with I-JEPA's cut of every context to the batch's smallest (pad keeps each whole)
-  sequence      N=8 captions' words appended to every predictor sequence
   cross1        TC-JEPA, N=1
   cross8        TC-JEPA, N=8, pool after_mlp (one MLP per caption)
   cross8_before TC-JEPA, N=8, pool before_mlp (one shared MLP)
   cross8_before_cut  the same with the cut
+  cross8_ref, cross8_before_ref  cross8 and cross8_before run by the cross-attention and regularisers as they were
+                before issue 17 B (`benchmarks/reference_predictor.py`), on the same weights and batch
+  sequence      N=8 captions' words appended to every predictor sequence (not run by default: with 8 captions of
+                128 words every predictor sequence is ~1,000 tokens longer, about a minute a step here)
 
-FLOPs are counted analytically (2·m·k·n per matmul: patch embed, qkv / proj / MLP,
-attention scores and weighted sums, predictor embed / proj, cross-attention
-q / k / v / proj, scores and weighted sums over N captions); a training step is
-3× the forward of the context encoder and predictor plus 1× the target encoder.
-`torch.utils.flop_counter.FlopCounterMode` counts one step of each mode as a
-cross-check (it sees the real backward, e.g. no input gradient for the patch
-embedding or the caption k / v projections, and counts SDPA's backward as 2.5×).
+FLOPs: `torch.utils.flop_counter.FlopCounterMode` counts the first warm-up step
+of each mode, on the shapes actually computed (padding included), backward
+included as it runs (no input gradient for the patch embedding or the caption
+K/V projection; SDPA's backward as 2.5× its forward; the regularisers'
+recomputed cosine maps). The ratios use these counts (`--no-flop-counter`: the
+analytic ones instead, 2·m·k·n per matmul of the forward, a step 3× the forward
+of the context encoder and predictor plus 1× the target encoder; both are
+reported).
+
+Memory autograd saves for backward: one more untimed step under
+`torch.autograd.graph.saved_tensors_hooks`, each storage counted once (the
+parameters not), split into what the text cross-attention saves (its modules,
+the K/V projection and the regularisers) and the rest.
 
 Each mode runs in its own fresh process (so one mode's peak memory cannot mask
 another's). On the CPU all of them are started together and the driver steps
@@ -30,11 +40,13 @@ noise falls on every mode alike; on CUDA they run one after another (each keeps
 its own memory pool). s/step is the median of a mode's timed steps. Peak
 memory: on CPU the rise of the process's peak RSS (ru_maxrss) over the steps,
 on CUDA `torch.cuda.max_memory_allocated`. Prints progress to stderr and one
-JSON line on stdout.
+JSON line on stdout; `goal_met` holds issue 17's goals: cross8's time ratio to
+`none` over its FLOP ratio ≤ 1.2, and the old cross-attention saving ≥ 2× the
+bytes the new one does (both pools).
 
 CPU default (`--preset cpu_tiny`): tiny ViT (192 wide, depth 6, 3 heads, patch 8,
 64×64 images), predictor 192 wide, depth 4, batch 64, one torch thread (see
-PRESETS), about 3 minutes on 2 cores. `--profile MODE` prints torch.profiler's
+PRESETS), about 12 minutes on 2 cores. `--profile MODE` prints torch.profiler's
 top ops for one step of MODE instead. On a GPU (images/s and MFU against
 --peak-tflops, default 989 = H100/H200 bf16 dense):
   python -m benchmarks.train_step --preset vit_b16 --device cuda
@@ -60,6 +72,7 @@ class Mode:
     captions: int
     pool: str = "after_mlp"
     context_equalise: str = "pad"
+    reference: bool = False  # the cross-attention and regularisers as they were before issue 17 B
 
 
 MODES: dict[str, Mode] = {
@@ -70,7 +83,10 @@ MODES: dict[str, Mode] = {
     "cross8": Mode("cross", 8, "after_mlp"),
     "cross8_before": Mode("cross", 8, "before_mlp"),
     "cross8_before_cut": Mode("cross", 8, "before_mlp", context_equalise="cut"),
+    "cross8_ref": Mode("cross", 8, "after_mlp", reference=True),
+    "cross8_before_ref": Mode("cross", 8, "before_mlp", reference=True),
 }
+DEFAULT_MODES = [name for name in MODES if name != "sequence"]
 
 PRESETS = {
     # What the prototype measured on 2 CPU cores: an 8×8 grid, so a smaller context block.
@@ -92,6 +108,8 @@ PRESETS = {
         steps=4,
         warmup=1,
         threads=1,
+        text_dim=1024,
+        words=128,
     ),
     # ViT-B/16 at 224 with the I-JEPA mask defaults; the predictor as `tcjepa train` builds it for vit_base.
     "vit_b16": dict(
@@ -110,6 +128,8 @@ PRESETS = {
         steps=10,
         warmup=3,
         threads=0,
+        text_dim=1024,
+        words=128,
     ),
 }
 
@@ -121,7 +141,7 @@ def log(msg: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu_tiny", help="defaults for everything below")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     ap.add_argument("--model", help="encoder size name (vit_tiny … vit_giant)")
     ap.add_argument("--width", type=int)
     ap.add_argument("--depth", type=int)
@@ -140,7 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="untimed steps first, the first one under FlopCounterMode (they count for peak memory)",
     )
-    ap.add_argument("--text-dim", type=int, default=64)
+    ap.add_argument("--text-dim", type=int, help="caption word-embedding width (T5-large: 1024)")
+    ap.add_argument("--words", type=int, help="caption length every caption is padded to (the loader's max_words)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead of bf16 autocast")
     ap.add_argument(
         "--mask-step",
@@ -194,13 +215,13 @@ def train_config(args: argparse.Namespace, mode: Mode):
     )
 
 
-def caption_lengths(rng, batch: int, n: int):
-    """Mostly 20–40 words, one caption in six shorter (4–19)."""
+def caption_lengths(rng, batch: int, n: int, words: int):
+    """Mostly `words`/2 to `words` words, one caption in six shorter (`words`/8 to `words`/2)."""
     import numpy as np
 
-    lengths = rng.integers(20, 41, size=(batch, n))
+    lengths = rng.integers(words // 2, words + 1, size=(batch, n))
     short = rng.random((batch, n)) < 1 / 6
-    return np.where(short, rng.integers(4, 20, size=(batch, n)), lengths)
+    return np.where(short, rng.integers(max(words // 8, 1), max(words // 2, 2), size=(batch, n)), lengths)
 
 
 # ---- analytic FLOPs --------------------------------------------------------------------------------------------
@@ -288,8 +309,74 @@ def sdpa_cpu_mapping() -> dict:
 @dataclass
 class Setup:
     step: object  # () -> None: one full training step
+    model: object  # the JEPA being trained
+    mode: Mode
     info: dict  # shapes, analytic FLOPs, parameter count
     cuda: bool
+
+
+class SavedBytes:
+    """What autograd keeps for backward over one step, in bytes by region, each storage counted once.
+
+    A storage belongs to the region that saves it first: `cross_attention` while a text cross-attention module runs
+    (the K/V projection included) or the text regularisers do, else `other`. Parameters are not counted (they exist
+    anyway); their bf16 copies under autocast are. The regularisers are called from the losses' module, so they
+    are wrapped there for the one measured step (and the wrapper must run in cross modes, or the count is refused).
+    """
+
+    def __init__(self) -> None:
+        self.region = "other"
+        self.storages: dict[int, tuple[int, str]] = {}
+        self.regulariser_calls = 0
+
+    def measure(self, job: Setup) -> dict:
+        import torch
+
+        import benchmarks.reference_predictor as reference
+        import train.jepa
+        import train.predictor as lean
+
+        owner = reference if job.mode.reference else train.jepa
+        regularisers = owner.text_regularisers
+        parameters = {p.untyped_storage().data_ptr() for p in job.model.parameters()}
+        cross_types = (lean.TextKeysValues, lean.TextCrossAttention, reference.ReferenceCrossAttention)
+        handles = []
+        for module in job.model.modules():
+            if isinstance(module, cross_types):
+                handles.append(module.register_forward_pre_hook(lambda *_: self.enter("cross_attention")))
+                handles.append(module.register_forward_hook(lambda *_: self.enter("other")))
+
+        def tagged(*args, **kwargs):
+            self.regulariser_calls += 1
+            self.enter("cross_attention")
+            try:
+                return regularisers(*args, **kwargs)
+            finally:
+                self.enter("other")
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in parameters:
+                self.storages.setdefault(storage.data_ptr(), (storage.nbytes(), self.region))
+            return tensor
+
+        owner.text_regularisers = tagged
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                job.step()
+        finally:
+            owner.text_regularisers = regularisers
+            for handle in handles:
+                handle.remove()
+        if job.mode.conditioning == "cross" and not self.regulariser_calls:
+            raise SystemExit(f"{owner.__name__}.text_regularisers was not called: the saved bytes cannot be attributed")
+        by_region = {"cross_attention": 0, "other": 0}
+        for nbytes, region in self.storages.values():
+            by_region[region] += nbytes
+        return {"saved_bytes": sum(by_region.values()), "cross_attention_saved_bytes": by_region["cross_attention"]}
+
+    def enter(self, region: str) -> None:
+        self.region = region
 
 
 def setup(args: argparse.Namespace, name: str) -> Setup:
@@ -297,8 +384,10 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     import numpy as np
     import torch
 
+    import benchmarks.reference_predictor as reference
+    import train.jepa
     from train.data import mask_config
-    from train.jepa import build_models, compute_losses, ema_update, param_groups
+    from train.jepa import build_models, ema_update, param_groups
     from train.masks import sample_masks
     from train.predictor import TextBatch
 
@@ -310,6 +399,9 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     cuda = device.type == "cuda"
     torch.manual_seed(args.seed)
     model, target = build_models(cfg, args.text_dim if mode.conditioning != "none" else None)
+    if mode.reference:  # the same weights in the old layout, run by the old code
+        model.predictor = reference.ReferencePredictor.like(model.predictor, model.encoder.grid)
+    compute_losses = reference.compute_losses if mode.reference else train.jepa.compute_losses
     model.to(device)
     target.to(device)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
@@ -324,12 +416,12 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     images = torch.from_numpy(
         rng.standard_normal((cfg.batch_size, 3, cfg.image_size, cfg.image_size), dtype=np.float32)
     )
-    lengths8 = caption_lengths(rng, cfg.batch_size, 8)
+    lengths8 = caption_lengths(rng, cfg.batch_size, 8, args.words)
     text = None
     s = 0
     if mode.conditioning != "none":
         lengths = lengths8[:, : mode.captions]
-        s = int(lengths.max())
+        s = args.words  # padded to the longest a caption may be, as the loader does
         tokens = rng.standard_normal((cfg.batch_size, mode.captions, s, args.text_dim)).astype(np.float16)
         tokens *= (np.arange(s) < lengths[..., None])[..., None]
         text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64))).to(device, dtype=dtype)
@@ -357,7 +449,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         "params": sum(p.numel() for p in model.parameters()),
         "threads": torch.get_num_threads(),
     }
-    return Setup(step, info, cuda)
+    return Setup(step, model, mode, info, cuda)
 
 
 def run_mode(args: argparse.Namespace, name: str) -> None:
@@ -400,6 +492,8 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
             reply({})
         elif command == "count":
             reply({"flops_counter": counted_step()})
+        elif command == "saved":
+            reply(SavedBytes().measure(job))
         elif command == "done":
             out = {}
             if cuda:
@@ -485,6 +579,8 @@ def main() -> None:
                         info[name]["flops_counter"] = w.ask("count")["flops_counter"]
                     else:
                         w.ask("warmup")
+            for name, w in workers.items():  # one more untimed step: what autograd saves for backward
+                info[name].update(w.ask("saved"))
             log(f"warm: {', '.join(group)} ({time.perf_counter() - started:.0f} s)")
             for r in range(args.steps):
                 order = group[r % len(group) :] + group[: r % len(group)]
@@ -526,19 +622,22 @@ def main() -> None:
     }
     per_mode = {}
     medians, cpu_medians, flops = {}, {}, {}
+    counted = args.flop_counter  # FlopCounterMode on what each step computes; else the analytic count
+    result["flops_from"] = "FlopCounterMode" if counted else "analytic"
     for name in modes:
         medians[name] = statistics.median(times[name])
         cpu_medians[name] = statistics.median(cpu_times[name])
-        flops[name] = info[name]["flops"]["step"]
+        flops[name] = info[name]["flops_counter"] if counted else info[name]["flops"]["step"]
         entry = {
             "s_per_step": round(medians[name], 4),
             "s_per_step_all": [round(t, 3) for t in times[name]],
             "gflops_per_step": round(flops[name] / 1e9, 2),
+            "gflops_per_step_analytic": round(info[name]["flops"]["step"] / 1e9, 2),
             "images_per_s": round(args.batch / medians[name], 1),
             "achieved_tflops": round(flops[name] / medians[name] / 1e12, 4),
+            "saved_mib": round(info[name]["saved_bytes"] / 2**20, 1),
+            "cross_attention_saved_mib": round(info[name]["cross_attention_saved_bytes"] / 2**20, 1),
         }
-        if "flops_counter" in info[name]:
-            entry["gflops_per_step_flop_counter"] = round(info[name]["flops_counter"] / 1e9, 2)
         if not args.device.startswith("cuda"):
             entry["process_cpu_s_per_step"] = round(cpu_medians[name], 4)
         if args.device.startswith("cuda"):
@@ -565,7 +664,21 @@ def main() -> None:
                 )
         if "cross8" in modes:
             result["time_ratio_over_flop_ratio"] = result["cross8_time_ratio_over_flop_ratio"]
-            result["goal_met"] = result["time_ratio_over_flop_ratio"] <= 1.2
+    goals = []
+    if "cross8" in modes and "none" in modes:
+        goals.append(result["time_ratio_over_flop_ratio"] <= 1.2)
+    for lean in ("cross8", "cross8_before"):  # the lean cross-attention against today's, same weights and batch
+        ref = f"{lean}_ref"
+        if lean in modes and ref in modes:
+            saved_ratio = info[ref]["cross_attention_saved_bytes"] / max(info[lean]["cross_attention_saved_bytes"], 1)
+            result[f"{lean}_cross_attention_saved_ref_over_lean"] = round(saved_ratio, 2)
+            result[f"{lean}_saved_ref_over_lean"] = round(info[ref]["saved_bytes"] / info[lean]["saved_bytes"], 2)
+            result[f"{lean}_time_lean_over_ref"] = round(medians[lean] / medians[ref], 3)
+            if not args.device.startswith("cuda"):
+                result[f"{lean}_cpu_time_lean_over_ref"] = round(cpu_medians[lean] / cpu_medians[ref], 3)
+            goals.append(saved_ratio >= 2)
+    if goals:
+        result["goal_met"] = all(goals)
     for padded in ("none", "cross8_before"):  # what keeping every context patch (pad) costs against I-JEPA's cut
         if padded in modes and f"{padded}_cut" in modes:
             cut = f"{padded}_cut"

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from train.losses import prediction_loss, target_features, text_regularisers
-from train.predictor import Predictor, PredictorBlock, TextBatch, TextCrossAttention
+from benchmarks.reference_predictor import ReferencePredictor, split_text_keys_values
+from benchmarks.reference_predictor import text_regularisers as reference_regularisers
+from train.losses import patch_word_cosine, prediction_loss, target_features, text_regularisers
+from train.predictor import Predictor, PredictorBlock, TextBatch, TextCrossAttention, TextKeysValues
 
 torch.set_num_threads(2)
 
@@ -26,16 +29,20 @@ def _text(b: int, n: int, s: int, d: int, seed: int = 0, lengths: torch.Tensor |
 
 def test_cross_attention_matches_per_caption_softmax_and_full_vector_cosine():
     torch.manual_seed(0)
-    attn = TextCrossAttention(dim=16, text_dim=8, heads=4)
+    attn = TextCrossAttention(dim=16, heads=4)
+    keys_values = TextKeysValues(text_dim=8, dim=16, depth=2)
     x = torch.randn(3, 5, 16)
     text = _text(3, 2, 6, 8)
-    out, cosine = attn(x, text)
-    q = attn.q(x)
+    captions = keys_values(text)[1]  # the second layer's: rows 32..63 of the fused projection
+    out, q = attn(x, captions)
+    cosine = patch_word_cosine(q, captions.keys).view(3, 5, 2, 6)
+    torch.testing.assert_close(q, attn.q(x))
+    weight, bias = keys_values.kv.weight, keys_values.kv.bias
     for b in range(3):
         for n in range(2):
             k_len = int(text.lengths[b, n])
             words = text.tokens[b, n, :k_len]
-            k, v = attn.k(words), attn.v(words)
+            k, v = F.linear(words, weight[32:48], bias[32:48]), F.linear(words, weight[48:64], bias[48:64])
             heads = []
             for h in range(4):
                 sl = slice(4 * h, 4 * h + 4)
@@ -49,28 +56,44 @@ def test_cross_attention_matches_per_caption_softmax_and_full_vector_cosine():
 
 def test_padding_words_do_not_change_the_output():
     torch.manual_seed(0)
-    attn = TextCrossAttention(16, 8, 2)
+    attn = TextCrossAttention(16, 2)
+    keys_values = TextKeysValues(8, 16, 1)
     x = torch.randn(2, 4, 16)
     text = _text(2, 3, 5, 8)
     noisy = text.tokens + 100.0 * (~text.word_mask)[..., None]
-    out_a, _ = attn(x, text)
-    out_b, _ = attn(x, TextBatch(noisy, text.lengths))
+    out_a, _ = attn(x, keys_values(text)[0])
+    out_b, _ = attn(x, keys_values(TextBatch(noisy, text.lengths))[0])
     torch.testing.assert_close(out_a, out_b)
+
+
+def test_a_caption_without_words_gives_no_nan():
+    """An image's missing caption attends to its padding (its output is discarded), never to nothing."""
+    torch.manual_seed(0)
+    pred = Predictor(encoder_width=16, grid=(4, 4), width=16, depth=2, heads=2, conditioning="cross", text_dim=8)
+    text = _text(2, 2, 3, 8, lengths=torch.tensor([[0, 2], [0, 0]]))
+    out = pred(
+        torch.randn(2, 5, 16), torch.arange(5).repeat(2, 1), torch.arange(8, 12).view(1, 1, 4).repeat(2, 1, 1), text
+    )
+    regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid)
+    (out.prediction.sum() + regs.sparse + regs.consistency).backward()
+    assert torch.isfinite(out.prediction).all()
+    assert all(torch.isfinite(p.grad).all() for p in pred.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("pool", ["after_mlp", "before_mlp"])
 def test_block_max_pools_over_present_captions(pool):
     torch.manual_seed(0)
-    block = PredictorBlock(16, 2, 2.0, text_dim=8, pool=pool)
+    block = PredictorBlock(16, 2, 2.0, cross=True, pool=pool)
     m, t = 2, 3
     x = torch.randn(2 * m, t, 16)
     lengths = torch.tensor([[3, 0, 2], [0, 0, 0]])  # image 0: captions 0 and 2; image 1: none
     text = _text(2, 3, 4, 8, lengths=lengths)
-    got, _ = block(x, None, text, m)
+    captions = TextKeysValues(8, 16, 1)(text)[0]
+    got, _ = block(x, None, captions, m)
     # By hand: self-attention, then per caption x + cross_n (+ MLP), max over present captions.
     h = x + block.attn(block.norm1(x))
     per_image = h.reshape(2, m * t, 16)
-    out, _ = block.cross(block.norm_cross(per_image), text)
+    out, _ = block.cross(block.norm_cross(per_image), captions)
     mlp = lambda z: z + block.mlp(block.norm2(z))  # noqa: E731
     versions = [per_image[0] + out[0, 0], per_image[0] + out[0, 2]]
     if pool == "after_mlp":
@@ -86,13 +109,23 @@ def test_block_max_pools_over_present_captions(pool):
     )
 
 
+def _query(cosines: tuple[float, float], scale: float) -> torch.Tensor:
+    """A query whose cosines with the unit words e0, e1 are `cosines`, 0.2 with e2 and e3, of norm `scale`."""
+    c0, c1 = cosines
+    return scale * torch.tensor([c0, c1, 0.2, 0.2, math.sqrt(1 - c0**2 - c1**2 - 0.08)])
+
+
 def test_regularisers_by_hand():
     # L=2 layers, B=1 image, I=2 tokens, N=2 captions (the second missing), S=3 words (2 valid in caption 0).
-    c1 = torch.tensor([[[[0.5, -0.2, 0.9], [0.0, 0.0, 0.0]], [[0.1, 0.3, 0.7], [0.0, 0.0, 0.0]]]])
-    c2 = torch.tensor([[[[0.1, 0.4, 0.9], [0.0, 0.0, 0.0]], [[-0.5, 0.3, 0.7], [0.0, 0.0, 0.0]]]])
+    # Caption 0's words are e0, e1 and (padding) e2; the missing caption's are e3: both have cosine 0.2 > 0 with
+    # every query, and count for nothing. Queries and keys are not unit vectors: the cosine divides their norms out.
+    keys = torch.zeros(1, 2, 3, 5)
+    keys[0, 0, 0, 0], keys[0, 0, 1, 1], keys[0, 0, 2, 2], keys[0, 1, :, 3] = 0.5, 2.0, 1.0, 3.0
+    q1 = torch.stack([_query((0.5, -0.2), 3.0), _query((0.1, 0.3), 0.1)])[None]
+    q2 = torch.stack([_query((0.1, 0.4), 1.0), _query((-0.5, 0.3), 7.0)])[None]
     word_mask = torch.tensor([[[True, True, False], [False, False, False]]])
     valid = torch.tensor([[True, False]])
-    regs = text_regularisers([c1, c2], word_mask, valid)
+    regs = text_regularisers([q1, q2], [keys, 2 * keys], word_mask, valid)
     # Token 0: O1 = [0.5, 0], O2 = [0.1, 0.4]; token 1: O1 = [0.1, 0.3], O2 = [0, 0.3] (third word is padding).
     sparse = ((0.5 + 0.5) / 2 + (0.4 + 0.3) / 2) / 2
     # Token 0: mean [0.3, 0.2]; |O1-mean| = 0.2+0.2, |O2-mean| = 0.2+0.2 → 0.4. Token 1: mean [0.05, 0.3] → 0.05, 0.05
@@ -111,13 +144,16 @@ def test_regulariser_gradients_reach_the_conditioner():
     target_idx = torch.arange(8, 12).view(1, 1, 4).repeat(2, 2, 1)
     text = _text(2, 3, 5, 8)
     out = pred(torch.randn(2, 6, 32), context_idx, target_idx, text)
-    regs = text_regularisers(out.cosines, text.word_mask, text.valid)
+    regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid)
     for term in (regs.sparse, regs.consistency):
         pred.zero_grad()
         term.backward(retain_graph=True)
-        for name in ("blocks.0.cross.q.weight", "blocks.0.cross.k.weight", "blocks.1.cross.k.weight"):
+        for name in ("blocks.0.cross.q.weight", "blocks.1.cross.q.weight"):
             grad = dict(pred.named_parameters())[name].grad
             assert grad is not None and grad.abs().sum() > 0, name
+        keys_values = pred.cross.kv.weight.grad.view(2, 2, 32, 8)  # [layer, k or v, d, d_text]
+        assert (keys_values[:, 0].abs().sum(dim=(1, 2)) > 0).all(), "each layer's keys get a gradient"
+        assert (keys_values[-1, 1] == 0).all(), "the last layer's values reach no cosine"
 
 
 def test_target_features_and_prediction_loss():
@@ -317,3 +353,138 @@ def test_a_padded_context_gives_the_same_prediction_and_regularisers_as_the_unpa
 
 def text_row(text: TextBatch, i: int) -> TextBatch:
     return TextBatch(text.tokens[i : i + 1], text.lengths[i : i + 1])
+
+
+# ---- the lean cross-attention against the one it replaced (benchmarks/reference_predictor.py) ------------------
+
+
+def _paired_predictors(pool: str) -> tuple[ReferencePredictor, Predictor]:
+    """Today's predictor and the one it replaced, with the same weights (the old layout loaded into the new)."""
+    torch.manual_seed(0)
+    shape = dict(encoder_width=32, grid=(4, 4), width=48, depth=3, heads=3, text_dim=16, pool=pool)
+    reference = ReferencePredictor(**shape)
+    lean = Predictor(conditioning="cross", **shape)
+    lean.load_state_dict(reference.state_dict())
+    return reference, lean
+
+
+def _paired_batch(lengths: torch.Tensor):
+    """Three images, two target blocks; padded words, missing captions, contexts of 4, 6 and 5 padded to 6."""
+    g = torch.Generator().manual_seed(5)
+    b, n = lengths.shape
+    tokens = torch.randn(b, n, 5, 16, generator=g) * (torch.arange(5) < lengths[..., None])[..., None]
+    context = torch.randn(b, 6, 32, generator=g)
+    context_idx = torch.stack([torch.randperm(16, generator=g)[:6] for _ in range(b)])
+    target_idx = torch.stack([torch.randperm(16, generator=g)[:4].view(2, 2) for _ in range(b)])
+    context_valid = torch.arange(6) < torch.tensor([4, 6, 5])[:, None]
+    weights = torch.randn(b, 2, 2, 32, generator=g)
+    return TextBatch(tokens, lengths), context, context_idx, target_idx, context_valid, weights
+
+
+def _step(model: torch.nn.Module, batch, bf16: bool) -> tuple[torch.Tensor, tuple, dict[str, torch.Tensor]]:
+    """Prediction, (sparse, consistency, positive fraction) and every parameter's gradient of a weighted loss."""
+    text, context, context_idx, target_idx, context_valid, weights = batch
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = model(context, context_idx, target_idx, text, context_valid)
+        if isinstance(model, ReferencePredictor):
+            regs = reference_regularisers(out.cosines, text.word_mask, text.valid, out.token_valid)
+        else:
+            regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid, out.token_valid)
+    loss = (out.prediction.float() * weights).sum() + 3 * regs.sparse + 5 * regs.consistency
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    if not isinstance(model, ReferencePredictor):
+        grads = split_text_keys_values(grads, len(model.blocks))  # the fused K/V gradient, per layer as before
+    terms = (regs.sparse.detach(), regs.consistency.detach(), regs.positive_fraction)
+    return out.prediction.detach().float(), terms, grads
+
+
+MANY_CAPTIONS = torch.tensor([[5, 0, 2], [0, 0, 0], [1, 3, 4]])  # missing captions, an image with none, padded words
+ONE_CAPTION = torch.tensor([[5, 0, 0], [0, 0, 0], [0, 3, 0]])  # at most one per image: no max over captions
+
+
+@pytest.mark.parametrize("pool", ["after_mlp", "before_mlp"])
+def test_lean_cross_attention_equals_the_old_one_in_float32(pool):
+    reference, lean = _paired_predictors(pool)
+    batch = _paired_batch(MANY_CAPTIONS)
+    want_pred, want_regs, want_grads = _step(reference, batch, bf16=False)
+    got_pred, got_regs, got_grads = _step(lean, batch, bf16=False)
+    torch.testing.assert_close(got_pred, want_pred, rtol=1e-5, atol=1e-6)
+    for got, want in zip(got_regs, want_regs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert want_grads.keys() == got_grads.keys()
+    for name, want in want_grads.items():
+        torch.testing.assert_close(got_grads[name], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("pool", ["after_mlp", "before_mlp"])
+def test_lean_cross_attention_equals_the_old_one_under_bf16_autocast(pool):
+    """Both within bf16 rounding of the float32 result: the new never much further from it than the old.
+
+    A gradient that sums many terms of both signs (the input embedding's) can be several % off in either.
+
+    Outputs and regularisers with several captions per image; gradients where each image has one. With several,
+    bf16 rounding flips the max over captions wherever two are within a rounding of each other, in the old code
+    as in the new, and each flip moves a whole gradient entry to another caption.
+    """
+    reference, lean = _paired_predictors(pool)
+    batch = _paired_batch(MANY_CAPTIONS)
+    exact_pred, exact_regs, _ = _step(reference, batch, bf16=False)
+    old_pred, old_regs, _ = _step(reference, batch, bf16=True)
+    new_pred, new_regs, _ = _step(lean, batch, bf16=True)
+    torch.testing.assert_close(new_pred, exact_pred, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(new_pred, old_pred, rtol=2e-2, atol=2e-2)
+    for new, old, exact in zip(new_regs[:2], old_regs[:2], exact_regs[:2]):
+        assert abs(float(new - exact)) <= 5e-3 * float(exact), (float(new), float(old), float(exact))
+    torch.testing.assert_close(new_regs[2], old_regs[2], rtol=0, atol=0.02)
+
+    batch = _paired_batch(ONE_CAPTION)
+    _, _, exact_grads = _step(reference, batch, bf16=False)
+    _, _, old_grads = _step(reference, batch, bf16=True)
+    _, _, new_grads = _step(lean, batch, bf16=True)
+    errors = []
+    for name, exact in exact_grads.items():
+        new_error, old_error = _relative_error(new_grads[name], exact), _relative_error(old_grads[name], exact)
+        assert new_error < 1.25 * old_error + 1e-2, (name, new_error, old_error)
+        errors.append(new_error)
+    assert statistics.median(errors) < 1e-2, sorted(errors)
+
+
+def test_a_checkpoint_with_per_layer_keys_and_values_loads_into_the_fused_projection():
+    """A state dict saved before the fusion (per-layer `cross.k` / `cross.v`) loads, rows k_0, v_0, k_1, v_1, …"""
+    reference, lean = _paired_predictors("after_mlp")
+    old, new = reference.state_dict(), lean.state_dict()
+    assert "blocks.0.cross.k.weight" not in new
+    rows = torch.cat([old[f"blocks.{layer}.cross.{name}.weight"] for layer in range(3) for name in ("k", "v")])
+    torch.testing.assert_close(new["cross.kv.weight"], rows, rtol=0, atol=0)
+    back = split_text_keys_values(new, 3)
+    assert back.keys() == old.keys()
+    for name, value in old.items():
+        torch.testing.assert_close(back[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["after_mlp", "before_mlp"])
+def test_cross_attention_and_regularisers_compile_as_one_graph(pool):
+    """No graph break in the forward (fullgraph) and the same gradients: the regularisers' backward traces too."""
+    _, lean = _paired_predictors(pool)
+    batch = _paired_batch(MANY_CAPTIONS)
+    text, context, context_idx, target_idx, context_valid, weights = batch
+
+    def loss(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        text = TextBatch(tokens, lengths)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = lean(context, context_idx, target_idx, text, context_valid)
+            regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid, out.token_valid)
+        return (out.prediction.float() * weights).sum() + 3 * regs.sparse + 5 * regs.consistency
+
+    eager = torch.autograd.grad(loss(text.tokens, text.lengths), list(lean.parameters()))
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    traced = torch.autograd.grad(compiled(text.tokens, text.lengths), list(lean.parameters()))
+    for got, want in zip(traced, eager):
+        torch.testing.assert_close(got, want)

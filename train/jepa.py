@@ -113,8 +113,8 @@ def compute_losses(
     out = model(images, context_idx, target_idx, text, context_valid)
     predict = prediction_loss(out.prediction, targets, cfg.loss)
     zero = predict.new_zeros(())
-    if not out.cosines or text is None:
+    if not out.queries or text is None:
         return StepLosses(predict, predict, zero, zero, None)
-    regs = text_regularisers(out.cosines, text.word_mask, text.valid, out.token_valid)
+    regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid, out.token_valid)
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency
     return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction)

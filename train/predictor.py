@@ -22,9 +22,11 @@ Conditioning modes:
   runs one shared MLP (N times cheaper). Missing captions are left out of the
   pool; an image without any caption takes the unconditioned path (x + MLP).
 
-The cross-attention also returns the patch–word cosine of every layer, taken over
-the full projected vectors (all heads together), for the sparsity and
-consistency regularisers (`train.losses`).
+The caption keys and values of every layer come from one projection of the word
+embeddings; the cross-attention runs as SDPA over (image, caption) pairs. Every
+layer hands back its queries, and the predictor its keys, for the sparsity and
+consistency regularisers on the patch–word cosines (`train.losses`), which
+recompute the cosine maps rather than keep them.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from train.choices import CONDITIONING, POOLING
+from train.losses import patch_word_cosine
 from train.vit import LN_EPS, MLP, SelfAttention, init_weights, scale_residual_outputs, sincos_2d
 
 
@@ -66,49 +70,74 @@ class TextBatch:
 @dataclass
 class PredictorOutput:
     prediction: torch.Tensor  # [B, M, Lt, encoder width]
-    cosines: list[torch.Tensor]  # cross mode: per layer, patch–word cosine [B, M*T, N, S]; else empty
+    queries: list[torch.Tensor]  # cross mode: per layer, the cross-attention queries [B, M*T, d]; else empty
+    keys: list[torch.Tensor]  # cross mode: per layer, the caption word keys [B, N, S, d]; else empty
     token_valid: torch.Tensor | None = None  # bool [B, M*T]: False on context padding (None: no padding)
+
+    @property
+    def cosines(self) -> list[torch.Tensor]:
+        """Per layer, the patch–word cosine float32 `[B, M*T, N, S]` of the full projected vectors, for inspection.
+
+        The regularisers never build these maps for backward: `train.losses.text_regularisers` takes `queries` and
+        `keys` and recomputes each layer's map when it needs it.
+        """
+        return [patch_word_cosine(q, k).view(q.shape[:2] + k.shape[1:3]) for q, k in zip(self.queries, self.keys)]
+
+
+@dataclass
+class LayerCaptions:
+    """One layer's view of the captions: its word keys and values, and which words a query may attend to."""
+
+    keys: torch.Tensor  # [B, N, S, d]
+    values: torch.Tensor  # [B, N, S, d]
+    attend: torch.Tensor  # bool [B, N, S]: the real words, and every word of a missing caption (never an empty softmax)
+    valid: torch.Tensor  # bool [B, N]: the caption exists
+
+
+class TextKeysValues(nn.Module):
+    """The caption keys and values of every layer in one GEMM: d_text → L·2·d, split per layer.
+
+    The split (not indexing) matters for backward: its gradient is one concatenation of every layer's, where a
+    slice per layer would fill a zero buffer of the whole output for each.
+    """
+
+    def __init__(self, text_dim: int, dim: int, depth: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.kv = nn.Linear(text_dim, depth * 2 * dim)
+
+    def forward(self, text: TextBatch) -> list[LayerCaptions]:
+        parts = self.kv(text.tokens).split(self.dim, dim=-1)  # k_0, v_0, k_1, v_1, …
+        attend = text.word_mask | ~text.valid[..., None]  # a missing caption attends to its padding (output discarded)
+        return [LayerCaptions(k, v, attend, text.valid) for k, v in zip(parts[0::2], parts[1::2])]
 
 
 class TextCrossAttention(nn.Module):
-    """Multi-head attention from image tokens to each caption's words, one softmax per caption."""
+    """Multi-head attention from image tokens to each caption's words, one softmax per caption (SDPA)."""
 
-    def __init__(self, dim: int, text_dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
         self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(text_dim, dim)
-        self.v = nn.Linear(text_dim, dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, text: TextBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x` `[B, Q, d]` (normed) → per-caption outputs `[B, N, Q, d]` and cosines `[B, Q, N, S]`.
+    def forward(self, x: torch.Tensor, captions: LayerCaptions) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` `[B, Q, d]` (normed) → per-caption outputs `[B, N, Q, d]` and the queries `[B, Q, d]`.
 
-        All captions' words form one key sequence, so the scores of every caption
-        come from a single matmul and the softmax is taken per caption on a view.
+        One SDPA over the B·N (image, caption) pairs, `[B·N, h, Q, d_h]` × `[B·N, h, S, d_h]`, with a key-padding
+        mask: every image's queries are copied once per caption (SDPA takes one batch dimension). The copy is laid
+        out `[B·N, Q, h, d_h]`, so SDPA's output comes in that layout too and reaches the projection without another.
         """
         b, nq, d = x.shape
-        n, s = text.tokens.shape[1:3]
+        n, s = captions.keys.shape[1:3]
         h, dh = self.heads, d // self.heads
-        q_full = self.q(x)
-        k_full = self.k(text.tokens).reshape(b, n * s, d)
-        q = q_full.view(b, nq, h, dh).transpose(1, 2)
-        k = k_full.view(b, n * s, h, dh).transpose(1, 2)
-        v = self.v(text.tokens).view(b, n, s, h, dh).permute(0, 3, 1, 2, 4)
-        raw = q @ k.transpose(-1, -2)  # [B, h, Q, N*S]
-        # A missing caption has no words; let it attend to its padding (the output is discarded) instead of NaN.
-        attend = text.word_mask | ~text.valid[..., None]
-        # Scale and padding mask in one pass over the scores: bias + scale·raw, the bias -inf on masked words.
-        bias = torch.zeros(b, 1, 1, n * s, dtype=raw.dtype, device=raw.device)
-        bias.masked_fill_(~attend.view(b, 1, 1, n * s), float("-inf"))
-        logits = torch.add(bias, raw, alpha=dh**-0.5)
-        probs = logits.view(b, h, nq, n, s).softmax(dim=-1)
-        out = probs.transpose(2, 3) @ v  # [B, h, N, Q, dh]
-        out = self.proj(out.permute(0, 2, 3, 1, 4).reshape(b, n, nq, d))
-        # Sum over heads of per-head dot products = the dot product of the full vectors.
-        norms = q_full.float().norm(dim=-1)[:, :, None] * k_full.float().norm(dim=-1)[:, None, :]
-        cosine = raw.sum(dim=1, dtype=torch.float32) / norms.clamp_min(1e-6)  # summed in float32, no float copy
-        return out, cosine.view(b, nq, n, s)
+        q = self.q(x)
+        queries = q[:, None].expand(b, n, nq, d).reshape(b * n, nq, h, dh).transpose(1, 2)
+        keys = captions.keys.reshape(b * n, s, h, dh).transpose(1, 2)
+        values = captions.values.reshape(b * n, s, h, dh).transpose(1, 2)
+        mask = captions.attend.view(b * n, 1, 1, s)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [B·N, h, Q, d_h]
+        return self.proj(out.transpose(1, 2).reshape(b, n, nq, d)), q
 
 
 class _ResidualMax(torch.autograd.Function):
@@ -158,26 +187,31 @@ def residual_max(x: torch.Tensor, update: torch.Tensor, keep: torch.Tensor) -> t
 class PredictorBlock(nn.Module):
     """Self-attention, then (cross mode) text cross-attention pooled over captions, then the MLP."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, text_dim: int | None, pool: str) -> None:
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, cross: bool, pool: str) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
         self.attn = SelfAttention(dim, heads)
-        self.cross = None if text_dim is None else TextCrossAttention(dim, text_dim, heads)
-        self.norm_cross = None if text_dim is None else nn.LayerNorm(dim, eps=LN_EPS)
+        self.cross = TextCrossAttention(dim, heads) if cross else None
+        self.norm_cross = nn.LayerNorm(dim, eps=LN_EPS) if cross else None
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
         self.pool = pool
 
     def forward(
-        self, x: torch.Tensor, key_mask: torch.Tensor | None, text: TextBatch | None, blocks_per_image: int
+        self, x: torch.Tensor, key_mask: torch.Tensor | None, captions: LayerCaptions | None, blocks_per_image: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`x` `[B*M, T, d]` → the layer's output and (cross mode with captions) its cross-attention queries."""
         x = x + self.attn(self.norm1(x), key_mask)
-        if self.cross is None or text is None:
+        if self.cross is None or captions is None:
             return x + self.mlp(self.norm2(x)), None
         p, t, d = x.shape
         per_image = x.reshape(p // blocks_per_image, blocks_per_image * t, d)
-        out, cosine = self.cross(self.norm_cross(per_image), text)
-        valid = text.valid
+        out, queries = self.cross(self.norm_cross(per_image), captions)
+        return self.pool_captions(per_image, out, captions.valid).reshape(p, t, d), queries
+
+    def pool_captions(self, per_image: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Max over the present captions of `per_image` `[B, M*T, d]` + each caption's update `out` `[B, N, M*T, d]`
+        (and its MLP: after_mlp), or of the residual sums before one shared MLP (before_mlp)."""
         out = out * valid[:, :, None, None].to(out.dtype)
         # An image without captions keeps one "empty caption" (zero update): the unconditioned path.
         pool_keep = valid.clone()
@@ -185,11 +219,9 @@ class PredictorBlock(nn.Module):
         if self.pool == "after_mlp":
             # per_image[:, None] + out, [B, N, M*T, d], summed in one float buffer
             conditioned = out.to(torch.promote_types(out.dtype, per_image.dtype), copy=True).add_(per_image[:, None])
-            pooled = residual_max(conditioned, self.mlp(self.norm2(conditioned)), pool_keep)
-        else:
-            pooled = residual_max(per_image[:, None], out, pool_keep)
-            pooled = pooled + self.mlp(self.norm2(pooled))
-        return pooled.reshape(p, t, d), cosine
+            return residual_max(conditioned, self.mlp(self.norm2(conditioned)), pool_keep)
+        pooled = residual_max(per_image[:, None], out, pool_keep)
+        return pooled + self.mlp(self.norm2(pooled))
 
 
 class Predictor(nn.Module):
@@ -216,8 +248,9 @@ class Predictor(nn.Module):
         self.embed = nn.Linear(encoder_width, width)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
         self.register_buffer("pos_embed", sincos_2d(width, grid), persistent=False)
-        cross_dim = text_dim if conditioning == "cross" else None
-        self.blocks = nn.ModuleList(PredictorBlock(width, heads, mlp_ratio, cross_dim, pool) for _ in range(depth))
+        cross = conditioning == "cross"
+        self.blocks = nn.ModuleList(PredictorBlock(width, heads, mlp_ratio, cross, pool) for _ in range(depth))
+        self.cross = TextKeysValues(text_dim, width, depth) if cross else None
         self.text_embed = nn.Linear(text_dim, width) if conditioning == "sequence" else None
         self.text_type = nn.Parameter(torch.zeros(1, 1, width)) if conditioning == "sequence" else None
         self.norm = nn.LayerNorm(width, eps=LN_EPS)
@@ -227,6 +260,7 @@ class Predictor(nn.Module):
         if self.text_type is not None:
             nn.init.trunc_normal_(self.text_type, std=0.02)
         scale_residual_outputs(self.blocks)
+        self.register_load_state_dict_pre_hook(_fuse_text_keys_values)
 
     def forward(
         self,
@@ -244,15 +278,7 @@ class Predictor(nn.Module):
         """
         b, m, lt = target_idx.shape
         lc = context_idx.shape[1]
-        pos = self.pos_embed
-        ctx = self.embed(context) + pos[context_idx]
-        ctx = ctx.repeat_interleave(m, dim=0)  # [B*M, Lc, w], image-major
-        queries = self.mask_token + pos[target_idx.reshape(b * m, lt)]
-        x = torch.cat([ctx, queries.to(ctx.dtype)], dim=1)
-        token_valid = None  # [B*M, Lc + Lt]: False on context padding
-        if context_valid is not None:
-            targets_valid = torch.ones(b, lt, dtype=torch.bool, device=x.device)
-            token_valid = torch.cat([context_valid, targets_valid], dim=1).repeat_interleave(m, dim=0)
+        x, token_valid = self.sequences(context, context_idx, target_idx, context_valid)
         key_mask = token_valid
         use_text = text if self.conditioning != "none" else None
         if use_text is not None and self.conditioning == "sequence":
@@ -264,12 +290,49 @@ class Predictor(nn.Module):
             if image_tokens is None:
                 image_tokens = torch.ones(b * m, lc + lt, dtype=torch.bool, device=x.device)
             key_mask = torch.cat([image_tokens, word_mask], dim=1)
-        cross_text = use_text if self.conditioning == "cross" else None
-        cosines = []
-        for block in self.blocks:
-            x, cosine = block(x, key_mask, cross_text, m)
-            if cosine is not None:
-                cosines.append(cosine)
+        layers = self.cross(use_text) if use_text is not None and self.cross is not None else [None] * len(self.blocks)
+        queries = []
+        for block, captions in zip(self.blocks, layers):
+            x, q = block(x, key_mask, captions, m)
+            if q is not None:
+                queries.append(q)
+        keys = [captions.keys for captions in layers] if queries else []
         out = self.proj(self.norm(x[:, lc : lc + lt]))
         per_image_valid = None if token_valid is None else token_valid.reshape(b, m * (lc + lt))
-        return PredictorOutput(out.view(b, m, lt, -1), cosines, per_image_valid)
+        return PredictorOutput(out.view(b, m, lt, -1), queries, keys, per_image_valid)
+
+    def sequences(
+        self,
+        context: torch.Tensor,
+        context_idx: torch.Tensor,
+        target_idx: torch.Tensor,
+        context_valid: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The predictor sequences `[B*M, Lc + Lt, w]` (image-major) and which tokens are real (None: all are)."""
+        b, m, lt = target_idx.shape
+        pos = self.pos_embed
+        ctx = self.embed(context) + pos[context_idx]
+        ctx = ctx.repeat_interleave(m, dim=0)  # [B*M, Lc, w], image-major
+        queries = self.mask_token + pos[target_idx.reshape(b * m, lt)]
+        x = torch.cat([ctx, queries.to(ctx.dtype)], dim=1)
+        if context_valid is None:
+            return x, None
+        targets_valid = torch.ones(b, lt, dtype=torch.bool, device=x.device)
+        return x, torch.cat([context_valid, targets_valid], dim=1).repeat_interleave(m, dim=0)
+
+
+def _fuse_text_keys_values(module: Predictor, state_dict: dict, prefix: str, *args: object) -> None:
+    """Read a state dict saved before the K/V projections were fused (per layer `blocks.L.cross.k` / `.v`).
+
+    The fused projection's rows are k_0, v_0, k_1, v_1, … (see `TextKeysValues`).
+    """
+    old = f"{prefix}blocks.0.cross.k.weight"
+    if old not in state_dict or module.cross is None:
+        return
+    for kind in ("weight", "bias"):
+        parts = [
+            state_dict.pop(f"{prefix}blocks.{layer}.cross.{name}.{kind}")
+            for layer in range(len(module.blocks))
+            for name in ("k", "v")
+        ]
+        state_dict[f"{prefix}cross.kv.{kind}"] = torch.cat(parts)
