@@ -154,7 +154,8 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
     refs, labels, name = _labelled_images(cfg)
     probes = tuple(p for p in PROBES if p in cfg.probes and (p != "dense" or labels.has_cells or not default_probes))
     if "dense" in probes and not labels.has_cells:
-        raise UserError(f'--probe dense needs per-cell labels ("cells" and "cell_size" in {cfg.labels}); none has them')
+        where = "a labels file; class folders have none" if cfg.labels is None else f"{cfg.labels}; none has them"
+        raise UserError(f'--probe dense needs per-cell labels ("cells" and "cell_size" in {where})')
     need_patches = "dense" in probes or "attentive" in probes
     sets = extract_features(
         cfg.run,

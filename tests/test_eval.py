@@ -314,6 +314,8 @@ def test_eval_reads_class_folders_and_reports_both_floors(tmp_path, cross_run, s
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("step 4 | linear top1") and "(baseline " in line
     assert line.endswith(f"test {len(val_images)}")
+    dense = tcjepa("eval", cross_run, "--train", data / "train", "--val", data / "val", "--probe", "dense", check=False)
+    assert dense.returncode == 2 and "class folders have none" in dense.stderr
 
 
 def test_eval_leaves_out_an_undecodable_labelled_image(tmp_path, cross_run, synth_dir):
