@@ -1,8 +1,10 @@
-"""`tcjepa eval`: frozen-feature probes of a trained run on labelled images, one JSON report.
+"""`tcjepa eval`: frozen-feature probes of a trained run on labelled images, with their floors, one JSON report.
 
-Labelled images are matched to the images given, their target-encoder features
-are extracted once (cached in the run), split into train / validation / test
-(seeded, or the labels file's own split), and each probe is fitted and scored.
+Labelled images come from a labels file matched to the images given, or from class folders (ImageNet layout).
+Their features are extracted once (cached in the run) for the run's target encoder and for two floors: a seeded
+random encoder of the same architecture (`baseline`) and raw pixels (`pixels`). The rows are split into
+train / validation / test (seeded, the labels file's own split, or `--train` / `--val`), and each probe is
+fitted and scored on all three feature sets: a number is never read without its floors.
 """
 
 from __future__ import annotations
@@ -14,24 +16,35 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from evaluation.features import extract_features
-from evaluation.labels import Labels, patch_labels, read_labels
+from evaluation import protocol
+from evaluation.features import Features, extract_features
+from evaluation.labels import Labels, folder_labels, patch_labels, read_labels
+from evaluation.preprocess import describe as describe_preprocessing
 from evaluation.probes import ProbeResult, Split, attentive_probe, dense_probe, knn_probe, linear_probe, random_split
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
-from pipeline.core.sources import list_images
+from pipeline.core.sources import ImageRef, list_images
+from train.data import IMAGENET_MEAN, IMAGENET_STD
 
 PROBES = ("linear", "knn", "dense", "attentive")
+FLOORS = {
+    "baseline": "the same probes on a randomly initialised encoder of the run's architecture (seeded with --seed)",
+    "pixels": "the same probes on raw pixels: the mean normalised colour of each patch (pooled: all of them, "
+    "the image downsampled to the patch grid)",
+}
 EVAL_DIR = "eval"
 
 
 @dataclass
 class EvalConfig:
     run: Path
-    images: list[Path]
-    labels: Path
+    images: list[Path] | None = None
+    labels: Path | None = None
+    train: Path | None = None  # class folders (ImageNet layout): train and val replace images and labels
+    val: Path | None = None
     probes: tuple[str, ...] = PROBES
     image_root: Path | None = None
     test_fraction: float = 0.2
@@ -44,15 +57,33 @@ class EvalConfig:
     progress: bool = True
 
 
+def _labelled_images(cfg: EvalConfig) -> tuple[list[ImageRef], Labels, str]:
+    """(every image given, their labels, the report's default name) from a labels file or class folders."""
+    if cfg.train is not None or cfg.val is not None:
+        if cfg.train is None or cfg.val is None:
+            raise UserError("--train and --val go together: give both class folders (DIR/train and DIR/val)")
+        if cfg.images or cfg.labels is not None:
+            raise UserError("--train/--val replace IMAGES and --labels: give class folders or a labels file, not both")
+        refs, labels = folder_labels(cfg.train, cfg.val)
+        return refs, labels, Path(cfg.train).resolve().parent.name
+    if not cfg.images or cfg.labels is None:
+        raise UserError("give IMAGES and --labels FILE, or class folders with --train DIR/train --val DIR/val")
+    refs = list_images(cfg.images)
+    if not refs:
+        raise UserError(f"no images found in {', '.join(map(str, cfg.images))}")
+    return refs, read_labels(cfg.labels, refs, cfg.image_root), Path(cfg.labels).stem
+
+
 def _split(labels: Labels, usable: np.ndarray, cfg: EvalConfig) -> Split:
-    """Split the usable labelled rows: the file's own split when it has one, else a seeded random one."""
+    """Split the usable labelled rows: the given split when there is one, else a seeded random one."""
     if labels.split is None:
         part = random_split(len(usable), cfg.test_fraction, cfg.val_fraction, cfg.seed)
         return Split(usable[part.train], usable[part.val], usable[part.test])
     names = np.array(labels.split)[usable]
     train, val, test = (usable[names == s] for s in ("train", "val", "test"))
     if len(test) == 0 or len(train) < 2:
-        raise UserError("--labels gives a split without test images or with fewer than 2 train images")
+        source = "--val" if cfg.train is not None else "--labels"
+        raise UserError(f"{source} gives a split without test images or with fewer than 2 train images")
     if len(val) == 0:  # carve validation out of train, seeded
         order = np.random.default_rng([cfg.seed, 11]).permutation(train)
         n_val = max(1, round(len(train) * cfg.val_fraction))
@@ -60,42 +91,73 @@ def _split(labels: Labels, usable: np.ndarray, cfg: EvalConfig) -> Split:
     return Split(train, val, test)
 
 
-def _dense_labels(labels: Labels, sizes: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+def _dense_labels(labels: Labels, sizes: np.ndarray, image_size: int, grid: tuple[int, int]) -> np.ndarray:
     """int `[m, L]` per-patch classes of every labelled image (-1 where it has no cell map)."""
     out = np.full((len(labels.label), grid[0] * grid[1]), -1, dtype=np.int64)
     for row, (cells, size) in enumerate(zip(labels.cells, labels.cell_size)):
         if cells is not None and sizes[row, 0] > 0:
-            out[row] = patch_labels(cells, size, (int(sizes[row, 0]), int(sizes[row, 1])), grid)
+            out[row] = patch_labels(cells, size, (int(sizes[row, 0]), int(sizes[row, 1])), image_size, grid)
     return out
 
 
+def _probe_all(
+    probes: tuple[str, ...],
+    features: Features,
+    labels: Labels,
+    dense: np.ndarray | None,
+    split: Split,
+    seed: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Each probe of `probes` on one feature set, as report entries."""
+    results: dict[str, ProbeResult] = {}
+    for name in probes:
+        if name == "linear":
+            results[name] = linear_probe(features.pooled, labels.label, split, seed, device)
+        elif name == "knn":
+            results[name] = knn_probe(features.pooled, labels.label, split, device=device)
+        elif name == "dense":
+            assert features.patches is not None and dense is not None
+            results[name] = dense_probe(features.patches, dense, split, seed, device)
+        else:
+            assert features.patches is not None
+            results[name] = attentive_probe(features.patches, labels.label, split, seed, device)
+    return {k: v.to_dict() for k, v in results.items()}
+
+
 def one_line(report: dict[str, Any]) -> str:
-    """The report as one table row: step, each probe's metrics, split sizes."""
+    """The report as one table row: step, each probe's metrics with its floors in brackets, split sizes."""
     parts = [f"step {report['step']}"]
     for name, result in report["probes"].items():
-        parts.append(f"{name} " + " ".join(f"{k} {v:.3f}" for k, v in result["metrics"].items()))
+        floors = [
+            f"{floor} {report[floor]['probes'][name]['metrics'][key]:.3f}"
+            for floor in FLOORS
+            if floor in report
+            for key in list(result["metrics"])[:1]
+        ]
+        metrics = " ".join(f"{k} {v:.3f}" for k, v in result["metrics"].items())
+        parts.append(f"{name} {metrics}" + (f" ({', '.join(floors)})" if floors else ""))
     s = report["split"]
     parts.append(f"train {s['train']} val {s['val']} test {s['test']}")
     return " | ".join(parts)
 
 
 def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
-    """Run the probes of `cfg`; writes the JSON report (default `RUN/eval/<labels stem>.json`) and returns it.
+    """Run the probes of `cfg` on the run and its floors; writes the JSON report (default
+    `RUN/eval/<labels stem or dataset folder>.json`) and returns it.
 
     With `default_probes`, a probe the labels cannot support (dense without cell maps) is dropped, not refused.
     """
     unknown = [p for p in cfg.probes if p not in PROBES]
     if unknown:
         raise UserError(f"--probe {unknown[0]}: unknown probe; choose from {', '.join(PROBES)}")
-    refs = list_images(cfg.images)
-    if not refs:
-        raise UserError(f"no images found in {', '.join(map(str, cfg.images))}")
-    labels = read_labels(cfg.labels, refs, cfg.image_root)
+    refs, labels, name = _labelled_images(cfg)
     probes = tuple(p for p in PROBES if p in cfg.probes and (p != "dense" or labels.has_cells or not default_probes))
     if "dense" in probes and not labels.has_cells:
-        raise UserError(f'--probe dense needs per-cell labels ("cells" and "cell_size" in {cfg.labels}); none has them')
+        where = "a labels file; class folders have none" if cfg.labels is None else f"{cfg.labels}; none has them"
+        raise UserError(f'--probe dense needs per-cell labels ("cells" and "cell_size" in {where})')
     need_patches = "dense" in probes or "attentive" in probes
-    features = extract_features(
+    sets = extract_features(
         cfg.run,
         [refs[i] for i in labels.image_index],
         with_patches=need_patches,
@@ -103,34 +165,31 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         batch_size=cfg.batch_size,
         workers=cfg.workers,
         progress=cfg.progress,
+        seed=cfg.seed,
     )
+    features = sets["encoder"]
     usable = np.flatnonzero(features.decoded)
     if len(usable) < len(labels.label):
         print(
             f"eval: {len(labels.label) - len(usable)} labelled images could not be read or decoded; left out",
             file=sys.stderr,
         )
+    if labels.unmatched and cfg.train is not None:
+        print(f"eval: {labels.unmatched} images outside a --train class folder; left out", file=sys.stderr)
+    dense = _dense_labels(labels, features.sizes, features.image_size, features.grid) if "dense" in probes else None
+    device = resolve_device(cfg.device)
     try:
         split = _split(labels, usable, cfg)
-        results: dict[str, ProbeResult] = {}
-        for name in probes:
-            if name == "linear":
-                results[name] = linear_probe(features.pooled, labels.label, split, cfg.seed)
-            elif name == "knn":
-                results[name] = knn_probe(features.pooled, labels.label, split)
-            elif name == "dense":
-                dense = _dense_labels(labels, features.sizes, features.grid)
-                results[name] = dense_probe(features.patches, dense, split, cfg.seed)
-            else:
-                results[name] = attentive_probe(
-                    features.patches, labels.label, split, cfg.seed, resolve_device(cfg.device)
-                )
+        results = {
+            key: _probe_all(probes, sets[key], labels, dense, split, cfg.seed, device) for key in ("encoder", *FLOORS)
+        }
     except ValueError as exc:
         raise UserError(f"eval: {exc}") from None
     report = {
         "run": str(cfg.run),
         "step": features.step,
-        "labels": str(cfg.labels),
+        "labels": None if cfg.labels is None else str(cfg.labels),
+        **({"train": str(cfg.train), "val": str(cfg.val)} if cfg.train is not None else {}),
         "seed": cfg.seed,
         "images": len(refs),
         "labelled": len(labels.label),
@@ -138,11 +197,19 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         "undecodable": int(len(labels.label) - len(usable)),
         "classes": len(labels.classes),
         "split": split.sizes(),
-        "split_source": "labels file" if labels.split is not None else "random",
+        "split_source": "folders" if cfg.train is not None else "labels file" if labels.split is not None else "random",
         "features": str(features.directory),
-        "probes": {k: v.to_dict() for k, v in results.items()},
+        "protocol": {
+            **protocol.describe(),
+            "preprocessing": {
+                **describe_preprocessing(features.image_size),
+                "normalise": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
+            },
+        },
+        "probes": results["encoder"],
+        **{floor: {"what": what, "probes": results[floor]} for floor, what in FLOORS.items()},
     }
-    out = cfg.report or Path(cfg.run) / EVAL_DIR / f"{Path(cfg.labels).stem}.json"
+    out = cfg.report or Path(cfg.run) / EVAL_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, (json.dumps(report, indent=1) + "\n").encode())
     report["report"] = str(out)

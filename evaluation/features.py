@@ -1,15 +1,19 @@
-"""Frozen target-encoder features of a trained run, extracted once and cached beside it.
+"""Frozen features of a trained run, and of its floors, extracted once and cached beside the run.
 
-Evaluation, export and visualisation all start from the run's EMA target encoder
-(the one the paper evaluates). Images are resized whole to the run's image size,
-without a crop, so per-patch features line up with per-cell labels.
+Evaluation, export and visualisation start from the run's EMA target encoder (the one the paper evaluates).
+Images are resized and centre-cropped as the field does (evaluation/preprocess.py). One pass over the
+images gives three feature sets, so that no number is read without its floors:
 
-The cache lives in `RUN/features/<key>/`: `pooled.npy` (float32 `[n, D]`, mean over
-patches), optionally `patches.npy` (float16 `[n, L, D]`) and `meta.json`. The key
-covers the checkpoint step, the image size and every image's location, size and
-modification time, so a new checkpoint or changed images give a new extraction; it
-is written to a temporary directory and renamed, so an interrupted extraction
-leaves nothing half-written.
+- `encoder`: the run's target encoder (pooled = mean over patches of the final LayerNorm's tokens);
+- `baseline`: a randomly initialised encoder of the same architecture (seeded);
+- `pixels`: the mean (normalised) colour of each patch; pooled = all of them, i.e. the image downsampled to
+  the patch grid.
+
+The cache lives in `RUN/features/<key>/<set>/`: `pooled.npy` (float32 `[n, D]`), optionally `patches.npy`
+(float16 `[n, L, D]`), `sizes.npy` and `meta.json`. The key covers the checkpoint step, the image size, the
+preprocessing and every image's location, size and modification time, so a new checkpoint or changed images
+give a new extraction; each set is written to a temporary directory and renamed, so an interrupted
+extraction leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -25,19 +29,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from evaluation.preprocess import CROP_FRACTION, resize_and_crop
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.images import decode
 from pipeline.core.sources import ImageReader, ImageRef
 from train.checkpoint import load_checkpoint
+from train.choices import VIT_SIZES
 from train.config import TrainConfig, apply
 from train.data import image_policy, normalise
 from train.vit import VisionTransformer, build_vit
 
 FEATURES_DIR = "features"
+ENCODERS = ("target", "context")
+FEATURE_SETS = ("encoder", "baseline", "pixels")
+_CONTEXT_PREFIX = "encoder."  # the context encoder inside the checkpoint's JEPA model
 
 
 @dataclass
@@ -54,7 +63,7 @@ class TrainedRun:
 
 @dataclass
 class TrainedEncoder:
-    encoder: VisionTransformer  # the EMA target encoder, eval mode, on CPU
+    encoder: VisionTransformer  # eval mode, on CPU
     config: TrainConfig
     step: int
 
@@ -70,27 +79,46 @@ def load_run(run: Path) -> TrainedRun:
     return TrainedRun(state, apply(TrainConfig(), state["config"], f"{run}/checkpoint.pt"), int(state["step"]))
 
 
-def target_encoder(trained: TrainedRun) -> VisionTransformer:
-    """The run's EMA target encoder, in eval mode, without gradients."""
+def _architecture(trained: TrainedRun) -> VisionTransformer:
     cfg = trained.config
-    encoder = build_vit(cfg.model, cfg.image_size, cfg.patch_size, cfg.width, cfg.depth, cfg.heads)
-    encoder.load_state_dict(trained.state["target"])
+    return build_vit(cfg.model, cfg.image_size, cfg.patch_size, cfg.width, cfg.depth, cfg.heads)
+
+
+def run_encoder(trained: TrainedRun, which: str = "target") -> VisionTransformer:
+    """The run's EMA target encoder or its context encoder, in eval mode, without gradients."""
+    if which not in ENCODERS:
+        raise UserError(f"--encoder {which}: choose target or context")
+    encoder = _architecture(trained)
+    if which == "target":
+        weights = trained.state["target"]
+    else:
+        model = trained.state["model"]
+        weights = {k.removeprefix(_CONTEXT_PREFIX): v for k, v in model.items() if k.startswith(_CONTEXT_PREFIX)}
+    encoder.load_state_dict(weights)
     return encoder.eval().requires_grad_(False)
 
 
-def load_trained_encoder(run: Path) -> TrainedEncoder:
-    """The target encoder of `run`'s checkpoint, with the run's config."""
+def random_encoder(trained: TrainedRun, seed: int) -> VisionTransformer:
+    """The run's architecture as initialised for training, from a seeded generator: the baseline's encoder."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = _architecture(trained)
+    return encoder.eval().requires_grad_(False)
+
+
+def load_trained_encoder(run: Path, which: str = "target") -> TrainedEncoder:
+    """The target (or context) encoder of `run`'s checkpoint, with the run's config."""
     trained = load_run(run)
-    return TrainedEncoder(target_encoder(trained), trained.config, trained.step)
+    return TrainedEncoder(run_encoder(trained, which), trained.config, trained.step)
 
 
-def resize_whole(im: Image.Image, size: int) -> np.ndarray:
-    """uint8 `[size, size, 3]`: the whole image resized (bicubic, no crop), as features are extracted."""
-    return np.asarray(im.resize((size, size), Image.Resampling.BICUBIC), dtype=np.uint8)
+def pixel_patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """float `[B, L, 3]`: the mean colour of each patch (row-major) of normalised images `[B, 3, H, W]`."""
+    return F.avg_pool2d(images, patch_size).flatten(2).transpose(1, 2)
 
 
-class ResizedImages(torch.utils.data.Dataset):
-    """Image i as uint8 `[3, S, S]` (the whole image resized, bicubic) and its original (width, height)."""
+class EvalImages(torch.utils.data.Dataset):
+    """Image i as uint8 `[3, S, S]` (resized and centre-cropped) and its original (width, height)."""
 
     def __init__(self, refs: list[ImageRef], image_size: int) -> None:
         self.refs = refs
@@ -110,7 +138,7 @@ class ResizedImages(torch.utils.data.Dataset):
         im, _ = decode(data, self.policy)
         if im is None:
             return torch.zeros(3, self.size, self.size, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)
-        pixels = resize_whole(im, self.size)
+        pixels = resize_and_crop(im, self.size)
         return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), torch.tensor(im.size)
 
 
@@ -123,8 +151,9 @@ def _stat(path: str) -> tuple[int, int]:
 
 
 def cache_key(step: int, image_size: int, refs: list[ImageRef]) -> str:
-    """Digest of what the features depend on: checkpoint step, image size, each image's place and file stat."""
-    h = hashlib.sha256(f"step={step};size={image_size};n={len(refs)}\n".encode())
+    """Digest of what the features depend on: checkpoint step, image size and crop, each image's place and
+    file stat."""
+    h = hashlib.sha256(f"step={step};size={image_size};crop={CROP_FRACTION};n={len(refs)}\n".encode())
     stats: dict[str, tuple[int, int]] = {}
     for ref in refs:
         if ref.path not in stats:
@@ -137,11 +166,12 @@ def cache_key(step: int, image_size: int, refs: list[ImageRef]) -> str:
 
 @dataclass
 class Features:
-    pooled: np.ndarray  # float32 [n, D]: mean over patches of the layer-normed tokens
+    pooled: np.ndarray  # float32 [n, D]: mean over patches of the layer-normed tokens (pixels: every patch's colour)
     patches: np.ndarray | None  # float16 [n, L, D] (memory-mapped), when asked for
     sizes: np.ndarray  # int64 [n, 2]: original (width, height); (0, 0) where it could not be read or decoded
     step: int
     grid: tuple[int, int]
+    image_size: int
     directory: Path
 
     @property
@@ -154,7 +184,51 @@ def _load(directory: Path, with_patches: bool, step: int, grid: tuple[int, int])
     if not meta_path.exists() or (with_patches and not (directory / "patches.npy").exists()):
         return None
     patches = np.load(directory / "patches.npy", mmap_mode="r") if with_patches else None
-    return Features(np.load(directory / "pooled.npy"), patches, np.load(directory / "sizes.npy"), step, grid, directory)
+    size = int(json.loads(meta_path.read_text())["image_size"])
+    return Features(
+        np.load(directory / "pooled.npy"), patches, np.load(directory / "sizes.npy"), step, grid, size, directory
+    )
+
+
+def set_directory(name: str, seed: int) -> str:
+    """The cache folder of feature set `name` (the baseline's depends on its seed)."""
+    return f"baseline-seed{seed}" if name == "baseline" else name
+
+
+class _SetWriter:
+    """Fills one feature set's arrays batch by batch in a temporary directory, then publishes it."""
+
+    def __init__(self, final: Path, n: int, dim: int, patch_dim: int, length: int, with_patches: bool) -> None:
+        self.final = final
+        self.tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.pooled = np.zeros((n, dim), dtype=np.float32)
+        self.patches = (
+            np.lib.format.open_memmap(self.tmp / "patches.npy", "w+", np.float16, (n, length, patch_dim))
+            if with_patches
+            else None
+        )
+
+    def add(self, rows: slice, pooled: torch.Tensor, patches: torch.Tensor) -> None:
+        self.pooled[rows] = pooled.float().cpu().numpy()
+        if self.patches is not None:
+            self.patches[rows] = patches.to(torch.float16).cpu().numpy()
+
+    def publish(self, sizes: np.ndarray, meta: dict[str, Any]) -> None:
+        if self.patches is not None:
+            self.patches.flush()
+            self.patches = None
+        np.save(self.tmp / "pooled.npy", self.pooled)
+        np.save(self.tmp / "sizes.npy", sizes)
+        (self.tmp / "meta.json").write_text(json.dumps({**meta, "width": self.pooled.shape[1]}, indent=1) + "\n")
+        with_patches = (self.tmp / "patches.npy").exists()
+        if (self.final / "meta.json").exists() and (not with_patches or (self.final / "patches.npy").exists()):
+            shutil.rmtree(self.tmp)  # another process finished the same extraction first
+            return
+        if self.final.exists():  # a pooled-only extraction, superseded by this one with patches
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
 
 
 def extract_features(
@@ -165,70 +239,87 @@ def extract_features(
     batch_size: int = 64,
     workers: int = 2,
     progress: bool = True,
-) -> Features:
-    """Target-encoder features of `refs`, from the cache when it has them, else extracted and cached."""
+    seed: int = 0,
+) -> dict[str, Features]:
+    """The `FEATURE_SETS` of `refs` (the run's target encoder, the seeded random baseline, pixels), from the
+    cache when it has them, else extracted in one pass over the images and cached."""
     trained = load_run(run)
     cfg, grid = trained.config, trained.grid
     directory = Path(run) / FEATURES_DIR / cache_key(trained.step, cfg.image_size, refs)
-    cached = _load(directory, with_patches, trained.step, grid)
-    if cached is not None:
-        return cached
+    folders = {name: directory / set_directory(name, seed) for name in FEATURE_SETS}
+    found = {name: _load(folder, with_patches, trained.step, grid) for name, folder in folders.items()}
+    missing = [name for name, features in found.items() if features is None]
+    if missing:
+        _extract(
+            trained,
+            refs,
+            {name: folders[name] for name in missing},
+            with_patches,
+            device,
+            batch_size,
+            workers,
+            progress,
+            seed,
+            str(run),
+        )
+    out = {name: found[name] or _load(folders[name], with_patches, trained.step, grid) for name in FEATURE_SETS}
+    assert all(f is not None for f in out.values())
+    return out  # type: ignore[return-value]
 
+
+def _extract(
+    trained: TrainedRun,
+    refs: list[ImageRef],
+    folders: dict[str, Path],
+    with_patches: bool,
+    device: str,
+    batch_size: int,
+    workers: int,
+    progress: bool,
+    seed: int,
+    run: str,
+) -> None:
+    """One pass over `refs` computing the feature sets named in `folders`, each published to its folder."""
+    cfg, grid = trained.config, trained.grid
     dev = resolve_device(device)
-    encoder = target_encoder(trained).to(dev)
-    n, dim = len(refs), encoder.width
-    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    pooled = np.zeros((n, dim), dtype=np.float32)
+    encoders = {"encoder": lambda: run_encoder(trained), "baseline": lambda: random_encoder(trained, seed)}
+    models = {name: encoders[name]().to(dev) for name in folders if name in encoders}
+    n, length, width = len(refs), grid[0] * grid[1], cfg.width or VIT_SIZES[cfg.model].width
+    dims = {"encoder": (width, width), "baseline": (width, width), "pixels": (3 * length, 3)}  # (pooled, per patch)
+    writers = {name: _SetWriter(folder, n, *dims[name], length, with_patches) for name, folder in folders.items()}
     sizes = np.zeros((n, 2), dtype=np.int64)
-    patches = (
-        np.lib.format.open_memmap(tmp / "patches.npy", "w+", np.float16, (n, encoder.num_patches, dim))
-        if with_patches
-        else None
-    )
     loader = torch.utils.data.DataLoader(
-        ResizedImages(refs, cfg.image_size), batch_size=batch_size, num_workers=workers, pin_memory=dev.type == "cuda"
+        EvalImages(refs, cfg.image_size), batch_size=batch_size, num_workers=workers, pin_memory=dev.type == "cuda"
     )
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     done = 0
     with (
         torch.no_grad(),
-        autocast,
         tqdm(total=n, desc="features", unit="img", disable=not progress, file=sys.stderr) as bar,
     ):
         for images, original in loader:
-            tokens = encoder(normalise(images.to(dev, non_blocking=True))).float()
+            x = normalise(images.to(dev, non_blocking=True))
             rows = slice(done, done + len(images))
-            pooled[rows] = tokens.mean(dim=1).cpu().numpy()
             sizes[rows] = original.numpy()
-            if patches is not None:
-                patches[rows] = tokens.to(torch.float16).cpu().numpy()
+            for name, writer in writers.items():
+                if name == "pixels":
+                    colours = pixel_patches(x, cfg.patch_size)
+                    writer.add(rows, colours.flatten(1), colours)
+                else:
+                    with autocast:
+                        tokens = models[name](x).float()
+                    writer.add(rows, tokens.mean(dim=1), tokens)
             done += len(images)
             bar.update(len(images))
-    if patches is not None:
-        patches.flush()
-        del patches
-    np.save(tmp / "pooled.npy", pooled)
-    np.save(tmp / "sizes.npy", sizes)
-    meta: dict[str, Any] = {
-        "run": str(run),
+    meta = {
+        "run": run,
         "step": trained.step,
         "images": n,
         "decoded": int((sizes[:, 0] > 0).sum()),
         "image_size": cfg.image_size,
+        "crop_fraction": CROP_FRACTION,
         "grid": list(grid),
-        "width": dim,
         "patches": with_patches,
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    finished = _load(directory, with_patches, trained.step, grid)
-    if finished is not None:  # another process finished the same extraction first
-        shutil.rmtree(tmp)
-        return finished
-    if directory.exists():  # a pooled-only extraction, superseded by this one with patches
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
-    features = _load(directory, with_patches, trained.step, grid)
-    assert features is not None
-    return features
+    for name, writer in writers.items():
+        writer.publish(sizes, {**meta, "set": name, **({"seed": seed} if name == "baseline" else {})})

@@ -9,8 +9,11 @@ and `"split": "train" | "val" | "test"` to use a dataset's own split instead of 
 random one (then every line must have it).
 
 Per-patch labels follow the run's patch grid: each patch takes the class of the
-cell under its centre, after the whole image is resized to the run's size (which
-is how features are extracted).
+cell under its centre, after the image is resized and centre-cropped as features
+are extracted (evaluation/preprocess.py).
+
+Class folders (`--train DIR/train --val DIR/val`, the ImageNet layout
+`<split>/<class>/<image>`) give labels without a file: the class is the folder name.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.preprocess import centre_crop
 from pipeline.core.errors import UserError
-from pipeline.core.sources import ImageRef
+from pipeline.core.sources import ImageRef, list_images
 
 
 @dataclass
@@ -34,7 +38,7 @@ class Labels:
     cells: list[np.ndarray | None]  # per labelled image: int [rows, cols] cell classes, or None
     cell_size: list[int]  # per labelled image: cell side in original pixels (0 without cells)
     split: list[str] | None  # per labelled image: "train" | "val" | "test", when the file gives splits
-    unmatched: int  # label lines whose image is not among the images given
+    unmatched: int  # label lines whose image is not among the images given (folders: images without a class)
 
     @property
     def has_cells(self) -> bool:
@@ -125,15 +129,19 @@ def _cells(row: dict, path: Path, number: int) -> tuple[np.ndarray | None, int]:
     return grid, size
 
 
-def patch_labels(cells: np.ndarray, cell_size: int, original: tuple[int, int], grid: tuple[int, int]) -> np.ndarray:
+def patch_labels(
+    cells: np.ndarray, cell_size: int, original: tuple[int, int], image_size: int, grid: tuple[int, int]
+) -> np.ndarray:
     """int `[gh * gw]` class of the cell under each patch centre (row-major); -1 outside the map.
 
-    `original` is the image's (width, height) in pixels, `grid` the run's patch grid (rows, cols).
+    `original` is the image's (width, height) in pixels; the run's `grid` (rows, cols) of patches tiles the
+    `image_size` evaluation crop (`centre_crop`), which is mapped back to the original pixels.
     """
     width, height = original
     gh, gw = grid
-    ys = (np.arange(gh) + 0.5) * height / gh
-    xs = (np.arange(gw) + 0.5) * width / gw
+    crop = centre_crop(original, image_size)
+    ys = (crop.top + (np.arange(gh) + 0.5) * image_size / gh) * height / crop.height
+    xs = (crop.left + (np.arange(gw) + 0.5) * image_size / gw) * width / crop.width
     rows = np.floor(ys / cell_size).astype(np.int64)
     cols = np.floor(xs / cell_size).astype(np.int64)
     out = np.full((gh, gw), -1, dtype=np.int64)
@@ -141,3 +149,53 @@ def patch_labels(cells: np.ndarray, cell_size: int, original: tuple[int, int], g
     inside_c = cols < cells.shape[1]
     out[np.ix_(inside_r, inside_c)] = cells[np.ix_(rows[inside_r], cols[inside_c])]
     return out.reshape(-1)
+
+
+def _folder_class(ref: ImageRef) -> str | None:
+    """The class folder an image of a `<split>/<class>/...` tree sits in, or None for one at the top."""
+    head, sep, _ = ref.source_id.split("::")[0].partition("/")  # a tar member's path inside the shard is not a folder
+    return head if sep else None
+
+
+def folder_labels(train: Path, val: Path) -> tuple[list[ImageRef], Labels]:
+    """The images of two ImageNet-layout folders (`<split>/<class>/<image>`) and their labels: the class is the
+    folder name; `train`'s images form the train split, `val`'s the test split (validation is carved out of
+    train). Images outside a class folder, and `val` images of a class `train` lacks, are counted, not used."""
+    refs: list[ImageRef] = []
+    parts: list[list[ImageRef]] = []
+    for option, folder in (("--train", train), ("--val", val)):
+        if not Path(folder).is_dir():
+            raise UserError(
+                f"{option} {folder}: not a folder (expected the ImageNet layout {option[2:]}/<class>/<image>)"
+            )
+        listed = list_images([Path(folder)])
+        if not any(_folder_class(r) for r in listed):
+            raise UserError(f"{option} {folder}: no image sits in a class folder (expected {folder}/<class>/<image>)")
+        parts.append(listed)
+    classes = sorted({c for r in parts[0] if (c := _folder_class(r)) is not None})
+    ids = {c: k for k, c in enumerate(classes)}
+    index: list[int] = []
+    label: list[int] = []
+    split: list[str] = []
+    unmatched = 0
+    for listed, name in zip(parts, ("train", "test")):
+        for ref in listed:
+            cls = _folder_class(ref)
+            if cls not in ids:
+                unmatched += 1
+                continue
+            index.append(len(refs))
+            refs.append(ref)
+            label.append(ids[cls])
+            split.append(name)
+    if "test" not in split:
+        raise UserError(f"--val {val}: none of its class folders is among --train's ({len(classes)} classes)")
+    return refs, Labels(
+        np.arange(len(refs), dtype=np.int64),
+        classes,
+        np.array(label, dtype=np.int64),
+        [None] * len(refs),
+        [0] * len(refs),
+        split,
+        unmatched,
+    )

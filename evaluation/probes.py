@@ -1,12 +1,16 @@
 """Frozen-feature probes: linear, k-NN, dense (per patch) and attentive.
 
-Every probe picks its one hyper-parameter on a validation split, then scores the
-held-out test split once. Linear and dense probes are scikit-learn's multinomial
-logistic regression on standardised features, refitted on train + validation
-with the chosen regularisation; the k-NN probe votes among the k nearest training
-images by cosine similarity; the attentive probe (one learnable query
-cross-attending to the patch tokens, then an MLP and a linear head) is trained
-with AdamW, and the learning rate with the best validation accuracy is kept.
+Every probe picks its hyper-parameters on a validation split (a held-out part of the training images), then
+scores the test split once (with class folders: `--val`).
+
+- linear: a linear layer on standardised pooled features, trained with SGD (momentum 0.9, cosine schedule,
+  cross-entropy) on the device; every learning rate × weight decay of the sweep is trained side by side, the
+  pair with the best validation accuracy (then lowest validation loss) is refitted on train + validation.
+- k-NN: DINO's weighted vote: the k = 20 nearest train + validation images by cosine similarity each vote for
+  their class with weight exp(cos / T), T = 0.07.
+- dense: the linear probe per patch on patch features (mIoU and patch accuracy).
+- attentive: one learnable query cross-attending to the patch tokens, then an MLP and a linear head, trained
+  with AdamW; the learning rate with the best validation accuracy is kept.
 """
 
 from __future__ import annotations
@@ -20,16 +24,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from evaluation.protocol import (
+    ATTENTIVE_BATCH,
+    ATTENTIVE_EPOCHS,
+    ATTENTIVE_LRS,
+    ATTENTIVE_MIN_STEPS,
+    DENSE_MAX_PATCHES,
+    KNN_K,
+    KNN_T,
+    LINEAR_BATCH,
+    LINEAR_EPOCHS,
+    LINEAR_LRS,
+    LINEAR_MIN_STEPS,
+    LINEAR_WDS,
+)
 from train.vit import LN_EPS, MLP
 
-LINEAR_C = (0.001, 0.01, 0.1, 1.0, 10.0)
-KNN_K = 20
-DENSE_MAX_PATCHES = 100_000
-ATTENTIVE_LRS = (1e-3, 3e-3, 1e-2)
-ATTENTIVE_EPOCHS = 40
-ATTENTIVE_MIN_STEPS = 300
-ATTENTIVE_BATCH = 128
 _SPLIT_STREAM = 7
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -59,8 +71,8 @@ class ProbeResult:
     probe: str
     metrics: dict[str, float]  # on the test split
     split: dict[str, int]
-    chosen: dict[str, Any] = field(default_factory=dict)  # the hyper-parameter picked on validation
-    validation: dict[str, float] = field(default_factory=dict)  # validation score of each candidate
+    chosen: dict[str, Any] = field(default_factory=dict)  # the hyper-parameters picked on validation
+    validation: dict[str, float] = field(default_factory=dict)  # validation accuracy of each candidate
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,51 +84,147 @@ class ProbeResult:
         }
 
 
-def _logistic(c: float, seed: int) -> Any:
-    """A scikit-learn pipeline: standardise, then logistic regression with inverse regularisation `c`."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    return make_pipeline(StandardScaler(), LogisticRegression(C=c, max_iter=2000, random_state=seed))
+def _cosine(steps: int) -> Any:
+    return lambda s: 0.5 * (1 + math.cos(math.pi * s / steps))
 
 
-def _fit_logistic(
-    x_train: np.ndarray,
-    y_train: np.ndarray,
-    x_val: np.ndarray,
-    y_val: np.ndarray,
-    x_all: np.ndarray,
-    y_all: np.ndarray,
-    seed: int,
-) -> tuple[Any, float, dict[str, float]]:
-    """Sweep C on validation, refit on train + validation with the best; returns (model, best C, sweep)."""
-    sweep = {}
-    for c in LINEAR_C:
-        sweep[f"C={c:g}"] = float(_logistic(c, seed).fit(x_train, y_train).score(x_val, y_val))
-    best = LINEAR_C[int(np.argmax(list(sweep.values())))]
-    return _logistic(best, seed).fit(x_all, y_all), best, sweep
+def _linear_steps(n: int) -> int:
+    return max(LINEAR_MIN_STEPS, LINEAR_EPOCHS * math.ceil(n / LINEAR_BATCH))
 
 
-def linear_probe(x: np.ndarray, y: np.ndarray, split: Split, seed: int) -> ProbeResult:
-    """Multinomial logistic regression on pooled features; test top-1 accuracy."""
-    trainval = np.concatenate([split.train, split.val])
-    model, best, sweep = _fit_logistic(
-        x[split.train], y[split.train], x[split.val], y[split.val], x[trainval], y[trainval], seed
-    )
-    return ProbeResult(
-        "linear", {"top1": float(model.score(x[split.test], y[split.test]))}, split.sizes(), {"C": best}, sweep
-    )
+class LinearHeads(nn.Module):
+    """One linear classifier per (learning rate, weight decay) candidate on standardised features, trained side
+    by side on the same batches; `forward` gives logits `[n, heads, classes]`."""
+
+    def __init__(self, x: torch.Tensor, classes: int, candidates: list[tuple[float, float]]) -> None:
+        super().__init__()
+        self.mean = x.mean(0)
+        self.std = x.std(0, correction=0).clamp_min(1e-6)
+        self.classes = classes
+        # zero start: the fit is convex, and no seed is needed
+        self.weights = nn.ParameterList(torch.zeros(classes, x.shape[1], device=x.device) for _ in candidates)
+        self.biases = nn.ParameterList(torch.zeros(classes, device=x.device) for _ in candidates)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear((x - self.mean) / self.std, torch.cat(list(self.weights)), torch.cat(list(self.biases)))
+        return logits.view(len(x), len(self.weights), self.classes)
 
 
-def knn_probe(x: np.ndarray, y: np.ndarray, split: Split, k: int = KNN_K) -> ProbeResult:
-    """Majority vote of the k nearest train + validation images by cosine similarity; test top-1 accuracy."""
-    from sklearn.neighbors import KNeighborsClassifier
+def fit_linear(
+    x: torch.Tensor, y: torch.Tensor, classes: int, candidates: list[tuple[float, float]], seed: int
+) -> LinearHeads:
+    """Train one linear head per (lr, weight decay) on (`x`, `y`) (on their device): SGD with momentum 0.9 and
+    a cosine schedule, `LINEAR_EPOCHS` passes in batches of `LINEAR_BATCH` (at least `LINEAR_MIN_STEPS` steps);
+    weight decay is the L2 penalty of the weights (not the biases)."""
+    model = LinearHeads(x, classes, candidates)
+    groups = []
+    for weight, bias, (lr, wd) in zip(model.weights, model.biases, candidates):
+        groups += [{"params": [weight], "lr": lr, "weight_decay": wd}, {"params": [bias], "lr": lr}]
+    opt = torch.optim.SGD(groups, momentum=0.9)
+    steps = _linear_steps(len(x))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps))
+    gen = torch.Generator().manual_seed(seed)
+    batch = min(LINEAR_BATCH, len(x))
+    order = torch.zeros(0, dtype=torch.int64)
+    for _ in range(steps):
+        if len(order) < batch:
+            order = torch.cat([order, torch.randperm(len(x), generator=gen)])
+        rows, order = order[:batch].to(x.device), order[batch:]
+        logits = model(x[rows]).flatten(0, 1)  # [batch * heads, classes]
+        # the mean over heads of each head's cross-entropy, times the number of heads: each head gets its own gradient
+        loss = F.cross_entropy(logits, y[rows].repeat_interleave(len(candidates))) * len(candidates)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model.requires_grad_(False)
 
+
+def _scores(model: LinearHeads, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accuracy, mean cross-entropy) of each head on (`x`, `y`), in chunks."""
+    correct = torch.zeros(len(model.weights), device=x.device)
+    loss = torch.zeros(len(model.weights), device=x.device)
+    with torch.no_grad():
+        for lo in range(0, len(x), 8192):
+            logits = model(x[lo : lo + 8192])
+            target = y[lo : lo + 8192, None].expand(-1, len(model.weights))
+            correct += (logits.argmax(-1) == target).sum(0)
+            loss += F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view_as(target).sum(0)
+    return (correct / len(x)).cpu(), (loss / len(x)).nan_to_num(nan=math.inf).cpu()
+
+
+def predict_linear(model: LinearHeads, x: torch.Tensor, head: int = 0) -> torch.Tensor:
+    """Class scores `[n, classes]` of one head."""
+    with torch.no_grad():
+        return torch.cat([model(x[lo : lo + 8192])[:, head] for lo in range(0, len(x), 8192)])
+
+
+def sweep_linear(
+    x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, classes: int, seed: int
+) -> tuple[tuple[float, float], dict[str, float]]:
+    """The (lr, weight decay) of `LINEAR_LRS` × `LINEAR_WDS` with the best validation accuracy (ties: the lowest
+    validation loss), and every candidate's validation accuracy."""
+    candidates = [(lr, wd) for lr in LINEAR_LRS for wd in LINEAR_WDS]
+    accuracy, loss = _scores(fit_linear(x_train, y_train, classes, candidates, seed), x_val, y_val)
+    best = max(range(len(candidates)), key=lambda i: (float(accuracy[i]), -float(loss[i])))
+    return candidates[best], {f"lr={lr:g},wd={wd:g}": float(a) for (lr, wd), a in zip(candidates, accuracy)}
+
+
+def _top(scores: torch.Tensor, y: torch.Tensor, classes: int) -> dict[str, float]:
+    """Top-1 accuracy, and top-5 when there are more than 5 classes."""
+    ranked = scores.topk(min(5, classes), dim=1).indices
+    hit = ranked == y[:, None]
+    out = {"top1": float(hit[:, 0].float().mean())}
+    if classes > 5:
+        out["top5"] = float(hit.any(1).float().mean())
+    return out
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def _classes(y: np.ndarray) -> int:
+    return int(y.max()) + 1
+
+
+def linear_probe(x: np.ndarray, y: np.ndarray, split: Split, seed: int, device: torch.device = _CPU) -> ProbeResult:
+    """The linear probe on pooled features `x` `[n, D]`: sweep on validation, refit on train + validation,
+    test top-1 (and top-5)."""
+    classes = _classes(y)
+    xs, ys = _tensor(np.asarray(x, dtype=np.float32), device), _tensor(y.astype(np.int64), device)
+    train, val, test = (_tensor(rows, device) for rows in (split.train, split.val, split.test))
+    (lr, wd), sweep = sweep_linear(xs[train], ys[train], xs[val], ys[val], classes, seed)
+    trainval = torch.cat([train, val])
+    model = fit_linear(xs[trainval], ys[trainval], classes, [(lr, wd)], seed)
+    metrics = _top(predict_linear(model, xs[test]), ys[test], classes)
+    return ProbeResult("linear", metrics, split.sizes(), {"lr": lr, "weight_decay": wd}, sweep)
+
+
+def knn_scores(
+    bank: torch.Tensor, bank_labels: torch.Tensor, queries: torch.Tensor, classes: int, k: int, t: float
+) -> torch.Tensor:
+    """`[q, classes]` DINO's weighted k-NN votes: with L2-normalised features, each of a query's k most similar
+    bank rows adds exp(cosine / t) to its class."""
+    bank = F.normalize(bank, dim=1)
+    out = torch.zeros(len(queries), classes, device=queries.device)
+    for lo in range(0, len(queries), 256):  # a chunk's similarities to ImageNet's 1.28 M images: 1.3 GB
+        sims, idx = (F.normalize(queries[lo : lo + 256], dim=1) @ bank.T).topk(k, dim=1)
+        out[lo : lo + 256].scatter_add_(1, bank_labels[idx], (sims / t).exp())
+    return out
+
+
+def knn_probe(
+    x: np.ndarray, y: np.ndarray, split: Split, k: int = KNN_K, t: float = KNN_T, device: torch.device = _CPU
+) -> ProbeResult:
+    """DINO's weighted k-NN on pooled features over the train + validation images; test top-1 (and top-5)."""
     bank = np.concatenate([split.train, split.val])
     k = min(k, len(bank))
-    model = KNeighborsClassifier(n_neighbors=k, metric="cosine", algorithm="brute").fit(x[bank], y[bank])
-    return ProbeResult("knn", {"top1": float(model.score(x[split.test], y[split.test]))}, split.sizes(), {"k": k})
+    classes = _classes(y)
+    xs, ys = _tensor(np.asarray(x, dtype=np.float32), device), _tensor(y.astype(np.int64), device)
+    rows, test = _tensor(bank, device), _tensor(split.test, device)
+    scores = knn_scores(xs[rows], ys[rows], xs[test], classes, k, t)
+    return ProbeResult("knn", _top(scores, ys[test], classes), split.sizes(), {"k": k, "T": t})
 
 
 def mean_iou(pred: np.ndarray, truth: np.ndarray, classes: int) -> float:
@@ -141,22 +249,31 @@ def _patch_rows(
 
 
 def dense_probe(
-    patches: np.ndarray, labels: np.ndarray, split: Split, seed: int, max_patches: int = DENSE_MAX_PATCHES
+    patches: np.ndarray,
+    labels: np.ndarray,
+    split: Split,
+    seed: int,
+    device: torch.device = _CPU,
+    max_patches: int = DENSE_MAX_PATCHES,
 ) -> ProbeResult:
-    """Per-patch logistic regression (`patches` `[m, L, D]`, `labels` `[m, L]`, -1 = unlabelled): accuracy and mIoU."""
+    """The linear probe per patch (`patches` `[m, L, D]`, `labels` `[m, L]`, -1 = unlabelled): sweep on the
+    validation images' patches, refit on train + validation; test patch accuracy and mIoU."""
     rng = np.random.default_rng([seed, _SPLIT_STREAM, 1])
     x_train, y_train = _patch_rows(patches, labels, split.train, max_patches, rng)
     x_val, y_val = _patch_rows(patches, labels, split.val, max_patches, rng)
-    x_all, y_all = np.concatenate([x_train, x_val]), np.concatenate([y_train, y_val])
     if len(np.unique(y_train)) < 2:
         raise ValueError("the dense probe needs at least two patch classes among the training images")
-    model, best, sweep = _fit_logistic(x_train, y_train, x_val, y_val, x_all, y_all, seed)
+    if len(y_val) == 0:
+        raise ValueError("the dense probe needs labelled patches among the validation images")
+    classes = _classes(labels)
+    xt, yt, xv, yv = (_tensor(a, device) for a in (x_train, y_train, x_val, y_val))
+    (lr, wd), sweep = sweep_linear(xt, yt, xv, yv, classes, seed)
+    model = fit_linear(torch.cat([xt, xv]), torch.cat([yt, yv]), classes, [(lr, wd)], seed)
     x_test, y_test = _patch_rows(patches, labels, split.test, None, rng)
-    pred = model.predict(x_test)
-    classes = int(max(labels.max(), pred.max())) + 1
+    pred = predict_linear(model, _tensor(x_test, device)).argmax(1).cpu().numpy()
     metrics = {"patch_accuracy": float((pred == y_test).mean()), "miou": mean_iou(pred, y_test, classes)}
     sizes = {**split.sizes(), "train_patches": len(y_train), "val_patches": len(y_val), "test_patches": len(y_test)}
-    return ProbeResult("dense", metrics, sizes, {"C": best}, sweep)
+    return ProbeResult("dense", metrics, sizes, {"lr": lr, "weight_decay": wd}, sweep)
 
 
 class AttentiveProbe(nn.Module):
@@ -214,7 +331,7 @@ def _train_attentive(
         model = AttentiveProbe(patches.shape[-1], _heads(patches.shape[-1]), classes).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
     steps = max(ATTENTIVE_MIN_STEPS, epochs * math.ceil(len(rows) / ATTENTIVE_BATCH))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps))
     targets = torch.from_numpy(y)
     model.train()
     order: np.ndarray = np.zeros(0, dtype=np.int64)

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evaluation.features import load_run, resize_whole
+from evaluation.features import load_run
+from evaluation.preprocess import resize_whole
 from pipeline.core.errors import UserError
 from pipeline.core.images import decode
 from train.config import TrainConfig

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
+from evaluation.protocol import HELP as EVAL_PROTOCOL
 from pipeline.core.errors import DataProblem, UserError, os_error_line
 
 app = typer.Typer(
@@ -595,22 +596,40 @@ def train(
         typer.echo(json.dumps({"run": str(out), **last[-1]}))
 
 
-@app.command("eval")
+@app.command(
+    "eval",
+    help=f"Probe a run's frozen features (linear, k-NN, dense per-patch, attentive) and their floors. {EVAL_PROTOCOL}",
+    short_help="Probe a run's frozen features (linear, k-NN, dense, attentive) beside a random encoder's and pixels'.",
+)
 def eval_(
     run: Annotated[
         Path, typer.Argument(help="Run directory of `tcjepa train` (its checkpoint's EMA target encoder is probed).")
     ],
     images: Annotated[
-        list[Path],
-        typer.Argument(help="Image sources holding the labelled images (folders, tar shards, Parquet, HF datasets)."),
-    ],
+        list[Path] | None,
+        typer.Argument(
+            help="Image sources holding the labelled images (folders, tar shards, Parquet, HF datasets), with "
+            "--labels; not needed with --train/--val."
+        ),
+    ] = None,
     labels: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             help='JSONL lines {"image": ..., "label": ...}; optional "cells" + "cell_size" (dense probe) and "split" '
             "(train/val/test)."
         ),
-    ],
+    ] = None,
+    train: Annotated[
+        Path | None,
+        typer.Option(
+            help="Class folders of the training images, ImageNet layout (DIR/train/<class>/<image>; class = folder "
+            "name); with --val, replaces IMAGES and --labels."
+        ),
+    ] = None,
+    val: Annotated[
+        Path | None,
+        typer.Option(help="Class folders of the images the probes are scored on (DIR/val/<class>/<image>)."),
+    ] = None,
     probe: Annotated[
         list[str] | None,
         typer.Option(help="linear, knn, dense or attentive (repeatable). Default: all that the labels allow."),
@@ -623,21 +642,23 @@ def eval_(
         float, typer.Option(help="Share of labelled images held out for test (without a split in the labels).")
     ] = 0.2,
     val_fraction: Annotated[
-        float, typer.Option(help="Share of the rest used to pick each probe's hyper-parameter.")
+        float,
+        typer.Option(
+            help="Share of the training images held out to pick each probe's hyper-parameters (with --train too)."
+        ),
     ] = 0.2,
-    seed: Annotated[int, typer.Option(help="Seed of the split and of the probes.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the split, the probes and the random baseline encoder.")] = 0,
     device: Annotated[
-        str, typer.Option(help="auto, cpu, cuda or cuda:N, for feature extraction and the attentive probe.")
+        str, typer.Option(help="auto, cpu, cuda or cuda:N, for feature extraction and every probe.")
     ] = "auto",
     batch_size: Annotated[int, typer.Option(help="Images per feature-extraction batch.")] = 64,
     workers: Annotated[int, typer.Option(help="Image-decoding worker processes.")] = 2,
     report: Annotated[
-        Path | None, typer.Option(help="Where to write the JSON report (default RUN/eval/<labels name>.json).")
+        Path | None,
+        typer.Option(help="Where to write the JSON report (default RUN/eval/<labels name, or DIR's name>.json)."),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar while extracting features.")] = True,
 ) -> None:
-    """Probe a run's frozen features: linear, k-NN, dense per-patch and attentive; features are cached in
-    RUN/features."""
     from evaluation.evaluate import PROBES, EvalConfig, evaluate, one_line
 
     probes = tuple(probe) if probe else None
@@ -645,6 +666,8 @@ def eval_(
         run=run,
         images=images,
         labels=labels,
+        train=train,
+        val=val,
         image_root=image_root,
         test_fraction=test_fraction,
         val_fraction=val_fraction,
@@ -665,12 +688,23 @@ def eval_(
 def export(
     run: Annotated[Path, typer.Argument(help="Run directory of `tcjepa train`.")],
     out: Annotated[Path, typer.Option(help="Directory for model.safetensors and config.json.")],
+    format: Annotated[
+        str,
+        typer.Option(
+            help="timm: timm's names and config.json (architecture, model_args, pretrained_cfg); hf: a folder "
+            "transformers.IJepaModel.from_pretrained loads."
+        ),
+    ] = "timm",
+    encoder: Annotated[
+        str, typer.Option(help="target (the EMA target encoder, which eval probes) or context.")
+    ] = "target",
 ) -> None:
-    """Export the run's target encoder as safetensors with timm names (class-token-free, average-pooled ViT)."""
+    """Export the run's encoder as safetensors for timm (class-token-free, average-pooled ViT) or Hugging Face
+    transformers (IJepaModel); files are world-readable."""
     from evaluation.export import export_run
 
-    config = export_run(run, out)
-    typer.echo(json.dumps({"out": str(out), "step": config["step"], "timm": config["timm"]}))
+    config = export_run(run, out, fmt=format, encoder=encoder)
+    typer.echo(json.dumps({"out": str(out), "format": format, "weights": config["weights"], "step": config["step"]}))
 
 
 @app.command()

@@ -11,9 +11,20 @@ import pytest
 import torch
 
 from evaluation.export import load_exported
-from evaluation.features import extract_features, load_trained_encoder
+from evaluation.features import extract_features, load_run, load_trained_encoder, pixel_patches, random_encoder
 from evaluation.labels import patch_labels, read_labels
-from evaluation.probes import attentive_probe, dense_probe, knn_probe, linear_probe, mean_iou, random_split
+from evaluation.preprocess import CentreCrop, centre_crop, resize_and_crop
+from evaluation.probes import (
+    Split,
+    attentive_probe,
+    dense_probe,
+    knn_probe,
+    knn_scores,
+    linear_probe,
+    mean_iou,
+    random_split,
+)
+from evaluation.protocol import LINEAR_LRS, LINEAR_WDS
 from pipeline.core.sources import list_images
 from tests.conftest import tcjepa
 
@@ -48,7 +59,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cross_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store) -> Path:
     run = tmp_path_factory.mktemp("eval") / "cross"
     tcjepa("train", synth_dir / "images", "--cache", annotated_cache, "--store", annotated_store, "--out", run, *TINY)
@@ -85,11 +96,34 @@ def test_linear_and_knn_probes_read_separable_classes_and_not_random_labels():
     assert knn_probe(x, noise, split).metrics["top1"] < 0.45
 
 
-def test_linear_probe_picks_c_on_validation_and_reports_the_sweep():
-    x, y = _clusters(200, 3, 8, 2.0, seed=3)
-    result = linear_probe(x, y, random_split(len(y), 0.25, 0.25, seed=0), seed=0)
-    assert set(result.validation) == {"C=0.001", "C=0.01", "C=0.1", "C=1", "C=10"}
-    assert result.validation[f"C={result.chosen['C']:g}"] == max(result.validation.values())
+def test_linear_probe_sweep_picks_by_held_out_accuracy():
+    """Few images, 3 weakly informative dimensions among 64: the candidates' held-out accuracies differ."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(3, size=120)
+    x = rng.normal(size=(120, 64)).astype(np.float32)
+    x[:, :3] += np.eye(3)[y]
+    result = linear_probe(x, y, random_split(len(y), 0.25, 0.3, seed=0), seed=0)
+    assert set(result.validation) == {f"lr={lr:g},wd={wd:g}" for lr in LINEAR_LRS for wd in LINEAR_WDS}
+    assert len(set(result.validation.values())) > 1, "every candidate scored the same: the test shows nothing"
+    chosen = f"lr={result.chosen['lr']:g},wd={result.chosen['weight_decay']:g}"
+    assert result.validation[chosen] == max(result.validation.values())
+
+
+def test_knn_votes_are_weighted_by_exp_cosine_over_t_as_dino_does():
+    """Query (1, 0); bank: one class-0 row at cos 1, two class-1 rows at cos 0.8, one class-0 row at cos -1.
+
+    With k = 3 the far row is not a neighbour. A majority vote would say class 1; DINO's weights say class 0:
+    exp(1 / 0.07) = 1.6e6 against 2 exp(0.8 / 0.07) = 1.8e5."""
+    bank = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.8, -0.6], [-2.0, 0.0]])
+    labels = torch.tensor([0, 1, 1, 0])
+    scores = knn_scores(bank, labels, torch.tensor([[3.0, 0.0]]), classes=2, k=3, t=0.07)
+    expected = torch.tensor([[np.exp(1 / 0.07), 2 * np.exp(0.8 / 0.07)]], dtype=torch.float32)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=0)
+    x = np.concatenate([bank.numpy(), [[3.0, 0.0]]]).astype(np.float32)
+    y = np.array([0, 1, 1, 0, 0])
+    split = Split(np.array([0, 1, 2]), np.array([3]), np.array([4]))
+    assert knn_probe(x, y, split, k=3).metrics["top1"] == 1.0
+    assert knn_probe(x, y, split, k=3, t=1e6).metrics["top1"] == 0.0  # T → ∞: a plain majority vote, class 1
 
 
 def test_mean_iou_by_hand():
@@ -132,17 +166,33 @@ def test_attentive_probe_finds_the_one_token_that_matters():
 # --- labels ------------------------------------------------------------------------------
 
 
-def test_patch_labels_follow_the_patch_grid():
+def test_centre_crop_is_the_fields_resize_then_crop():
+    """224 from 256, and the rounding torchvision's Resize(int) + CenterCrop use, on a wide and a tall image."""
+    assert centre_crop((500, 375), 224) == CentreCrop(341, 256, 58, 16, 224)
+    assert centre_crop((375, 500), 224) == CentreCrop(256, 341, 16, 58, 224)
+    transforms = pytest.importorskip("torchvision.transforms")
+    from PIL import Image
+
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 255, (37, 90, 3), dtype=np.uint8))
+    theirs = transforms.Compose(
+        [transforms.Resize(73, interpolation=transforms.InterpolationMode.BICUBIC), transforms.CenterCrop(64)]
+    )(im)
+    np.testing.assert_array_equal(resize_and_crop(im, 64), np.asarray(theirs))
+
+
+def test_patch_labels_follow_the_patch_grid_of_the_centre_crop():
     cells = np.array([[1, 2], [3, 4]])  # 2×2 cells of 16 px: a 32 px image
-    assert patch_labels(cells, 16, (32, 32), (4, 4)).reshape(4, 4).tolist() == [
+    # 32 px at size 32: resized to 36, cropped at 2; patch centres 4, 12, 20, 28 land on 5.3, 12.4, 19.6, 26.7
+    assert patch_labels(cells, 16, (32, 32), 32, (4, 4)).reshape(4, 4).tolist() == [
         [1, 1, 2, 2],
         [1, 1, 2, 2],
         [3, 3, 4, 4],
         [3, 3, 4, 4],
     ]
-    assert patch_labels(cells, 16, (32, 32), (1, 1)).tolist() == [4]  # the centre pixel (16, 16) lies in the last cell
-    # A 64×32 image whose map covers only its left half: the right half is unlabelled.
-    assert patch_labels(cells, 16, (64, 32), (2, 4)).reshape(2, 4).tolist() == [[1, 2, -1, -1], [3, 4, -1, -1]]
+    assert patch_labels(cells, 16, (32, 32), 32, (1, 1)).tolist() == [4]  # the centre (16, 16) lies in the last cell
+    # A 64×32 image whose map covers only its left half: resized to 72×36 and cropped at x = 20, the crop's columns
+    # land on x = 21.3, 28.4, 35.6, 42.7 of the original: two in the right-hand cell, two off the map.
+    assert patch_labels(cells, 16, (64, 32), 32, (2, 4)).reshape(2, 4).tolist() == [[2, 2, -1, -1], [4, 4, -1, -1]]
 
 
 def test_labels_match_by_path_or_source_id_and_refuse_bad_lines(tmp_path, synth_dir):
@@ -174,60 +224,98 @@ def test_labels_match_by_path_or_source_id_and_refuse_bad_lines(tmp_path, synth_
 # --- the commands on a trained run -------------------------------------------------------
 
 
-def test_eval_reports_every_probe_and_caches_features(cross_run, synth_dir):
-    done = tcjepa(
-        "eval",
-        cross_run,
-        synth_dir / "images",
-        "--labels",
-        synth_dir / "labels.jsonl",
-        "--workers",
-        "0",
-        "--no-progress",
-    )
+def _eval(*args, timeout: float = 600) -> object:
+    return tcjepa("eval", *args, "--workers", "0", "--no-progress", timeout=timeout)
+
+
+@pytest.mark.slow
+def test_eval_reports_every_probe_with_its_floors_and_caches_features(cross_run, synth_dir):
+    # every probe on three feature sets: the attentive probe's 3 x 300 steps dominate on a busy CPU
+    done = _eval(cross_run, synth_dir / "images", "--labels", synth_dir / "labels.jsonl", timeout=2400)
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("step 4 | linear top1") and "dense patch_accuracy" in line and "attentive top1" in line
+    assert "(baseline " in line and ", pixels " in line
     report = json.loads((cross_run / "eval" / "labels.json").read_text())
     assert report["step"] == 4 and report["labelled"] == 40 and report["undecodable"] == 0
     assert sum(report["split"].values()) == 40 and report["split_source"] == "random"
-    assert set(report["probes"]) == {"linear", "knn", "dense", "attentive"}
-    for result in report["probes"].values():
-        assert all(0 <= v <= 1 for v in result["metrics"].values())
-    cached = sorted((cross_run / "features").iterdir())
-    assert len(cached) == 1 and (cached[0] / "patches.npy").exists()
-    stamp = (cached[0] / "pooled.npy").stat().st_mtime_ns
-    again = tcjepa(
-        "eval",
-        cross_run,
-        synth_dir / "images",
-        "--labels",
-        synth_dir / "labels.jsonl",
-        "--probe",
-        "linear",
-        "--workers",
-        "0",
-        "--no-progress",
-    )
-    assert (cached[0] / "pooled.npy").stat().st_mtime_ns == stamp, "features were extracted again"
+    assert report["protocol"]["knn"] == {"k": 20, "T": 0.07, "vote": "sum of exp(cos / T) over the k nearest"}
+    assert report["protocol"]["preprocessing"]["resize_shorter_side"] == 73
+    for part in (report, report["baseline"], report["pixels"]):
+        assert set(part["probes"]) == {"linear", "knn", "dense", "attentive"}
+        for result in part["probes"].values():
+            assert all(0 <= v <= 1 for v in result["metrics"].values())
+    (cached,) = sorted((cross_run / "features").iterdir())
+    assert sorted(p.name for p in cached.iterdir()) == ["baseline-seed0", "encoder", "pixels"]
+    assert all((cached / name / "patches.npy").exists() for name in ("baseline-seed0", "encoder", "pixels"))
+    stamp = (cached / "encoder" / "pooled.npy").stat().st_mtime_ns
+    again = _eval(cross_run, synth_dir / "images", "--labels", synth_dir / "labels.jsonl", "--probe", "linear")
+    assert (cached / "encoder" / "pooled.npy").stat().st_mtime_ns == stamp, "features were extracted again"
     assert again.stdout.strip().splitlines()[-1].split(" | ")[1] == line.split(" | ")[1]
 
 
-def test_cached_features_equal_the_target_encoder_on_the_resized_images(cross_run, synth_dir):
+def test_cached_features_are_the_encoder_the_random_baseline_and_patch_colours_of_the_crop(cross_run, synth_dir):
     from PIL import Image
 
     from train.data import normalise
 
     refs = list_images([synth_dir / "images"])[:6]
-    features = extract_features(cross_run, refs, with_patches=True, device="cpu", workers=0, progress=False)
-    encoder = load_trained_encoder(cross_run).encoder
-    pixels = np.stack(
-        [np.asarray(Image.open(r.path).convert("RGB").resize((64, 64), Image.Resampling.BICUBIC)) for r in refs]
-    )
+    sets = extract_features(cross_run, refs, with_patches=True, device="cpu", workers=0, progress=False, seed=5)
+    crops = np.stack([resize_and_crop(Image.open(r.path).convert("RGB"), 64) for r in refs])
+    x = normalise(torch.from_numpy(crops.transpose(0, 3, 1, 2).copy()))
     with torch.no_grad():
-        tokens = encoder(normalise(torch.from_numpy(pixels.transpose(0, 3, 1, 2).copy())))
-    np.testing.assert_allclose(features.pooled, tokens.mean(1).numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(features.patches, dtype=np.float32), tokens.numpy(), atol=2e-3, rtol=2e-3)
-    assert features.sizes.tolist() == [[64, 64]] * 6
+        tokens = {
+            "encoder": load_trained_encoder(cross_run).encoder(x),
+            "baseline": random_encoder(load_run(cross_run), seed=5)(x),
+            "pixels": pixel_patches(x, 8),
+        }
+    for name, expected in tokens.items():
+        pooled = expected.flatten(1) if name == "pixels" else expected.mean(1)
+        np.testing.assert_allclose(sets[name].pooled, pooled.numpy(), rtol=1e-5, atol=1e-5)
+        patches = np.asarray(sets[name].patches, dtype=np.float32)
+        np.testing.assert_allclose(patches, expected.numpy(), atol=2e-3, rtol=2e-3)
+        assert sets[name].sizes.tolist() == [[64, 64]] * 6
+    assert tokens["pixels"].shape == (6, 64, 3)
+    assert not np.allclose(sets["baseline"].pooled, sets["encoder"].pooled, atol=1e-3)
+    other = extract_features(cross_run, refs, device="cpu", workers=0, progress=False, seed=6)["baseline"]
+    assert not np.allclose(other.pooled, sets["baseline"].pooled), "the baseline encoder ignores its seed"
+
+
+def _imagenet_layout(root: Path, synth_dir: Path) -> Path:
+    """The synth scenes as DIR/train/<colour>/<name>.JPEG (the first 30) and DIR/val/<colour>/ (the last 10),
+    one more image outside any class folder, and one val class train lacks."""
+    from PIL import Image
+
+    rows = [json.loads(x) for x in (synth_dir / "labels.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        part = "train" if i < 30 else "val"
+        folder = root / part / row["label"]
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.open(synth_dir / row["image"]).convert("RGB").save(folder / f"{Path(row['image']).stem}.JPEG")
+    Image.open(synth_dir / rows[0]["image"]).convert("RGB").save(root / "train" / "stray.JPEG")
+    (root / "val" / "unseen").mkdir()
+    Image.open(synth_dir / rows[1]["image"]).convert("RGB").save(root / "val" / "unseen" / "x.JPEG")
+    return root
+
+
+def test_eval_reads_class_folders_and_reports_both_floors(tmp_path, cross_run, synth_dir):
+    data = _imagenet_layout(tmp_path / "imagenet", synth_dir)
+    train_classes = sorted(p.name for p in (data / "train").iterdir() if p.is_dir())
+    val_images = [p for c in train_classes if (data / "val" / c).is_dir() for p in (data / "val" / c).iterdir()]
+    done = _eval(cross_run, "--train", data / "train", "--val", data / "val", "--probe", "linear", "--probe", "knn")
+    assert "eval: 2 images outside a --train class folder; left out" in done.stderr
+    report = json.loads((cross_run / "eval" / "imagenet.json").read_text())
+    assert report["split_source"] == "folders" and report["labels"] is None
+    assert report["classes"] == len(train_classes) and report["unmatched_labels"] == 2
+    assert report["split"]["test"] == len(val_images) and report["split"]["train"] + report["split"]["val"] == 30
+    assert report["split"]["val"] == 6  # --val-fraction 0.2 of the 30 --train images picks the hyper-parameters
+    for part in (report, report["baseline"], report["pixels"]):
+        assert set(part["probes"]) == {"linear", "knn"}
+    assert "randomly initialised" in report["baseline"]["what"] and "pixels" in report["pixels"]["what"]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("step 4 | linear top1") and "(baseline " in line
+    assert line.endswith(f"test {len(val_images)}")
+    dense = tcjepa("eval", cross_run, "--train", data / "train", "--val", data / "val", "--probe", "dense", check=False)
+    assert dense.returncode == 2 and "class folders have none" in dense.stderr
 
 
 def test_eval_leaves_out_an_undecodable_labelled_image(tmp_path, cross_run, synth_dir):
@@ -235,8 +323,7 @@ def test_eval_leaves_out_an_undecodable_labelled_image(tmp_path, cross_run, synt
     shutil.copytree(synth_dir / "images", images)
     (images / "000005.png").write_bytes(b"not a png")
     shutil.copy(synth_dir / "labels.jsonl", tmp_path / "labels.jsonl")
-    tcjepa(
-        "eval",
+    _eval(
         cross_run,
         images,
         "--labels",
@@ -245,9 +332,6 @@ def test_eval_leaves_out_an_undecodable_labelled_image(tmp_path, cross_run, synt
         "linear",
         "--probe",
         "knn",
-        "--workers",
-        "0",
-        "--no-progress",
         "--report",
         tmp_path / "report.json",
     )
@@ -265,7 +349,17 @@ def test_eval_leaves_out_an_undecodable_labelled_image(tmp_path, cross_run, synt
             "unknown probe",
         ),
         (lambda run, d, t: ["eval", run, t, "--labels", d / "labels.jsonl"], "no images"),
+        (lambda run, d, t: ["eval", run], "give IMAGES and --labels"),
+        (lambda run, d, t: ["eval", run, "--train", d / "images"], "--train and --val go together"),
+        (
+            lambda run, d, t: ["eval", run, d / "images", "--labels", d / "labels.jsonl", "--train", d, "--val", d],
+            "replace IMAGES and --labels",
+        ),
+        (lambda run, d, t: ["eval", run, "--train", d / "images", "--val", d / "images"], "no image sits in a class"),
+        (lambda run, d, t: ["eval", run, "--train", t / "none", "--val", d / "images"], "not a folder"),
         (lambda run, d, t: ["export", t, "--out", t / "x"], "no checkpoint.pt"),
+        (lambda run, d, t: ["export", run, "--out", t / "x", "--format", "onnx"], "--format onnx"),
+        (lambda run, d, t: ["export", run, "--out", t / "x", "--encoder", "ema"], "--encoder ema"),
     ],
 )
 def test_bad_eval_and_export_input_gets_one_line_and_exit_2(tmp_path, cross_run, synth_dir, make_args, message):
@@ -279,35 +373,10 @@ def test_dense_probe_without_cell_maps_is_refused_and_dropped_by_default(tmp_pat
     (tmp_path / "plain.jsonl").write_text(
         "".join(json.dumps({"image": r["image"], "label": r["label"]}) + "\n" for r in rows)
     )
-    refused = tcjepa(
-        "eval",
-        cross_run,
-        synth_dir / "images",
-        "--labels",
-        tmp_path / "plain.jsonl",
-        "--image-root",
-        synth_dir,
-        "--probe",
-        "dense",
-        check=False,
-    )
+    plain = [synth_dir / "images", "--labels", tmp_path / "plain.jsonl", "--image-root", synth_dir]
+    refused = tcjepa("eval", cross_run, *plain, "--probe", "dense", check=False)
     assert refused.returncode == 2 and "per-cell labels" in refused.stderr
-    tcjepa(
-        "eval",
-        cross_run,
-        synth_dir / "images",
-        "--labels",
-        tmp_path / "plain.jsonl",
-        "--image-root",
-        synth_dir,
-        "--probe",
-        "linear",
-        "--workers",
-        "0",
-        "--no-progress",
-        "--report",
-        tmp_path / "r.json",
-    )
+    _eval(cross_run, *plain, "--probe", "linear", "--report", tmp_path / "r.json")
     assert set(json.loads((tmp_path / "r.json").read_text())["probes"]) == {"linear"}
 
 
@@ -316,44 +385,95 @@ def test_labels_file_split_is_used(tmp_path, cross_run, synth_dir):
     for i, r in enumerate(rows):
         r["split"] = "test" if i < 10 else "train"
     (tmp_path / "split.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tcjepa(
-        "eval",
-        cross_run,
-        synth_dir / "images",
-        "--labels",
-        tmp_path / "split.jsonl",
-        "--image-root",
-        synth_dir,
-        "--probe",
-        "knn",
-        "--workers",
-        "0",
-        "--no-progress",
-        "--report",
-        tmp_path / "r.json",
-    )
+    labels = ["--labels", tmp_path / "split.jsonl", "--image-root", synth_dir]
+    _eval(cross_run, synth_dir / "images", *labels, "--probe", "knn", "--report", tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["split_source"] == "labels file" and report["split"]["test"] == 10
     assert report["split"]["train"] + report["split"]["val"] == 30
 
 
-def test_export_loads_into_timm_and_back_into_ours_with_equal_features(tmp_path, cross_run):
+# --- export --------------------------------------------------------------------------------
+
+
+def _modes(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o777 for p in directory.iterdir()}
+
+
+def _normalised_crops(synth_dir: Path, n: int) -> torch.Tensor:
+    from PIL import Image
+
+    from train.data import normalise
+
+    refs = list_images([synth_dir / "images"])[:n]
+    crops = np.stack([resize_and_crop(Image.open(r.path).convert("RGB"), 64) for r in refs])
+    return normalise(torch.from_numpy(crops.transpose(0, 3, 1, 2).copy()))
+
+
+def _timm_model(directory: Path) -> torch.nn.Module:
     import timm  # a dev dependency
+
+    cfg = json.loads((directory / "config.json").read_text())
+    overlay = {"file": str(directory / "model.safetensors")}
+    return timm.create_model(cfg["architecture"], pretrained=True, pretrained_cfg_overlay=overlay, **cfg["model_args"])
+
+
+def test_export_loads_into_timm_by_name_with_no_missing_or_unexpected_keys(tmp_path, cross_run, synth_dir):
+    import timm
     from safetensors.torch import load_file
 
     done = tcjepa("export", cross_run, "--out", tmp_path / "export")
-    assert json.loads(done.stdout)["step"] == 4
-    config = json.loads((tmp_path / "export" / "config.json").read_text())
-    theirs = timm.models.vision_transformer.VisionTransformer(**config["timm"]).eval()
-    theirs.load_state_dict(load_file(str(tmp_path / "export" / "model.safetensors")))
+    assert json.loads(done.stdout)["step"] == 4 and json.loads(done.stdout)["weights"] == "target"
+    assert _modes(tmp_path / "export") == {"config.json": 0o644, "model.safetensors": 0o644}
+    theirs = _timm_model(tmp_path / "export").eval()  # timm loads strictly: a missing or extra key raises
+    saved = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(saved) == set(theirs.state_dict())
+    by_folder = timm.create_model(f"local-dir:{tmp_path / 'export'}", pretrained=True).eval()
+    data_cfg = timm.data.resolve_data_config({}, model=by_folder)
+    assert data_cfg["crop_pct"] == 0.875 and data_cfg["input_size"] == (3, 64, 64)
     ours = load_trained_encoder(cross_run).encoder
     again = load_exported(tmp_path / "export")
-    x = torch.randn(3, 3, 64, 64)
+    x = _normalised_crops(synth_dir, 3)
     with torch.no_grad():
         tokens = ours(x)
         torch.testing.assert_close(theirs.forward_features(x), tokens)
         torch.testing.assert_close(theirs(x), tokens.mean(1))
+        torch.testing.assert_close(by_folder.forward_features(x), tokens)
         torch.testing.assert_close(again(x), tokens)
+
+
+def test_export_hf_loads_into_transformers_ijepa_and_agrees_with_timm(tmp_path, cross_run, synth_dir):
+    from transformers import IJepaModel
+
+    tcjepa("export", cross_run, "--out", tmp_path / "timm")
+    done = tcjepa("export", cross_run, "--out", tmp_path / "hf", "--format", "hf")
+    assert json.loads(done.stdout)["format"] == "hf"
+    assert _modes(tmp_path / "hf") == {"config.json": 0o644, "model.safetensors": 0o644, "tcjepa.json": 0o644}
+    hf, info = IJepaModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    x = _normalised_crops(synth_dir, 4)
+    with torch.no_grad():
+        theirs = hf.eval()(pixel_values=x).last_hidden_state
+        timm_tokens = _timm_model(tmp_path / "timm").eval().forward_features(x)
+    cosine = torch.nn.functional.cosine_similarity(theirs, timm_tokens, dim=-1)
+    assert theirs.shape == timm_tokens.shape == (4, 64, 192)
+    assert cosine.min() >= 0.9999, cosine.min()
+    with pytest.raises(Exception, match="IJepaModel"):
+        load_exported(tmp_path / "hf")
+
+
+def test_export_context_encoder_is_the_checkpoints_context_encoder(tmp_path, cross_run):
+    from safetensors.torch import load_file
+
+    tcjepa("export", cross_run, "--out", tmp_path / "target")
+    tcjepa("export", cross_run, "--out", tmp_path / "context", "--encoder", "context")
+    target = load_file(str(tmp_path / "target" / "model.safetensors"))
+    context = load_file(str(tmp_path / "context" / "model.safetensors"))
+    assert json.loads((tmp_path / "context" / "config.json").read_text())["weights"] == "context"
+    assert set(target) == set(context)
+    assert any(not torch.equal(target[k], context[k]) for k in target if k != "pos_embed")
+    state = torch.load(cross_run / "checkpoint.pt", map_location="cpu", weights_only=True)["model"]
+    torch.testing.assert_close(context["blocks.0.attn.qkv.weight"], state["encoder.blocks.0.attn.qkv.weight"])
+    torch.testing.assert_close(context["norm.weight"], state["encoder.norm.weight"])
 
 
 def test_viz_draws_word_maps_and_error_maps(tmp_path, cross_run, synth_dir, tiny_models):
