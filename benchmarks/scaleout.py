@@ -140,7 +140,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for name, (executor, workers) in runs.items():
                     report = run_caption(
-                        replace(base, cache=tmp / f"cache-{name}-{repeat}", executor=executor, num_workers=workers)
+                        replace(base, cache=tmp / f"cache-{name}-{repeat}", executor=executor, ray_actors=workers)
                     )
                     rates[name].append(steady_rate(report.timeline, 8))
             reference = caption_rows(tmp / "cache-local-0")
@@ -187,7 +187,7 @@ def main() -> None:
                             window=args.window,
                             progress=False,
                             executor=executor,
-                            num_workers=workers,
+                            ray_actors=workers,
                         )
                     )
                     embed_rates[name].append(steady_rate(report.timeline))

@@ -60,7 +60,7 @@ class CaptionConfig:
     mirror: Path | None = None  # where an s3:// cache is mirrored (default ~/.cache/tcjepa/mirror)
     executor: str = "local"  # local, or ray (Ray tasks decode, Ray actors caption; not part of the recipe)
     ray_address: str | None = None  # an existing cluster; default: RAY_ADDRESS, else a local instance
-    num_workers: int | None = None  # Ray engine actors; default: one per GPU (per tensor_parallel_size GPUs), else 1
+    ray_actors: int | None = None  # engine actors; default: one per GPU (per tensor_parallel_size GPUs), else 1
     progress: bool = True
 
 

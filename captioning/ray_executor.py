@@ -148,7 +148,7 @@ def caption_on_ray(
     from tqdm import tqdm
 
     start_ray(cfg.ray_address)
-    size, resources = actor_resources(cfg.device, cfg.num_workers, int(cfg.engine_args.get("tensor_parallel_size", 1)))
+    size, resources = actor_resources(cfg.device, cfg.ray_actors, int(cfg.engine_args.get("tensor_parallel_size", 1)))
     items = [
         {
             "source_id": r.source_id,

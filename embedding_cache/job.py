@@ -49,7 +49,7 @@ class EmbedConfig:
     mirror: Path | None = None  # where an s3:// store's keys are mirrored (default ~/.cache/tcjepa/mirror)
     executor: str = "local"  # local, or ray (a Ray Data actor pool; not part of the encoder recipe)
     ray_address: str | None = None  # an existing cluster; default: RAY_ADDRESS, else a local instance
-    num_workers: int | None = None  # Ray actors; default: one per GPU in the cluster, else 1
+    ray_actors: int | None = None  # default: one per GPU in the cluster, else 1
 
 
 @dataclass

@@ -84,7 +84,7 @@ def embed_on_ray(
     from tqdm import tqdm
 
     start_ray(cfg.ray_address)
-    size, resources = actor_resources(cfg.device, cfg.num_workers)
+    size, resources = actor_resources(cfg.device, cfg.ray_actors)
     table = pa.table(
         {"key": pa.array([keys[i].tobytes() for i in todo], pa.binary(KEY_BYTES)), "text": [texts[i] for i in todo]}
     )

@@ -52,7 +52,7 @@ class EvalConfig:
     seed: int = 0
     device: str = "auto"
     batch_size: int = 64
-    workers: int = 2
+    num_workers: int = 2  # DataLoader processes decoding images
     report: Path | None = None
     progress: bool = True
 
@@ -163,7 +163,7 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         with_patches=need_patches,
         device=cfg.device,
         batch_size=cfg.batch_size,
-        workers=cfg.workers,
+        num_workers=cfg.num_workers,
         progress=cfg.progress,
         seed=cfg.seed,
     )

@@ -237,7 +237,7 @@ def extract_features(
     with_patches: bool = False,
     device: str = "auto",
     batch_size: int = 64,
-    workers: int = 2,
+    num_workers: int = 2,
     progress: bool = True,
     seed: int = 0,
 ) -> dict[str, Features]:
@@ -257,7 +257,7 @@ def extract_features(
             with_patches,
             device,
             batch_size,
-            workers,
+            num_workers,
             progress,
             seed,
             str(run),
@@ -274,7 +274,7 @@ def _extract(
     with_patches: bool,
     device: str,
     batch_size: int,
-    workers: int,
+    num_workers: int,
     progress: bool,
     seed: int,
     run: str,
@@ -289,7 +289,7 @@ def _extract(
     writers = {name: _SetWriter(folder, n, *dims[name], length, with_patches) for name, folder in folders.items()}
     sizes = np.zeros((n, 2), dtype=np.int64)
     loader = torch.utils.data.DataLoader(
-        EvalImages(refs, cfg.image_size), batch_size=batch_size, num_workers=workers, pin_memory=dev.type == "cuda"
+        EvalImages(refs, cfg.image_size), batch_size=batch_size, num_workers=num_workers, pin_memory=dev.type == "cuda"
     )
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     done = 0

@@ -73,7 +73,7 @@ def tiny_models(
 @app.command()
 def synth(
     out: Annotated[Path, typer.Option(help="Directory for images/, captions.jsonl, labels.jsonl, classes.json.")],
-    n: Annotated[int, typer.Option(help="Number of images.")],
+    n_images: Annotated[int, typer.Option(help="Number of scenes.")],
     image_size: Annotated[int, typer.Option(help="Image side in pixels (a multiple of --grid).")] = 64,
     grid: Annotated[int, typer.Option(help="Cells per side; each cell is empty or holds one shape.")] = 4,
     seed: Annotated[int, typer.Option(help="Image i depends only on (seed, i).")] = 0,
@@ -88,8 +88,8 @@ def synth(
     """Draw synthetic scenes of shapes with 8 captions each that say what is where."""
     from pipeline.devkit.synth import generate
 
-    generate(out, n, image_size=image_size, grid=grid, seed=seed, captions=captions)
-    typer.echo(f"wrote {n} images, captions.jsonl and labels.jsonl to {out}")
+    generate(out, n_images, image_size=image_size, grid=grid, seed=seed, captions=captions)
+    typer.echo(f"wrote {n_images} images, captions.jsonl and labels.jsonl to {out}")
 
 
 def parse_engine_args(pairs: list[str]) -> dict[str, object]:
@@ -133,7 +133,10 @@ def caption(
             "spatial, objects, setting)."
         ),
     ] = None,
-    recipe_name: Annotated[str | None, typer.Option(help="Human name for this recipe in the cache.")] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(help="Name of this recipe in the cache (what `embed` and `train` --recipe select it by)."),
+    ] = None,
     seed: Annotated[
         int, typer.Option(help="Base seed; each (image, prompt) gets a seed derived from it and the image hash.")
     ] = 0,
@@ -206,7 +209,7 @@ def caption(
         str | None,
         typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance)."),
     ] = None,
-    num_workers: Annotated[
+    ray_actors: Annotated[
         int | None,
         typer.Option(
             help="With --executor ray: engine actors (default: one per GPU, or per tensor_parallel_size GPUs; else 1)."
@@ -222,7 +225,7 @@ def caption(
         if not images:
             raise UserError("--annotations needs what to import: a JSONL / COCO file, tar shards or tables")
         report = import_captions(
-            open_cache_for_writing(cache, mirror), images, image_root, recipe_name, caption_column, image_column, split
+            open_cache_for_writing(cache, mirror), images, image_root, recipe, caption_column, image_column, split
         )
         typer.echo(report.summary())
         if report.captions_added + report.captions_already_cached == 0:
@@ -241,7 +244,7 @@ def caption(
         model=model,
         captions_per_image=captions_per_image,
         prompts_file=prompts,
-        recipe_name=recipe_name,
+        recipe_name=recipe,
         seed=seed,
         shard=shard,
         backend=backend,
@@ -258,7 +261,7 @@ def caption(
         mirror=mirror,
         executor=check_executor(executor),
         ray_address=ray_address,
-        num_workers=num_workers,
+        ray_actors=ray_actors,
         progress=progress,
     )
     typer.echo(run_caption(cfg).summary(dry_run))
@@ -266,15 +269,21 @@ def caption(
 
 @cache_app.command("info")
 def cache_info(
-    cache: Annotated[Path, typer.Argument(help="Caption cache directory.")],
+    cache: Annotated[
+        str, typer.Argument(help="Caption cache: a directory, or an fsspec URL (s3://...: mirrored locally first).")
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    mirror: Annotated[
+        Path | None, typer.Option(help="Local mirror directory of a URL (default: ~/.cache/tcjepa/mirror).")
+    ] = None,
 ) -> None:
     """Images, captions, recipes (hash, name, counts), shards and failures of a cache."""
     from dataclasses import asdict
 
     from captioning.cache import CaptionCache
+    from captioning.remote_cache import local_cache
 
-    info = CaptionCache(cache).info()
+    info = CaptionCache(local_cache(cache, mirror)).info()
     if as_json:
         typer.echo(json.dumps(asdict(info)))
         return
@@ -428,7 +437,7 @@ def embed(
         str | None,
         typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance)."),
     ] = None,
-    num_workers: Annotated[
+    ray_actors: Annotated[
         int | None,
         typer.Option(help="With --executor ray: T5 actors (default: one per GPU in the cluster, else 1)."),
     ] = None,
@@ -455,7 +464,7 @@ def embed(
         progress=progress,
         executor=check_executor(executor),
         ray_address=ray_address,
-        num_workers=num_workers,
+        ray_actors=ray_actors,
     )
     report = run_embed(cfg)
     typer.echo(report.summary(dry_run))
@@ -535,6 +544,7 @@ def train(
     min_coverage: Annotated[float | None, config_option("min_coverage")] = None,
     seed: Annotated[int | None, config_option("seed")] = None,
     device: Annotated[str | None, config_option("device")] = None,
+    num_workers: Annotated[int | None, config_option("num_workers")] = None,
     image_column: Annotated[str | None, config_option("image_column")] = None,
     split: Annotated[str | None, config_option("split")] = None,
     resume: Annotated[
@@ -579,6 +589,7 @@ def train(
         "min_coverage": min_coverage,
         "seed": seed,
         "device": device,
+        "num_workers": num_workers,
         "image_column": image_column,
         "split": split,
     }
@@ -652,7 +663,7 @@ def eval_(
         str, typer.Option(help="auto, cpu, cuda or cuda:N, for feature extraction and every probe.")
     ] = "auto",
     batch_size: Annotated[int, typer.Option(help="Images per feature-extraction batch.")] = 64,
-    workers: Annotated[int, typer.Option(help="Image-decoding worker processes.")] = 2,
+    num_workers: Annotated[int, typer.Option(help="DataLoader worker processes decoding images.")] = 2,
     report: Annotated[
         Path | None,
         typer.Option(help="Where to write the JSON report (default RUN/eval/<labels name, or DIR's name>.json)."),
@@ -674,7 +685,7 @@ def eval_(
         seed=seed,
         device=device,
         batch_size=batch_size,
-        workers=workers,
+        num_workers=num_workers,
         report=report,
         progress=progress,
         probes=probes or PROBES,

@@ -37,7 +37,7 @@ def tcjepa(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> su
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("synth")
-    tcjepa("synth", "--out", out, "--n", 40, "--seed", 3)
+    tcjepa("synth", "--out", out, "--n-images", 40, "--seed", 3)
     return out
 
 

@@ -148,7 +148,7 @@ def test_webdataset_shards_import_their_txt_and_json_captions_and_skip_bad_sampl
         ],
     )
     _tar(shards / "more" / "000001.tar", [("0006.jpg", _png("black")), ("0006.txt", b"\xff\xfe not utf-8")])
-    out = tcjepa("caption", "--annotations", shards, "--cache", tmp_path / "cache", "--recipe-name", "wds").stdout
+    out = tcjepa("caption", "--annotations", shards, "--cache", tmp_path / "cache", "--recipe", "wds").stdout
     assert "3 images, 4 captions added" in out, out
     for reason in (
         "sample without an image: 1",

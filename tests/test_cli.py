@@ -11,7 +11,7 @@ def test_usage_errors_are_one_line_with_where_the_help_is():
     for args, needle in (
         (["caption"], "Missing option '--cache'"),
         (["train", "--out", "x", "--no-such-flag"], "No such option: --no-such-flag"),
-        (["synth", "--out", "x", "--n", "many"], "Invalid value for '--n'"),
+        (["synth", "--out", "x", "--n-images", "many"], "Invalid value for '--n-images'"),
         (["no-such-command"], "No such command"),
     ):
         proc = tcjepa(*args, check=False)

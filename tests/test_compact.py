@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -194,6 +195,8 @@ def test_a_remote_cache_compacts_through_its_log_and_stale_mirrors_catch_up(tmp_
     assert _contents(mirror_cache(url, tmp_path / "stale")) == before  # the old mirror, synced after
     assert _contents(mirror_cache(url, tmp_path / "fresh")) == before  # a new one never fetches replaced shards
     verify_cache(url, progress=False)
+    info = json.loads(tcjepa("cache", "info", url, "--json", "--mirror", tmp_path / "info").stdout)  # URLs work here too
+    assert info["captions"] == 96 and info["shards"] == report.shards_after
     # A writer whose mirror predates the compaction still dedupes against every row.
     assert writers[1].commit(_first_rows(recipe)).shard is None
     assert compact_cache(url, target_mb=0.004, mirror=tmp_path / "compactor", progress=False).merged == 0

@@ -121,7 +121,7 @@ def test_truncation_is_counted_and_eos_kept(tmp_path, annotated_cache, tiny_mode
 
 def test_several_recipes_need_a_choice(tmp_path, synth_dir, tiny_models):
     cache = tmp_path / "cache"
-    tcjepa("caption", "--cache", cache, "--annotations", synth_dir / "captions.jsonl", "--recipe-name", "synthetic")
+    tcjepa("caption", "--cache", cache, "--annotations", synth_dir / "captions.jsonl", "--recipe", "synthetic")
     c = CaptionCache(cache)
     other = c.add_recipe({"kind": "test"}, "other")
     image = c.read_captions().column("image_sha256")[0].as_py()

@@ -225,7 +225,7 @@ def test_labels_match_by_path_or_source_id_and_refuse_bad_lines(tmp_path, synth_
 
 
 def _eval(*args, timeout: float = 600) -> object:
-    return tcjepa("eval", *args, "--workers", "0", "--no-progress", timeout=timeout)
+    return tcjepa("eval", *args, "--num-workers", "0", "--no-progress", timeout=timeout)
 
 
 @pytest.mark.slow

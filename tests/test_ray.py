@@ -49,7 +49,7 @@ def test_embed_on_ray_equals_the_local_executor_and_survives_a_killed_worker(
         "4",
         "--executor",
         "ray",
-        "--num-workers",
+        "--ray-actors",
         "2",
         "--no-progress",
     ]
@@ -124,7 +124,7 @@ def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_ac
         *one_per_batch,
         "--executor",
         "ray",
-        "--num-workers",
+        "--ray-actors",
         "1",
     ]
     proc = subprocess.Popen(

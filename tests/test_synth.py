@@ -34,9 +34,9 @@ def test_synth_files_labels_and_captions(synth_dir):
 
 
 def test_synth_deterministic_and_prefix_stable(tmp_path):
-    tcjepa("synth", "--out", tmp_path / "a", "--n", 5, "--seed", 1)
-    tcjepa("synth", "--out", tmp_path / "b", "--n", 8, "--seed", 1)
-    tcjepa("synth", "--out", tmp_path / "c", "--n", 5, "--seed", 2)
+    tcjepa("synth", "--out", tmp_path / "a", "--n-images", 5, "--seed", 1)
+    tcjepa("synth", "--out", tmp_path / "b", "--n-images", 8, "--seed", 1)
+    tcjepa("synth", "--out", tmp_path / "c", "--n-images", 5, "--seed", 2)
     a = (tmp_path / "a" / "captions.jsonl").read_text().splitlines()
     b = (tmp_path / "b" / "captions.jsonl").read_text().splitlines()
     c = (tmp_path / "c" / "captions.jsonl").read_text().splitlines()
@@ -47,14 +47,14 @@ def test_synth_deterministic_and_prefix_stable(tmp_path):
 
 
 def test_synth_other_sizes(tmp_path):
-    tcjepa("synth", "--out", tmp_path, "--n", 3, "--image-size", 96, "--grid", 3)
+    tcjepa("synth", "--out", tmp_path, "--n-images", 3, "--image-size", 96, "--grid", 3)
     lab = json.loads((tmp_path / "labels.jsonl").read_text().splitlines()[0])
     assert lab["cell_size"] == 32 and len(lab["cells"]) == 3
     assert Image.open(tmp_path / lab["image"]).size == (96, 96)
 
 
 def test_synth_rejects_bad_sizes(tmp_path):
-    proc = tcjepa("synth", "--out", tmp_path, "--n", 3, "--image-size", 65, check=False)
+    proc = tcjepa("synth", "--out", tmp_path, "--n-images", 3, "--image-size", 65, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "multiple of --grid" in proc.stderr
 
 

@@ -30,14 +30,14 @@ def start_ray(address: str | None) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
-def actor_resources(device: str, num_workers: int | None, gpus_per_actor: int = 1) -> tuple[int, dict[str, float]]:
+def actor_resources(device: str, actors: int | None, gpus_per_actor: int = 1) -> tuple[int, dict[str, float]]:
     """How many model actors, and what each asks for: `gpus_per_actor` GPUs when the cluster has GPUs (and --device
     allows), else a CPU."""
     import ray
 
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = gpus > 0 and not device.startswith("cpu")
-    size = num_workers if num_workers is not None else (max(gpus // gpus_per_actor, 1) if use_gpu else 1)
+    size = actors if actors is not None else (max(gpus // gpus_per_actor, 1) if use_gpu else 1)
     if size < 1:
         raise UserError("--num-workers must be at least 1")
     return size, ({"num_gpus": gpus_per_actor} if use_gpu else {"num_cpus": 1})
