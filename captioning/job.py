@@ -31,7 +31,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.model_identity import load_config, model_identity
 from pipeline.core.recipes import sha256_bytes
-from pipeline.core.sources import iter_images, list_images
+from pipeline.core.sources import count_images, iter_images, list_images
 
 SEED_POLICY = "request seed = int(sha256('{seed}:{image_sha256}:{prompt_id}')[:8], 16) % 2**31; sample k gets seed + k"
 
@@ -284,7 +284,8 @@ class LocalCaptioning:
             if workers > 0
             else ThreadPoolExecutor(1)
         )
-        bar = tqdm(unit="image", dynamic_ncols=True, disable=not cfg.progress)
+        total = count_images(cfg.inputs, cfg.image_column) if cfg.progress else None
+        bar = tqdm(total=total, unit="image", dynamic_ncols=True, disable=not cfg.progress)
         try:
             for chunk in _decode_ahead(pool, _chunked(iter(selection), cfg.chunk_images), cfg.image_policy):
                 failures = [self._failure(None, source_id, reason) for source_id, reason in selection.unreadable]
@@ -300,9 +301,10 @@ class LocalCaptioning:
                 report.captioned += len({r["image_sha256"] for r in rows})
                 report.captions += len(rows)
                 report.timeline.append((time.perf_counter() - started, len(rows)))
-                bar.update(len(chunk))
+                bar.update(selection.seen - bar.n)  # images looked at, captioned or not: the ETA covers the input
                 busy = time.perf_counter() - started - report.engine_start_s
                 bar.set_postfix(captions_per_s=f"{report.captions / busy:.1f}", failed=report.failed, refresh=False)
+            bar.update(selection.seen - bar.n)
             if selection.unreadable:  # unreadable files after the last image to caption
                 self.cache.commit([], [self._failure(None, s, r) for s, r in selection.unreadable])
                 selection.unreadable.clear()

@@ -195,7 +195,9 @@ def test_a_remote_cache_compacts_through_its_log_and_stale_mirrors_catch_up(tmp_
     assert _contents(mirror_cache(url, tmp_path / "stale")) == before  # the old mirror, synced after
     assert _contents(mirror_cache(url, tmp_path / "fresh")) == before  # a new one never fetches replaced shards
     verify_cache(url, progress=False)
-    info = json.loads(tcjepa("cache", "info", url, "--json", "--mirror", tmp_path / "info").stdout)  # URLs work here too
+    info = json.loads(
+        tcjepa("cache", "info", url, "--json", "--mirror", tmp_path / "info").stdout
+    )  # URLs work here too
     assert info["captions"] == 96 and info["shards"] == report.shards_after
     # A writer whose mirror predates the compaction still dedupes against every row.
     assert writers[1].commit(_first_rows(recipe)).shard is None

@@ -532,6 +532,14 @@ def list_images(inputs: list[Path], image_column: str | None = None, split: str 
     return refs
 
 
+def count_images(inputs: list[Path], image_column: str | None = None) -> int | None:
+    """How many images `iter_images` will yield (from names, headers and metadata, no image read); None when an
+    input is an ``hf:`` data set, which would have to be prepared to be counted."""
+    if any(str(p).startswith(HF_PREFIX) for p in inputs):
+        return None
+    return len(list_images(inputs, image_column))
+
+
 class ImageReader:
     """Reads one image's bytes per call from an `ImageRef`.
 
