@@ -5,14 +5,16 @@
    captions (`tcjepa tiny-models --t5-corpus`, d = 64) and a random T5 at t5-base width (d = 768).
    Both runs batch alike, so T5's outputs are the same (checked: the int8 tokens equal the
    float16 store's vectors quantized again). Reported: the worst token cosine between the two
-   stores, the bytes on disk per token of each and their ratio, the pre-scaling the fit chose.
+   stores (and what per-token absmax alone would give), the bytes on disk per token of each and
+   their ratio, the pre-scaling the fit chose.
 2. Planted outliers: Gaussian vectors with three channels 50/75/100× larger (as T5's are) at
    d = 1024 and 4096: the worst token cosine with per-token absmax alone and with the fitted
    pre-scaling, on vectors the fit did not see.
-3. Reader: a store of random captions (long-tailed lengths) at `--d-model` in each codec; random
-   training batches (images × captions per image) gathered with `gather_packed_raw` (what a
-   trainer ships to the device), and int8's `gather_packed` (dequantized to float16 on the CPU);
-   alternating rounds, the median counts. Also torch `dequantize` of one int8 batch on the CPU.
+3. Reader: a store of random captions (long-tailed lengths, planted outlier channels) at
+   `--d-model` in each codec; random training batches (images × captions per image) gathered
+   with `gather_packed_raw` (what a trainer ships to the device), and int8's `gather_packed`
+   (dequantized to float16 on the CPU); alternating rounds, the median counts. Also torch
+   `dequantize` of one int8 batch on the CPU.
 
 Prints one JSON line; `goals` holds the issue's targets (every token ≥ 0.999, int8 ≤ 0.55× bytes).
 """
@@ -20,6 +22,8 @@ Prints one JSON line; `goals` holds the issue's targets (every token ≥ 0.999, 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +74,7 @@ def compare_codecs(tmp: Path, cache: Path, model: Path, name: str) -> dict[str, 
     tokens, scales, _ = i8.gather_packed_raw(i8.locate(keys))
     again, _ = quantize_int8(reference, i8.channel_scales)
     cosines = token_cosines(reference, dequantize_numpy(tokens, scales, i8.channel_scales, np.float32))
+    alone = token_cosines(reference, dequantize_numpy(*quantize_int8(reference, None), None, np.float32))
     n_tokens = len(reference)
     per_token = {codec: disk_bytes(path) / n_tokens for codec, path in stores.items()}
     fitted = EmbeddingStore(stores["int8"]).encoder["int8"]
@@ -81,6 +86,7 @@ def compare_codecs(tmp: Path, cache: Path, model: Path, name: str) -> dict[str, 
         "min_token_cosine": round(float(cosines.min()), 6),
         "p001_token_cosine": round(float(np.quantile(cosines, 0.001)), 6),
         "channel_alpha": fitted["channel_alpha"],
+        "per_token_absmax_alone_min_cosine": round(float(alone.min()), 6),
         "float16_disk_bytes_per_token": round(per_token["float16"], 1),
         "int8_disk_bytes_per_token": round(per_token["int8"], 1),
         "int8_vs_float16_bytes": round(per_token["int8"] / per_token["float16"], 3),
@@ -116,7 +122,7 @@ def reader_throughput(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     d = args.d_model
     lengths = np.clip(rng.lognormal(3.6, 0.6, size=args.captions).astype(int), 5, 128)
-    block = rng.standard_normal((int(lengths.max()) + 1024, d)).astype(np.float16)
+    block = planted(int(lengths.max()) + 1024, d, args.seed)
     starts = rng.integers(0, 1024, size=args.captions)
     readers = {}
     for codec in ("float16", "int8"):
@@ -154,7 +160,9 @@ def reader_throughput(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
             rounds[name].append(sum(len(r) for r in batches) / (time.perf_counter() - start))
     speed = {name: float(np.median(v)) for name, v in rounds.items()}
     tokens, scales, _ = readers["int8"].gather_packed_raw(batches[0])
-    t, s, c = (torch.from_numpy(x) for x in (tokens, scales, readers["int8"].channel_scales))
+    channels = readers["int8"].channel_scales
+    t, s = torch.from_numpy(tokens), torch.from_numpy(scales)
+    c = None if channels is None else torch.from_numpy(channels)
     start = time.perf_counter()
     for _ in range(5):
         dequantize(t, s, c, torch.bfloat16)
@@ -175,6 +183,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--images", type=int, default=200, help="synthetic images captioned for the T5 part")
     ap.add_argument("--t5-steps", type=int, default=800, help="training steps of the tiny T5")
+    ap.add_argument(
+        "--models",
+        type=Path,
+        help="tiny models already built by `tcjepa tiny-models --t5-corpus` on `tcjepa synth --n IMAGES --seed SEED` "
+        "captions (default: build them, ~10 min on 2 busy cores)",
+    )
     ap.add_argument("--wide-d-model", type=int, default=768, help="width of the random T5")
     ap.add_argument("--planted-tokens", type=int, default=8000)
     ap.add_argument("--captions", type=int, default=20_000, help="captions in each reader store")
@@ -190,14 +204,19 @@ def main() -> None:
         tmp = Path(tmp_name)
         tcjepa("synth", "--out", tmp / "synth", "--n", args.images, "--seed", args.seed)
         tcjepa("caption", "--cache", tmp / "cache", "--annotations", tmp / "synth" / "captions.jsonl")
-        corpus = tmp / "synth" / "captions.jsonl"
-        tcjepa("tiny-models", "--out", tmp / "models", "--t5-corpus", corpus, "--t5-steps", args.t5_steps)
-        wide = random_t5(tmp / "t5-wide", tmp / "models" / "t5", args.wide_d_model, 2, args.seed)
+        models = args.models
+        if models is None:
+            models = tmp / "models"
+            corpus = tmp / "synth" / "captions.jsonl"
+            tcjepa("tiny-models", "--out", models, "--t5-corpus", corpus, "--t5-steps", args.t5_steps)
+        wide = random_t5(tmp / "t5-wide", models / "t5", args.wide_d_model, 2, args.seed)
         t5 = {
-            "tiny_t5_trained": compare_codecs(tmp, tmp / "cache", tmp / "models" / "t5", "tiny"),
+            "tiny_t5_trained": compare_codecs(tmp, tmp / "cache", models / "t5", "tiny"),
             f"random_t5_d{args.wide_d_model}": compare_codecs(tmp, tmp / "cache", wide, "wide"),
         }
+        print(json.dumps({"t5": t5}), file=sys.stderr, flush=True)  # each part as it ends, for a run cut short
         planted_cases = {f"d{d}": planted_outliers(d, args.planted_tokens) for d in (1024, 4096)}
+        print(json.dumps({"planted_outliers": planted_cases}), file=sys.stderr, flush=True)
         reader = reader_throughput(tmp, args)
     result = {
         "benchmark": "store_codecs",

@@ -223,8 +223,8 @@ def create_store(
     sample = fitting_sample(cfg, tokenizer, selection)
     if not len(sample):
         raise UserError(
-            "--store-dtype int8 and --project-dim are fitted on the captions being embedded, and there are none; "
-            "embed some captions first"
+            "--store-dtype int8 and --project-dim are fitted on the captions being embedded, and the cache holds "
+            "none of the chosen recipes"
         )
     encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
     vectors, _ = encode_window(encoder, tokenizer, [selection.texts[i] for i in sample], selection.keys[sample], cfg)

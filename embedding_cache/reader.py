@@ -237,10 +237,15 @@ class EmbeddingReader:
         return segs, starts, stops
 
     def gather_packed_raw(
-        self, rows: np.ndarray, out_tokens: np.ndarray | None = None, out_scales: np.ndarray | None = None
+        self,
+        rows: np.ndarray,
+        max_len: int | None = None,
+        out_tokens: np.ndarray | None = None,
+        out_scales: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Captions as stored, concatenated: tokens `[sum of lengths, width]` (int8 or float16, `token_dtype`),
-        scales float32 `[sum of lengths]` (int8) or None (float16), and CSR offsets int64 `[n + 1]`.
+        scales float32 `[sum of lengths]` (int8) or None (float16), and CSR offsets int64 `[n + 1]`. Each caption
+        keeps at most its first `max_len` tokens.
 
         Nothing is dequantized: vector = tokens * scales[:, None] * channel_scales, which
         `embedding_cache.codec.dequantize` computes on the device. `out_tokens` / `out_scales` (e.g. the numpy views
@@ -248,6 +253,8 @@ class EmbeddingReader:
         their leading rows returned, so a batch is copied once.
         """
         segs, starts, stops = self._resolve(rows)
+        if max_len is not None:
+            stops = np.minimum(stops, starts + max_len)
         offsets = np.zeros(len(starts) + 1, dtype=np.int64)
         np.cumsum(stops - starts, out=offsets[1:])
         total = int(offsets[-1])
@@ -266,9 +273,10 @@ class EmbeddingReader:
                 scales[lo:hi] = segment.scales.rows(start, stop)
         return tokens, scales, offsets
 
-    def gather_packed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Concatenate captions into one `[sum of lengths, d]` float16 array plus CSR offsets `[n + 1]`."""
-        tokens, scales, offsets = self.gather_packed_raw(rows)
+    def gather_packed(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenate captions (each cut to `max_len` tokens) into one `[sum of lengths, d]` float16 array plus CSR
+        offsets `[n + 1]`."""
+        tokens, scales, offsets = self.gather_packed_raw(rows, max_len)
         return dequantize_numpy(tokens, scales, self.channel_scales), offsets
 
     def gather_padded(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
