@@ -132,7 +132,7 @@ def reader_throughput(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
         if codec == "int8":
             entries, transform = fit_transform(block[:4096], codec, None, captions=1)
             recipe.update(entries)
-        store = EmbeddingStore.open_or_create(path, recipe, d, transform)
+        store = EmbeddingStore.open_or_create(path, recipe, d, transform=transform)
         writer = store.new_segment()
         for i, (length, start) in enumerate(zip(lengths.tolist(), starts.tolist())):
             writer.append(i.to_bytes(8, "little") * 4, block[start : start + length])

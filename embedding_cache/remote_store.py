@@ -155,6 +155,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
         encoder_recipe: dict[str, Any],
         width: int,
         mirror: Path | None = None,
+        *,
         transform: StoreTransform | None = None,
     ) -> RemoteEmbeddingStore:
         """Open the store at the URL `root`, refusing one made with another encoder recipe, or create it (with the
@@ -356,8 +357,8 @@ def open_store_for_writing(
     """A local store directory (created if missing, with `transform`'s fitted arrays), or an s3:// store through its
     keys mirror."""
     if is_remote(str(location)):
-        return RemoteEmbeddingStore.open_or_create(str(location), encoder, width, mirror, transform)
-    return EmbeddingStore.open_or_create(Path(location), encoder, width, transform)
+        return RemoteEmbeddingStore.open_or_create(str(location), encoder, width, mirror, transform=transform)
+    return EmbeddingStore.open_or_create(Path(location), encoder, width, transform=transform)
 
 
 def open_existing_store(

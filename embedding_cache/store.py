@@ -199,7 +199,7 @@ class EmbeddingStore:
 
     @classmethod
     def open_or_create(
-        cls, root: str | Path, encoder_recipe: dict[str, Any], width: int, transform: StoreTransform | None = None
+        cls, root: str | Path, encoder_recipe: dict[str, Any], width: int, *, transform: StoreTransform | None = None
     ) -> EmbeddingStore:
         """Open the store at `root`, refusing one made with another encoder recipe, or create it.
 
@@ -434,7 +434,7 @@ class SegmentWriter:
         layout = self.layout if final_rows is None else self.layout.fitted(final_rows)
         self.layout = layout
         d = self.store.width
-        common = {"compressors": None, "fill_value": 0, "config": {"write_empty_chunks": True}}
+        common: dict[str, Any] = {"compressors": None, "fill_value": 0, "config": {"write_empty_chunks": True}}
         self._arrays["tokens"] = self._group.create_array(
             "tokens",
             shape=(0, d),

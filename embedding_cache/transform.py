@@ -120,7 +120,7 @@ class StoreTransform:
 
         def read(name: str, sha256: str) -> np.ndarray:
             try:
-                array = zarr.open_array(str(root / name), mode="r")[:]
+                array = np.asarray(zarr.open_array(str(root / name), mode="r")[:])
             except (FileNotFoundError, KeyError, ValueError):
                 raise DataProblem(f"{root}/{name}: missing or unreadable; the store's recipe needs it") from None
             if array_sha256(array) != sha256:

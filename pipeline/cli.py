@@ -274,7 +274,7 @@ def store_info(
 
     s = EmbeddingStore(store)
     projection = s.encoder.get("projection")
-    info = {
+    info: dict[str, Any] = {
         "encoder_hash": s.encoder_hash,
         "encoder": s.encoder,
         "version": s.version,

@@ -36,7 +36,7 @@ def planted(n: int, d: int, seed: int) -> np.ndarray:
 def _int8_store(path: Path, vectors: np.ndarray, project_dim: int | None = None) -> EmbeddingStore:
     entries, transform = fit_transform(vectors, "int8", project_dim, captions=len(vectors))
     recipe = {**ENC, "storage_dtype": "int8", **entries}
-    return EmbeddingStore.open_or_create(path, recipe, project_dim or vectors.shape[1], transform)
+    return EmbeddingStore.open_or_create(path, recipe, project_dim or vectors.shape[1], transform=transform)
 
 
 def _fill(store: EmbeddingStore, vectors: np.ndarray, lengths: list[int], layout: TokenLayout | None = None) -> None:
