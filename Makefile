@@ -32,6 +32,7 @@ demo: venv
 bench: venv
 	$(PY) -m benchmarks.embed
 	$(PY) -m benchmarks.loader
+	$(PY) -m benchmarks.store_codecs
 	$(PY) -m benchmarks.caption
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.faults

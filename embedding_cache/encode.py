@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from embedding_cache.codec import CODECS
+from embedding_cache.transform import codec_of
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.model_identity import load_config, model_identity
@@ -22,8 +24,21 @@ COMPUTE_DTYPES = ("bfloat16", "float32")
 FLOAT16_MAX = 65504.0
 
 
-def encoder_recipe(model: str, max_length: int, eos: bool, compute_dtype: str) -> tuple[dict[str, Any], int]:
-    """Everything that changes the stored vectors, and the model width; reads files, loads no weights."""
+def encoder_recipe(
+    model: str,
+    max_length: int,
+    eos: bool,
+    compute_dtype: str,
+    storage_dtype: str = "float16",
+    project_dim: int | None = None,
+) -> tuple[dict[str, Any], int]:
+    """Everything chosen that changes the stored vectors, and the model width; reads files, loads no weights.
+
+    This is a *request*: a store made from it adds what it fitted (a projection's arrays, int8's channel scaling;
+    see `embedding_cache.transform`).
+    """
+    if storage_dtype not in CODECS:
+        raise UserError(f"--store-dtype {storage_dtype}: choose one of {', '.join(CODECS)}")
     if compute_dtype not in COMPUTE_DTYPES:
         raise UserError(
             f"--dtype {compute_dtype}: T5 must run in one of {', '.join(COMPUTE_DTYPES)} (it overflows in float16)"
@@ -33,15 +48,35 @@ def encoder_recipe(model: str, max_length: int, eos: bool, compute_dtype: str) -
     config = load_config(model, "--model")
     if config.model_type not in ("t5", "mt5", "umt5"):
         raise UserError(f"--model {model} is a {config.model_type!r} model; `tcjepa embed` needs a T5 encoder")
+    width = int(config.d_model)
+    if project_dim is not None and not 1 <= project_dim < width:
+        raise UserError(f"--project-dim {project_dim}: must be between 1 and the model's width {width} (exclusive)")
     recipe = {
         "kind": "t5-encoder",
         **model_identity(model, config, "--model"),
         "max_length": max_length,
         "eos": eos,
         "compute_dtype": compute_dtype,
-        "storage_dtype": "float16",
+        "storage_dtype": storage_dtype,
     }
-    return recipe, int(config.d_model)
+    if project_dim is not None:
+        recipe["projection"] = {"method": "pca", "dim": project_dim}
+    return recipe, width
+
+
+def recipe_like(model: str, stored: dict[str, Any]) -> dict[str, Any]:
+    """The request `encoder_recipe` makes for `model` with a store's settings; `transform.requested(stored)` equals it
+    exactly when `model` is the encoder that made the store."""
+    projection = stored.get("projection") or {}
+    recipe, _ = encoder_recipe(
+        model,
+        int(stored["max_length"]),
+        bool(stored["eos"]),
+        str(stored["compute_dtype"]),
+        codec_of(stored),
+        projection.get("dim"),
+    )
+    return recipe
 
 
 def load_tokenizer(model: str) -> Any:

@@ -6,10 +6,16 @@ the encoder, and written back in image order, so an image's captions sit next to
 each other in the store. A segment is published every `segment_mb`, so a killed
 run loses at most one segment of work; before each window the job drops
 captions that other writers published meanwhile.
+
+A store whose recipe asks for int8 or a projection is made only after fitting them
+on a deterministic sample (`fitting_sample`); later runs reuse what the store holds.
+Whether the store accepts this run's recipe (codec, projection, encoder) is decided
+first, before the cache is read or anything is encoded.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,25 +26,29 @@ import numpy as np
 
 from captioning.cache import CaptionCache
 from captioning.remote_cache import local_cache
+from embedding_cache.codec import CODECS
 from embedding_cache.encode import NonFiniteEmbedding, T5Encoder, encoder_recipe, load_tokenizer, plan_batches, tokenize
 from embedding_cache.remote_store import open_existing_store, open_store_for_writing
-from embedding_cache.store import KEY_BYTES, EmbeddingStore, SegmentWriter, TokenLayout
+from embedding_cache.store import KEY_BYTES, EmbeddingStore, SegmentWriter, TokenLayout, payload_bytes
+from embedding_cache.transform import FIT_TOKENS, codec_of, fit_summary, fit_transform, needs_fit
 from pipeline.core.errors import UserError
 
 
 @dataclass
 class EmbedConfig:
-    """What `tcjepa embed` was asked to do; the encoder-recipe fields are `model`, `max_length`, `eos` and
-    `compute_dtype`, the rest only say how the work is done."""
+    """What `tcjepa embed` was asked to do; the encoder-recipe fields are `model`, `max_length`, `eos`,
+    `compute_dtype`, `store_dtype` and `project_dim`, the rest only say how the work is done."""
 
     cache: str | Path  # a directory or an fsspec URL (mirrored locally)
     store: str | Path  # a directory or an s3:// URL
     model: str
     recipes: list[str] = field(default_factory=list)
     token_budget: int = 16384
-    max_length: int = 512
+    max_length: int = 128  # what the trainer reads (`max_words`)
     eos: bool = True
     compute_dtype: str = "bfloat16"
+    store_dtype: str = "float16"  # the store's codec: float16, or int8 (+ a float32 scale per token)
+    project_dim: int | None = None  # a fixed PCA to this width, fitted when the store is made
     device: str = "auto"
     window: int = 8192
     segment_mb: float = 4096.0
@@ -65,16 +75,33 @@ class EmbedReport:
     bytes_added: int = 0
     # (seconds since start, captions) of each finished batch
     timeline: list[tuple[float, int]] = field(default_factory=list)
+    stored_as: str = ""  # the store's codec, width and projection, in words
+    projected_bytes: dict[str, int] = field(default_factory=dict)  # dry run: bytes added, by codec (and width)
 
     def summary(self, dry_run: bool) -> str:
         head = "would encode" if dry_run else "encoded"
         rate = f", {self.tokens / self.seconds:,.0f} tokens/s" if self.seconds > 0 and not dry_run else ""
-        return (
+        line = (
             f"{self.captions_selected} captions, {self.unique_texts} distinct texts, {self.already_stored} already "
             "stored; "
             f"{head} {self.encoded} captions, {self.tokens} tokens ({self.bytes_added / 2**20:.1f} MiB), "
             f"{self.truncated} truncated to --max-length{rate}; segments published: {len(self.segments)}"
         )
+        if self.projected_bytes:
+            line += "; bytes on disk: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.projected_bytes.items())
+        return line + (f"; {self.stored_as}" if self.stored_as else "")
+
+
+def stored_as(store: EmbeddingStore) -> str:
+    """The store's codec, width and projection, in words (for the summary line)."""
+    projection = store.encoder.get("projection")
+    pca = ""
+    if projection:
+        pca = (
+            f" (PCA of {projection['source_width']}, keeping {100 * projection['explained_variance']:.1f}% of the "
+            "variance)"
+        )
+    return f"stored as {store.codec}, width {store.width}{pca}"
 
 
 @dataclass
@@ -108,36 +135,52 @@ def select_captions(cache: CaptionCache, recipes: list[str], store: EmbeddingSto
 def run_embed(cfg: EmbedConfig) -> EmbedReport:
     """Encode every caption of the chosen recipes that the store lacks: select → encode → publish segments.
 
-    A dry run counts captions, tokens and bytes without loading the encoder or creating the store
-    (a store made with another encoder is refused all the same).
+    The store's verdict on this run's recipe comes first: a store of another codec, projection or encoder is
+    refused before the cache is read, even when nothing is left to encode. A dry run then counts captions, tokens
+    and the bytes each codec would take, without loading the encoder or creating the store.
     """
     if cfg.token_budget < 1 or cfg.window < 1 or cfg.segment_mb <= 0:
         raise UserError("--token-budget, --window and --segment-mb must be positive")
+    request, source_width = encoder_recipe(
+        cfg.model, cfg.max_length, cfg.eos, cfg.compute_dtype, cfg.store_dtype, cfg.project_dim
+    )
+    store = open_existing_store(cfg.store, request, cfg.mirror)
     cache = CaptionCache(local_cache(cfg.cache, cfg.mirror))
     recipes = cache.resolve_recipes(cfg.recipes)
-    recipe, width = encoder_recipe(cfg.model, cfg.max_length, cfg.eos, cfg.compute_dtype)
     tokenizer = load_tokenizer(cfg.model)
-    store = (
-        open_existing_store(cfg.store, recipe, cfg.mirror)
-        if cfg.dry_run
-        else open_store_for_writing(cfg.store, recipe, width, cfg.mirror)
-    )
     selection = select_captions(cache, recipes, store)
     report = EmbedReport(captions_selected=selection.caption_rows, unique_texts=len(selection.texts))
     report.already_stored = len(selection.texts) - len(selection.todo)
     if cfg.dry_run:
         _count_dry_run(cfg, tokenizer, selection, report)
-    elif len(selection.todo):
-        assert store is not None
-        base = TokenLayout.for_bytes(width)
+        width = store.width if store is not None else cfg.project_dim or source_width
+        report.bytes_added = payload_bytes(codec_of(request), width, report.tokens, report.encoded)
+        for codec in CODECS:
+            report.projected_bytes[f"{codec} at width {source_width}"] = payload_bytes(
+                codec, source_width, report.tokens, report.encoded
+            )
+        if cfg.project_dim is not None:
+            for codec in CODECS:
+                report.projected_bytes[f"{codec} at --project-dim {cfg.project_dim}"] = payload_bytes(
+                    codec, cfg.project_dim, report.tokens, report.encoded
+                )
+        return report
+    encoder = None
+    if store is None:
+        store, encoder = create_store(cfg, request, source_width, tokenizer, selection)
+    report.stored_as = stored_as(store)
+    if len(selection.todo):
+        base = store.default_layout()
         layout = TokenLayout(cfg.chunk_tokens or base.chunk_tokens, cfg.shard_chunks or base.shard_chunks)
         if cfg.executor == "ray":
             from embedding_cache.ray_executor import embed_on_ray
 
-            embed_on_ray(cfg, selection.texts, selection.keys, selection.todo, recipe, width, layout, report)
+            embed_on_ray(
+                cfg, selection.texts, selection.keys, selection.todo, store.encoder, store.width, layout, report
+            )
         else:
-            _embed_here(cfg, tokenizer, selection, store, layout, report)
-    report.bytes_added = report.tokens * width * 2 + report.encoded * (8 + KEY_BYTES)
+            _embed_here(cfg, tokenizer, selection, store, layout, report, encoder)
+    report.bytes_added = payload_bytes(store.codec, store.width, report.tokens, report.encoded)
     return report
 
 
@@ -148,6 +191,49 @@ def _count_dry_run(cfg: EmbedConfig, tokenizer: Any, selection: Selection, repor
         report.encoded += len(ids)
         report.tokens += sum(len(x) for x in ids)
         report.truncated += truncated
+
+
+def fitting_sample(cfg: EmbedConfig, tokenizer: Any, selection: Selection) -> np.ndarray:
+    """Positions in `selection.texts` of the captions a new store's transform is fitted on: those with the smallest
+    keys (sha256 of the text: a uniform sample that depends only on which captions there are, not on their order),
+    until FIT_TOKENS tokens."""
+    first_bytes = np.ascontiguousarray(selection.keys[:, :8]).view(">u8").ravel()
+    order = np.argsort(first_bytes, kind="stable")
+    chosen: list[np.ndarray] = []
+    tokens = 0
+    for start in range(0, len(order), 1024):
+        part = order[start : start + 1024]
+        ids, _ = tokenize(tokenizer, [selection.texts[i] for i in part], cfg.max_length, cfg.eos)
+        lengths = np.cumsum([len(x) for x in ids])
+        enough = int(np.searchsorted(lengths, FIT_TOKENS - tokens)) + 1
+        chosen.append(part[:enough])
+        tokens += int(lengths[min(enough, len(lengths)) - 1])
+        if tokens >= FIT_TOKENS:
+            break
+    return np.concatenate(chosen) if chosen else np.zeros(0, dtype=np.int64)
+
+
+def create_store(
+    cfg: EmbedConfig, request: dict[str, Any], source_width: int, tokenizer: Any, selection: Selection
+) -> tuple[EmbeddingStore, T5Encoder | None]:
+    """Make the store `cfg.store` for `request`, fitting its projection and int8 scaling first when it asks for them
+    (the encoder loaded for that is returned, for the rest of the run)."""
+    if not needs_fit(request):
+        return open_store_for_writing(cfg.store, request, source_width, cfg.mirror), None
+    sample = fitting_sample(cfg, tokenizer, selection)
+    if not len(sample):
+        raise UserError(
+            "--store-dtype int8 and --project-dim are fitted on the captions being embedded, and the cache holds "
+            "none of the chosen recipes"
+        )
+    encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
+    vectors, _ = encode_window(encoder, tokenizer, [selection.texts[i] for i in sample], selection.keys[sample], cfg)
+    entries, transform = fit_transform(np.concatenate(vectors), cfg.store_dtype, cfg.project_dim, len(sample))
+    print(f"fitted on {len(sample)} captions: {fit_summary(entries)}", file=sys.stderr)
+    store = open_store_for_writing(
+        cfg.store, {**request, **entries}, cfg.project_dim or source_width, cfg.mirror, transform
+    )
+    return store, encoder
 
 
 class SegmentPublisher:
@@ -195,12 +281,14 @@ def _embed_here(
     store: EmbeddingStore,
     layout: TokenLayout,
     report: EmbedReport,
+    encoder: T5Encoder | None = None,
 ) -> None:
     """The local executor: windows of captions encoded in this process, published as segments."""
     from tqdm import tqdm
 
-    encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
-    segment_tokens = max(int(cfg.segment_mb * 2**20) // (2 * store.width), 1)
+    if encoder is None:
+        encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
+    segment_tokens = max(int(cfg.segment_mb * 2**20) // store.bytes_per_token, 1)
     publisher = SegmentPublisher(store, layout, segment_tokens, cfg.max_length, report)
     started = time.perf_counter()
     bar = tqdm(total=len(selection.todo), unit="caption", disable=not cfg.progress, dynamic_ncols=True)

@@ -2,11 +2,12 @@
 
 zarr's own read path costs about a millisecond of CPU per chunk, far too slow for
 a trainer that fetches thousands of small captions per step. The store's
-`tokens` arrays are uncompressed and sharded, and a zarr v3 shard file is the raw
-inner chunks followed by an index of little-endian ``uint64[n_chunks, 2]``
-(offset, nbytes) and a crc32c. This reader parses that index once and serves each
-caption as a zero-copy view into the mapped file. Only segments listed in the
-store's root attributes are read.
+`tokens` (and, for int8 stores, `scales`) arrays are uncompressed and sharded, and
+a zarr v3 shard file is the raw inner chunks followed by an index of little-endian
+``uint64[n_chunks, 2]`` (offset, nbytes) and a crc32c. This reader parses that
+index once and serves each caption as a zero-copy view into the mapped file. Only
+segments listed in the store's root attributes are read; each array's recorded
+data type must be the one the store's codec stores there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from embedding_cache.codec import dequantize_numpy
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.digests import DigestIndex
 from pipeline.core.errors import UserError
@@ -26,21 +28,22 @@ MISSING = np.uint64(2**64 - 1)
 
 
 @dataclass
-class _Segment:
-    offsets: np.ndarray
+class _Chunks:
+    """The inner chunks of one sharded array, each a view into its mapped shard file (None: a missing chunk)."""
+
     chunk_rows: int
-    chunks_width: int
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
     chunks: list[np.ndarray | None]
 
     def rows(self, start: int, stop: int) -> np.ndarray:
-        """tokens[start:stop] as a view when it lies in one inner chunk, else a copy."""
+        """array[start:stop] as a view when it lies in one inner chunk, else a copy."""
         if stop <= start:
-            return np.zeros((0, self.chunks_width), dtype=np.float16)
+            return np.zeros((0, *self.row_shape), dtype=self.dtype)
         first, last = start // self.chunk_rows, (stop - 1) // self.chunk_rows
         if first == last:
             base = first * self.chunk_rows
-            chunk = self.chunks[first]
-            return (chunk if chunk is not None else self._chunk(first))[start - base : stop - base]
+            return self._chunk(first)[start - base : stop - base]
         parts = []
         for c in range(first, last + 1):
             base = c * self.chunk_rows
@@ -54,34 +57,48 @@ class _Segment:
         return chunk
 
 
-def _map_tokens(array_dir: Path, width: int) -> tuple[int, list[np.ndarray | None]]:
-    """Memory-map every inner chunk of a sharded, uncompressed float16 `tokens` array."""
+@dataclass
+class _Segment:
+    offsets: np.ndarray
+    tokens: _Chunks
+    scales: _Chunks | None  # int8 stores
+
+
+def map_chunks(array_dir: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> _Chunks:
+    """Memory-map every inner chunk of a sharded, uncompressed array of `dtype` with rows of `row_shape`.
+
+    The array's recorded data type must be `dtype`: int8 tokens are never read as float16, nor the reverse.
+    """
     meta = json.loads((array_dir / "zarr.json").read_text())
     shape = meta["shape"]
     (codec,) = meta["codecs"]
     config = codec["configuration"]
     inner_codecs = [c["name"] for c in config["codecs"]]
     index_codecs = [c["name"] for c in config["index_codecs"]]
+    if meta["data_type"] != dtype.name:
+        raise UserError(
+            f"{array_dir}: holds {meta['data_type']}, but the store's codec stores {dtype.name} here; the store is "
+            "inconsistent (run `tcjepa store verify`)"
+        )
     if (
         codec["name"] != "sharding_indexed"
-        or meta["data_type"] != "float16"
         or inner_codecs != ["bytes"]
         or config["codecs"][0].get("configuration", {}).get("endian", "little") != "little"
         or index_codecs != ["bytes", "crc32c"]
         or config.get("index_location", "end") != "end"
     ):
-        raise UserError(f"{array_dir}: tokens must be float16, uncompressed, sharded with the index at the end")
+        raise UserError(f"{array_dir}: must be uncompressed and sharded with the index at the end")
     shard_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
-    chunk_rows, chunk_cols = config["chunk_shape"]
-    if chunk_cols != width or shape[1] != width:
-        raise UserError(f"{array_dir}: tokens width {shape[1]} does not match the store's width {width}")
+    chunk_rows, *chunk_rest = config["chunk_shape"]
+    if tuple(chunk_rest) != row_shape or tuple(shape[1:]) != row_shape:
+        raise UserError(f"{array_dir}: rows of shape {shape[1:]} do not match the store's {list(row_shape)}")
     sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
     per_shard = shard_rows // chunk_rows
     n_chunks = -(-shape[0] // chunk_rows)
-    chunk_bytes = chunk_rows * width * 2
+    chunk_bytes = chunk_rows * int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
     chunks: list[np.ndarray | None] = []
     for s in range(-(-shape[0] // shard_rows)):
-        path = array_dir / f"c{sep}{s}{sep}0"
+        path = array_dir / sep.join(["c", str(s), *(["0"] * len(row_shape))])
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
         index = np.frombuffer(mapped[-(16 * per_shard + 4) : -4], dtype="<u8").reshape(per_shard, 2)
         for k in range(min(per_shard, n_chunks - s * per_shard)):
@@ -91,8 +108,9 @@ def _map_tokens(array_dir: Path, width: int) -> tuple[int, list[np.ndarray | Non
                 continue
             if nbytes != chunk_bytes:
                 raise UserError(f"{path}: inner chunk {k} has {nbytes} bytes, expected {chunk_bytes} (compressed?)")
-            chunks.append(mapped[int(offset) : int(offset) + chunk_bytes].view(np.float16).reshape(chunk_rows, width))
-    return chunk_rows, chunks
+            raw = mapped[int(offset) : int(offset) + chunk_bytes]
+            chunks.append(raw.view(dtype.newbyteorder("<")).reshape(chunk_rows, *row_shape))
+    return _Chunks(chunk_rows, row_shape, dtype, chunks)
 
 
 class StoreKeys:
@@ -131,7 +149,13 @@ class StoreKeys:
 
 
 class EmbeddingReader:
-    """Maps caption keys to float16 `[length, width]` arrays of a store, without zarr on the read path."""
+    """Maps caption keys to `[length, width]` token vectors of a store, without zarr on the read path.
+
+    float16 stores are served as they are. For int8 stores, `get`, `gather_packed` and `gather_padded` return float16
+    dequantized on the CPU; `gather_packed_raw` returns the stored int8 tokens and float32 scales, for a trainer that
+    ships them to the device and expands them there with `embedding_cache.codec.dequantize` (with
+    `channel_scales`).
+    """
 
     def __init__(self, path: str | Path) -> None:
         store = EmbeddingStore(path)
@@ -139,14 +163,23 @@ class EmbeddingReader:
         self.width = store.width
         self.encoder: dict[str, Any] = store.encoder
         self.encoder_hash = store.encoder_hash
+        self.codec: str = store.codec
+        transform = store.transform
+        self.token_dtype: np.dtype = transform.token_dtype
+        # float32 [width] or None: the last factor of `dequantize` (the same for every segment of the store)
+        self.channel_scales: np.ndarray | None = transform.channel_scales
         self.keys = StoreKeys(store)
         self.segment_ids = self.keys.segment_ids
         self._segments: list[_Segment] = []
         lengths = []
         for seg_id in self.segment_ids:
             offsets = store.read_offsets(seg_id)
-            chunk_rows, chunks = _map_tokens(store.segment_path(seg_id) / "tokens", self.width)
-            self._segments.append(_Segment(offsets, chunk_rows, self.width, chunks))
+            where = store.segment_path(seg_id)
+            tokens = map_chunks(where / "tokens", self.token_dtype, (self.width,))
+            scales = map_chunks(where / "scales", np.dtype(np.float32), ()) if self.codec == "int8" else None
+            if scales is not None and scales.chunk_rows != tokens.chunk_rows:
+                raise UserError(f"{where}: scales are chunked unlike tokens; the segment was not written by tcjepa")
+            self._segments.append(_Segment(offsets, tokens, scales))
             lengths.append(np.diff(offsets).astype(np.int32))
         self._starts = self.keys.starts.tolist()
         self._starts_arr = self.keys.starts
@@ -163,14 +196,23 @@ class EmbeddingReader:
         """Token count of each global row."""
         return self._lengths[np.asarray(rows, dtype=np.int64)]
 
-    def get(self, row: int) -> np.ndarray:
-        """Token embeddings of one caption (a read-only view into the mapped shard when possible)."""
+    def get_raw(self, row: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """One caption as stored: tokens `[length, width]` (a read-only view into the mapped shard when possible),
+        and its float32 scales `[length]` (int8) or None (float16)."""
         if not 0 <= row < len(self):
             raise IndexError(f"row {row} out of range for a store of {len(self)} captions")
         seg = int(np.searchsorted(self._starts_arr, row, side="right")) - 1
         segment = self._segments[seg]
         local = row - self._starts[seg]
-        return segment.rows(int(segment.offsets[local]), int(segment.offsets[local + 1]))
+        start, stop = int(segment.offsets[local]), int(segment.offsets[local + 1])
+        scales = None if segment.scales is None else segment.scales.rows(start, stop)
+        return segment.tokens.rows(start, stop), scales
+
+    def get(self, row: int) -> np.ndarray:
+        """Token vectors of one caption as float16 (for a float16 store, a view into the mapped shard when
+        possible)."""
+        tokens, scales = self.get_raw(row)
+        return dequantize_numpy(tokens, scales, self.channel_scales)
 
     def get_key(self, key: bytes) -> np.ndarray:
         row = int(self.locate(np.frombuffer(key, dtype=np.uint8).reshape(1, -1))[0])
@@ -194,18 +236,48 @@ class EmbeddingReader:
             stops[pick] = offsets[local[pick] + 1]
         return segs, starts, stops
 
-    def gather_packed(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Concatenate captions into one `[sum of lengths, d]` float16 array plus CSR offsets `[n + 1]`."""
+    def gather_packed_raw(
+        self,
+        rows: np.ndarray,
+        max_len: int | None = None,
+        out_tokens: np.ndarray | None = None,
+        out_scales: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Captions as stored, concatenated: tokens `[sum of lengths, width]` (int8 or float16, `token_dtype`),
+        scales float32 `[sum of lengths]` (int8) or None (float16), and CSR offsets int64 `[n + 1]`. Each caption
+        keeps at most its first `max_len` tokens.
+
+        Nothing is dequantized: vector = tokens * scales[:, None] * channel_scales, which
+        `embedding_cache.codec.dequantize` computes on the device. `out_tokens` / `out_scales` (e.g. the numpy views
+        of pinned or shared torch buffers, at least `lengths(rows).sum()` rows) are filled in place, and the views of
+        their leading rows returned, so a batch is copied once.
+        """
         segs, starts, stops = self._resolve(rows)
+        if max_len is not None:
+            stops = np.minimum(stops, starts + max_len)
         offsets = np.zeros(len(starts) + 1, dtype=np.int64)
         np.cumsum(stops - starts, out=offsets[1:])
-        out = np.empty((int(offsets[-1]), self.width), dtype=np.float16)
+        total = int(offsets[-1])
+        tokens = _buffer(out_tokens, total, (self.width,), self.token_dtype, "out_tokens")
+        scales = None
+        if self.codec == "int8":
+            scales = _buffer(out_scales, total, (), np.dtype(np.float32), "out_scales")
         segments = self._segments
         for seg, start, stop, lo, hi in zip(
             segs.tolist(), starts.tolist(), stops.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
         ):
-            out[lo:hi] = segments[seg].rows(start, stop)
-        return out, offsets
+            segment = segments[seg]
+            tokens[lo:hi] = segment.tokens.rows(start, stop)
+            if scales is not None:
+                assert segment.scales is not None
+                scales[lo:hi] = segment.scales.rows(start, stop)
+        return tokens, scales, offsets
+
+    def gather_packed(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenate captions (each cut to `max_len` tokens) into one `[sum of lengths, d]` float16 array plus CSR
+        offsets `[n + 1]`."""
+        tokens, scales, offsets = self.gather_packed_raw(rows, max_len)
+        return dequantize_numpy(tokens, scales, self.channel_scales), offsets
 
     def gather_padded(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Stack captions into `[n, L, d]` float16 zero-padded (L = longest, capped at `max_len`) plus lengths.
@@ -221,3 +293,14 @@ class EmbeddingReader:
             if p is not None:
                 out[i, : lengths[i]] = p[: lengths[i]]
         return out, lengths
+
+
+def _buffer(given: np.ndarray | None, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, name: str) -> np.ndarray:
+    """A new `[rows, *row_shape]` array, or the leading rows of `given` after checking it fits."""
+    if given is None:
+        return np.empty((rows, *row_shape), dtype=dtype)
+    if given.dtype != dtype or given.shape[1:] != row_shape or len(given) < rows:
+        raise ValueError(
+            f"{name}: {given.dtype}{list(given.shape)} cannot hold {rows} rows of {dtype}{list(row_shape)}"
+        )
+    return given[:rows]

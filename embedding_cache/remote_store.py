@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from embedding_cache.store import STAGING, EmbeddingStore, PublishResult, SegmentWriter, array_sha256, write_empty_root
+from embedding_cache.store import STAGING, EmbeddingStore, PublishResult, SegmentWriter, write_empty_root
+from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, requested
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.recipes import canonical_json
@@ -100,6 +101,7 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
                 )
         wanted = segments if only is None else [s for s in segments if s in only]
         (local / "segments").mkdir(exist_ok=True)
+        _fetch_root_arrays(url, fs, root, local)
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
         doc = json.loads(root_raw)
@@ -148,16 +150,23 @@ class RemoteEmbeddingStore(EmbeddingStore):
 
     @classmethod
     def open_or_create(
-        cls, root: str | Path, encoder_recipe: dict[str, Any], width: int, mirror: Path | None = None
+        cls,
+        root: str | Path,
+        encoder_recipe: dict[str, Any],
+        width: int,
+        mirror: Path | None = None,
+        *,
+        transform: StoreTransform | None = None,
     ) -> RemoteEmbeddingStore:
-        """Open the store at the URL `root`, refusing one made with another encoder recipe, or create it; its keys
-        mirror (under `mirror`) is brought up to date."""
+        """Open the store at the URL `root`, refusing one made with another encoder recipe, or create it (with the
+        fitted arrays of `transform`, as `EmbeddingStore.open_or_create`); its keys mirror (under `mirror`) is
+        brought up to date."""
         url = str(root)
         fs, remote_root = writable_filesystem(url, "--store")
         if not remote_call(url, fs.exists, f"{remote_root}/zarr.json"):
-            _create(url, fs, remote_root, encoder_recipe, width)
+            _create(url, fs, remote_root, encoder_recipe, width, transform)
         store = cls.open(url, mirror)
-        store.check_encoder(encoder_recipe)
+        store.check_encoder(requested(encoder_recipe) if transform is not None else encoder_recipe)
         return store
 
     @classmethod
@@ -228,16 +237,28 @@ class RemoteEmbeddingStore(EmbeddingStore):
                 return
 
 
-def _create(url: str, fs: Any, root: str, encoder: dict[str, Any], width: int) -> None:
-    """Create the remote root unless another writer did; refuse a prefix holding anything else."""
+def _create(
+    url: str, fs: Any, root: str, encoder: dict[str, Any], width: int, transform: StoreTransform | None
+) -> None:
+    """Create the remote root unless another writer did; refuse a prefix holding anything else.
+
+    The fitted arrays go up before `zarr.json`, so a reader never sees a root without them. Two creators racing
+    upload them under the same names; each store's recipe records their sha256, which every reader checks, and the
+    fit is deterministic, so creators fitting on the same captions upload the same bytes.
+    """
     # another creator may be done
-    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json")]
+    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json", *ROOT_ARRAYS)]
     if remote_call(url, fs.exists, f"{root}/zarr.json"):
         return
     if others or any(n != "zarr.json" for n in remote_names(fs, url, f"{root}/segments")):
         raise UserError(f"--store {url} holds other objects and no zarr.json; choose a new prefix")
     with tempfile.TemporaryDirectory() as tmp:
-        write_empty_root(Path(tmp), encoder, width)
+        write_empty_root(Path(tmp), encoder, width, transform)
+        for name in ROOT_ARRAYS:
+            for dirpath, _, files in os.walk(Path(tmp) / name):
+                for file in files:
+                    relative = (Path(dirpath) / file).relative_to(tmp).as_posix()
+                    remote_call(url, fs.put_file, str(Path(dirpath) / file), f"{root}/{relative}")
         segments_group = (Path(tmp) / "segments" / "zarr.json").read_bytes()
         doc = json.loads((Path(tmp) / "zarr.json").read_bytes())
         # tells mirrors this store from one made later under the same URL
@@ -272,6 +293,7 @@ def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
         doc["attributes"]["tcjepa"]["segments"] = []
         atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
     fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
+    _fetch_root_arrays(url, fs, root, local)
     listed = EmbeddingStore(local).segment_ids()
     shutil.rmtree(local / FETCHING, ignore_errors=True)
     for segment in segments:
@@ -285,6 +307,12 @@ def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
         _keep_keys(local, segment, into)
         listed.append(segment)
     shutil.rmtree(local / FETCHING, ignore_errors=True)
+
+
+def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path) -> None:
+    """Copy the root's fitted arrays (projection, channel scales), if any; readers check them against the recipe."""
+    for name in ROOT_ARRAYS:
+        fetch_tree(url, fs, f"{root}/{name}", local / name)
 
 
 def _keys_mirror(url: str, fs: Any, root: str, mirror: Path | None) -> Path:
@@ -320,12 +348,17 @@ def _check_keys(url: str, segment: str, into: Path, encoder_hash: str) -> None:
 
 
 def open_store_for_writing(
-    location: str | Path, encoder: dict[str, Any], width: int, mirror: Path | None = None
+    location: str | Path,
+    encoder: dict[str, Any],
+    width: int,
+    mirror: Path | None = None,
+    transform: StoreTransform | None = None,
 ) -> EmbeddingStore:
-    """A local store directory (created if missing), or an s3:// store through its keys mirror."""
+    """A local store directory (created if missing, with `transform`'s fitted arrays), or an s3:// store through its
+    keys mirror."""
     if is_remote(str(location)):
-        return RemoteEmbeddingStore.open_or_create(str(location), encoder, width, mirror)
-    return EmbeddingStore.open_or_create(Path(location), encoder, width)
+        return RemoteEmbeddingStore.open_or_create(str(location), encoder, width, mirror, transform=transform)
+    return EmbeddingStore.open_or_create(Path(location), encoder, width, transform=transform)
 
 
 def open_existing_store(

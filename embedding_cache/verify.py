@@ -1,10 +1,12 @@
 """`tcjepa store verify`: prove an embedding store is whole before weeks of training read it.
 
-Checks, stopping at the first problem: the root's encoder hash matches its recipe;
-every listed segment exists, was written for this encoder, and has offsets that
-start at 0, grow by at least one token per caption and end at its token count;
-its tokens, offsets and keys hash to the sha256 recorded when it was written; all
-token values are finite; and every caption key is stored once in the whole store.
+Checks, stopping at the first problem: the root's encoder hash matches its recipe,
+and its fitted arrays (projection, int8 channel scales) the sha256s the recipe
+records; every listed segment exists, was written for this encoder, and has offsets
+that start at 0, grow by at least one token per caption and end at its token count;
+its tokens (float16, or int8 with float32 scales and the root's channel scales),
+offsets and keys hash to the sha256 recorded when it was written; all token values
+(scales, for int8) are finite; and every caption key is stored once in the whole store.
 `--deep` also re-encodes a sample of captions (texts from a caption cache) with
 the recorded encoder and compares them with the stored vectors.
 """
@@ -20,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from embedding_cache.store import KEY_BYTES, EmbeddingStore, array_sha256
+from embedding_cache.store import KEY_BYTES, EmbeddingStore
+from embedding_cache.transform import array_sha256, requested
 from pipeline.core.digests import first_repeat
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import recipe_hash
@@ -96,29 +99,54 @@ def verify_segment(
         raise problem(f"offsets {bad}")
     if keys.dtype != np.uint8 or keys.shape != (n, KEY_BYTES):
         raise problem(f"keys are {keys.dtype}{list(keys.shape)}, expected uint8[{n}, {KEY_BYTES}]")
-    if tokens.dtype != np.float16 or tokens.shape != (n_tokens, store.width):
-        raise problem(f"tokens are {tokens.dtype}{list(tokens.shape)}, expected float16[{n_tokens}, {store.width}]")
+    token_dtype = store.transform.token_dtype
+    if tokens.dtype != token_dtype or tokens.shape != (n_tokens, store.width):
+        raise problem(
+            f"tokens are {tokens.dtype}{list(tokens.shape)}, expected {token_dtype}[{n_tokens}, {store.width}] "
+            f"(the store's codec is {store.codec})"
+        )
+    scales = None
+    if store.codec == "int8":
+        try:
+            scales = zarr.open_array(str(path / "scales"), mode="r")
+        except (FileNotFoundError, KeyError, ValueError):
+            raise problem("has no scales, which an int8 store's segment needs") from None
+        if scales.dtype != np.float32 or scales.shape != (n_tokens,):
+            raise problem(f"scales are {scales.dtype}{list(scales.shape)}, expected float32[{n_tokens}]")
+    expected_channels = store.transform.channel_scales
+    if expected_channels is not None:
+        try:
+            channels = zarr.open_array(str(path / "channel_scales"), mode="r")[:]
+        except (FileNotFoundError, KeyError, ValueError):
+            raise problem("has no channel_scales, which this store's int8 codec needs") from None
+        if channels.dtype != np.float32 or not np.array_equal(channels, expected_channels):
+            raise problem("channel_scales differ from the store root's")
     recorded = attrs.get("sha256")
     if not isinstance(recorded, dict):
         raise problem("records no checksums (written by an older tcjepa); re-embed into a new store to verify it")
-    digest = hashlib.sha256()
+    digests = {"tokens": hashlib.sha256(), "scales": hashlib.sha256()}
     for start in range(0, n_tokens, READ_ROWS):
         block = tokens[start : start + READ_ROWS]
-        if not np.isfinite(block).all():
-            row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+        values = block if scales is None else scales[start : start + READ_ROWS]
+        finite = np.isfinite(values) if values.ndim == 1 else np.isfinite(values).all(axis=1)
+        if not finite.all():
+            row = start + int(np.flatnonzero(~finite)[0])
             caption = int(np.searchsorted(offsets, row, side="right")) - 1
             raise problem(
                 f"non-finite value in token row {row} (caption {caption}, key {keys[caption].tobytes().hex()[:16]})"
             )
-        digest.update(np.ascontiguousarray(block, dtype="<f2"))
+        digests["tokens"].update(np.ascontiguousarray(block, dtype=block.dtype.newbyteorder("<")))
+        if scales is not None:
+            digests["scales"].update(np.ascontiguousarray(values, dtype="<f4"))
         if bar is not None:
             bar.update(len(block))
-    for name, actual in (
-        ("tokens", digest.hexdigest()),
-        ("offsets", array_sha256(offsets)),
-        ("keys", array_sha256(keys)),
-    ):
-        if recorded.get(name) != actual:
+    actual = {"tokens": digests["tokens"].hexdigest(), "offsets": array_sha256(offsets), "keys": array_sha256(keys)}
+    if scales is not None:
+        actual["scales"] = digests["scales"].hexdigest()
+    if expected_channels is not None:
+        actual["channel_scales"] = array_sha256(expected_channels)
+    for name, digest in actual.items():
+        if recorded.get(name) != digest:
             raise problem(
                 f"{name} do not match the sha256 recorded when the segment was written (changed or corrupted on disk)"
             )
@@ -126,7 +154,7 @@ def verify_segment(
         report.segments += 1
         report.captions += n
         report.tokens += n_tokens
-        report.bytes_hashed += n_tokens * store.width * 2 + offsets.nbytes + keys.nbytes
+        report.bytes_hashed += n_tokens * store.bytes_per_token + offsets.nbytes + keys.nbytes
     return keys
 
 
@@ -142,7 +170,7 @@ def _deep_check(
 ) -> None:
     """Re-encode `sample` stored captions found in `cache` and compare token by token."""
     from captioning.cache import CaptionCache
-    from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
+    from embedding_cache.encode import T5Encoder, load_tokenizer, recipe_like, tokenize
     from embedding_cache.reader import EmbeddingReader
 
     enc = store.encoder
@@ -151,11 +179,11 @@ def _deep_check(
         raise UserError(
             f"--deep: the store's encoder is a local model ({enc.get('model')!r}); pass its directory with --model"
         )
-    recipe, _ = encoder_recipe(model, int(enc["max_length"]), bool(enc["eos"]), str(enc["compute_dtype"]))
-    if recipe_hash(recipe) != store.encoder_hash:
+    recipe = recipe_like(model, enc)
+    if recipe_hash(recipe) != recipe_hash(requested(enc)):
         raise UserError(
             f"--model {model} is not the encoder this store was written with (recipe {recipe_hash(recipe)[:12]} vs "
-            f"{store.encoder_hash[:12]})"
+            f"{recipe_hash(requested(enc))[:12]})"
         )
     table = CaptionCache(cache).read_captions(columns=["text", "text_sha256"])
     texts = dict(zip(table.column("text_sha256").to_pylist(), table.column("text").to_pylist()))
@@ -173,7 +201,7 @@ def _deep_check(
     reader = EmbeddingReader(store.root)
     lowest = 1.0
     for h, x in zip(chosen, ids):
-        fresh = encoder.encode([x])[0].astype(np.float32)
+        fresh = store.transform.roundtrip(encoder.encode([x])[0])
         kept = reader.get_key(bytes.fromhex(h)).astype(np.float32)
         if fresh.shape != kept.shape:
             raise DataProblem(
@@ -226,6 +254,7 @@ def _verify_local_store(
         raise DataProblem(
             f"{path}/zarr.json: encoder_hash does not match the recorded encoder recipe (edited by hand?)"
         )
+    _ = store.transform  # the fitted root arrays against the sha256s in the recipe (raises DataProblem)
     report = StoreVerifyReport()
     segments = store.segment_ids()
     if len(set(segments)) != len(segments):

@@ -331,12 +331,41 @@ def cache_verify(
 @store_app.command("info")
 def store_info(
     store: Annotated[Path, typer.Argument(help="Embedding store directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a line.")] = False,
 ) -> None:
-    """Encoder recipe, segments, captions and tokens of an embedding store."""
+    """Encoder recipe, codec, projection, bytes per token, segments, captions and tokens of an embedding store."""
     from embedding_cache.store import EmbeddingStore
 
     s = EmbeddingStore(store)
-    typer.echo(json.dumps({"encoder_hash": s.encoder_hash, "encoder": s.encoder, "d_model": s.width, **s.stats()}))
+    projection = s.encoder.get("projection")
+    info: dict[str, Any] = {
+        "encoder_hash": s.encoder_hash,
+        "encoder": s.encoder,
+        "version": s.version,
+        "d_model": s.width,
+        "codec": s.codec,
+        "projection": None
+        if projection is None
+        else {k: projection[k] for k in ("dim", "source_width", "explained_variance")},
+        "bytes_per_token": s.bytes_per_token,
+        **s.stats(),
+        "bytes_on_disk": sum(p.stat().st_size for p in store.rglob("*") if p.is_file()),
+    }
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    pca = (
+        f" (PCA {projection['source_width']} -> {projection['dim']}, {100 * projection['explained_variance']:.1f}% of "
+        "the variance)"
+        if projection
+        else ""
+    )
+    typer.echo(
+        f"{info['segments']} segments, {info['captions']} captions, {info['tokens']} tokens; {s.codec}, width "
+        f"{s.width}{pca}, {s.bytes_per_token} bytes per token; {info['bytes_on_disk'] / 2**20:.2f} MiB on disk; "
+        f"encoder {s.encoder_hash[:12]} ({s.encoder.get('model', s.encoder.get('kind'))}, max length "
+        f"{s.encoder.get('max_length')})"
+    )
 
 
 @store_app.command("verify")
@@ -399,12 +428,30 @@ def embed(
         int, typer.Option(help="Max padded tokens (batch size × longest caption) per encoder batch.")
     ] = 16384,
     max_length: Annotated[
-        int, typer.Option(help="Captions longer than this many tokens are truncated (counted and reported).")
-    ] = 512,
+        int,
+        typer.Option(
+            help="Captions longer than this many tokens are truncated (counted and reported); the trainer reads at "
+            "most max_words (128) of them."
+        ),
+    ] = 128,
     eos: Annotated[bool, typer.Option(help="Keep T5's end-of-sequence token as the last token.")] = True,
     dtype: Annotated[
-        str, typer.Option(help="Compute dtype: bfloat16 or float32 (never float16: T5 overflows). Stored as float16.")
+        str, typer.Option(help="Compute dtype: bfloat16 or float32 (never float16: T5 overflows).")
     ] = "bfloat16",
+    store_dtype: Annotated[
+        str,
+        typer.Option(
+            help="How the store keeps vectors: float16, or int8 (per-token absmax + a float32 scale per token; "
+            "~half the bytes). A store keeps one."
+        ),
+    ] = "float16",
+    project_dim: Annotated[
+        int | None,
+        typer.Option(
+            help="Store a fixed PCA of the vectors to this width, fitted on a sample of the captions when the store "
+            "is made (the trainer's text width becomes it)."
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     window: Annotated[
         int, typer.Option(help="Captions sorted by length together; they are written back in image order.")
@@ -419,7 +466,8 @@ def embed(
         int | None, typer.Option(help="Inner chunks per shard file (default: ~1 GiB shards).")
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option(help="Only count the captions, tokens and bytes that would be added.")
+        bool,
+        typer.Option(help="Only count the captions and tokens that would be added, and the bytes of each codec."),
     ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar with tokens/s.")] = True,
     mirror: Annotated[
@@ -455,6 +503,8 @@ def embed(
         max_length=max_length,
         eos=eos,
         compute_dtype=dtype,
+        store_dtype=store_dtype,
+        project_dim=project_dim,
         device=device,
         window=window,
         segment_mb=segment_mb,

@@ -59,7 +59,7 @@ def test_embed_encodes_every_caption_once(tmp_path, annotated_cache, tiny_models
 
     again = tcjepa("embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5", *SMALL).stdout
     assert "320 already stored" in again and "encoded 0 captions" in again
-    info = json.loads(tcjepa("store", "info", store).stdout)
+    info = json.loads(tcjepa("store", "info", store, "--json").stdout)
     assert info["captions"] == 320 and info["encoder"]["eos"] is True and info["encoder"]["compute_dtype"] == "bfloat16"
 
 

@@ -448,3 +448,32 @@ def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir)
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "holds other objects" in proc.stderr
     assert not (REPO / "s3:").exists() and not (REPO / "memory:").exists()
+
+
+def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(tmp_path, s3, annotated_cache, tiny_models):
+    """The projection and channel scales go up with the root, come down with every mirror (keys mirror included, for
+    a resumed writer) and are checked there; the vectors equal a local store's of the same recipe."""
+    from embedding_cache.reader import EmbeddingReader
+    from embedding_cache.remote_store import mirror_store_keys
+    from embedding_cache.store import EmbeddingStore
+
+    fs, env = s3
+    url = f"s3://{BUCKET}/int8-projected"
+    args = ["--cache", annotated_cache, "--model", tiny_models / "t5", "--store-dtype", "int8", "--project-dim", "16"]
+    small = ["--chunk-tokens", "256", "--shard-chunks", "4", "--window", "64", "--segment-mb", "0.2", "--no-progress"]
+    tcjepa("embed", "--store", url, *args, *small, "--mirror", tmp_path / "writer", env=env)
+    assert fs.exists(f"{BUCKET}/int8-projected/projection/components/zarr.json")
+    again = tcjepa("embed", "--store", url, *args, *small, "--mirror", tmp_path / "writer2", env=env).stdout
+    assert "320 already stored" in again
+    keys = mirror_store_keys(url, tmp_path / "keys")
+    assert (keys / "projection" / "mean" / "zarr.json").exists()
+    assert EmbeddingStore(keys).transform.projection is not None
+
+    tcjepa("embed", "--store", tmp_path / "local", *args, *small)
+    local, mirrored = EmbeddingStore(tmp_path / "local"), EmbeddingStore(mirror_store(url, tmp_path / "reader"))
+    assert local.encoder_hash == mirrored.encoder_hash and mirrored.width == 16
+    assert tcjepa("store", "verify", mirrored.root, "--no-progress").stdout.startswith("ok: ")
+    got, want = EmbeddingReader(mirrored.root), EmbeddingReader(local.root)
+    for segment in want.segment_ids:
+        for key in local.read_keys(segment):
+            np.testing.assert_array_equal(got.get_key(key.tobytes()), want.get_key(key.tobytes()))

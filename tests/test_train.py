@@ -383,7 +383,9 @@ def test_a_run_continued_on_another_encoders_store_is_refused(
 ):
     """The store path is in the config, but a store rebuilt in place with another T5 is caught by the encoder record."""
     record = json.loads((reference_run / "text_encoder.json").read_text())
-    assert record["encoder_hash"] == json.loads(tcjepa("store", "info", annotated_store).stdout)["encoder_hash"]
+    assert (
+        record["encoder_hash"] == json.loads(tcjepa("store", "info", annotated_store, "--json").stdout)["encoder_hash"]
+    )
     run = tmp_path / "run"
     shutil.copytree(reference_run, run)
     (run / "text_encoder.json").write_text(json.dumps({**record, "encoder_hash": "0" * 64}))
