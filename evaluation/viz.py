@@ -48,13 +48,14 @@ class EncodedCaptions:
 def encode_captions(groups: list[list[str]], text_model: Path, store: Path) -> list[EncodedCaptions]:
     """T5 token embeddings of each group of captions, made exactly as `tcjepa embed` made the store's (one model
     load)."""
-    from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
+    from embedding_cache.encode import T5Encoder, load_tokenizer, recipe_like, tokenize
     from embedding_cache.store import EmbeddingStore
+    from embedding_cache.transform import requested
     from pipeline.core.recipes import recipe_hash
 
-    recipe = EmbeddingStore(store).encoder
-    mine, _ = encoder_recipe(str(text_model), recipe["max_length"], recipe["eos"], recipe["compute_dtype"])
-    if recipe_hash(mine) != recipe_hash(recipe):
+    stored = EmbeddingStore(store)
+    recipe = stored.encoder
+    if recipe_hash(recipe_like(str(text_model), recipe)) != recipe_hash(requested(recipe)):
         raise UserError(
             f"--text-model {text_model} is not the encoder that made {store} (recipe {recipe.get('model')!r}); "
             "pass the same T5 directory given to `tcjepa embed`"
@@ -73,7 +74,8 @@ def encode_captions(groups: list[list[str]], text_model: Path, store: Path) -> l
             # Each token belongs to the word that holds its last character; the EOS (if any) to none.
             owner = [int(np.searchsorted(starts, max(e - 1, 0), side="right") - 1) for _, e in offsets]
             word_of_token.append(np.array((owner + [-1] * len(row))[: len(row)]))
-        arrays = encoder.encode(ids)
+        # What the trainer read: T5's vectors through the store's projection and codec (int8 rounding included).
+        arrays = [stored.transform.roundtrip(a.astype(np.float32)) for a in encoder.encode(ids)]
         tokens = torch.zeros(1, len(arrays), max(len(a) for a in arrays), arrays[0].shape[1])
         for i, a in enumerate(arrays):
             tokens[0, i, : len(a)] = torch.from_numpy(a.astype(np.float32))
