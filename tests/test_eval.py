@@ -259,7 +259,7 @@ def test_cached_features_are_the_encoder_the_random_baseline_and_patch_colours_o
     from train.data import normalise
 
     refs = list_images([synth_dir / "images"])[:6]
-    sets = extract_features(cross_run, refs, with_patches=True, device="cpu", workers=0, progress=False, seed=5)
+    sets = extract_features(cross_run, refs, with_patches=True, device="cpu", num_workers=0, progress=False, seed=5)
     crops = np.stack([resize_and_crop(Image.open(r.path).convert("RGB"), 64) for r in refs])
     x = normalise(torch.from_numpy(crops.transpose(0, 3, 1, 2).copy()))
     with torch.no_grad():
@@ -276,7 +276,7 @@ def test_cached_features_are_the_encoder_the_random_baseline_and_patch_colours_o
         assert sets[name].sizes.tolist() == [[64, 64]] * 6
     assert tokens["pixels"].shape == (6, 64, 3)
     assert not np.allclose(sets["baseline"].pooled, sets["encoder"].pooled, atol=1e-3)
-    other = extract_features(cross_run, refs, device="cpu", workers=0, progress=False, seed=6)["baseline"]
+    other = extract_features(cross_run, refs, device="cpu", num_workers=0, progress=False, seed=6)["baseline"]
     assert not np.allclose(other.pooled, sets["baseline"].pooled), "the baseline encoder ignores its seed"
 
 

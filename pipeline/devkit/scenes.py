@@ -69,12 +69,12 @@ def prepare_scenes(
     t = announce(f"synth: {n_images} scenes with 8 {captions} captions each -> {data}")
     if not (data / "classes.json").exists():
         generate(data, n_images, seed=seed, captions=captions)
-    made_with = json.loads((data / "classes.json").read_text()).get("captions", "full")
-    if made_with != captions:
-        raise UserError(f"{out} holds scenes with {made_with} captions, not {captions}; use another --out")
     have = sum(1 for _ in (data / "images").glob("*.png"))
     if have != n_images:
         raise UserError(f"{out} holds a demo of {have} scenes, not {n_images}; use another --out or --n-images {have}")
+    made_with = json.loads((data / "classes.json").read_text()).get("captions", "full")
+    if made_with != captions:
+        raise UserError(f"{out} holds scenes with {made_with} captions, not {captions}; use another --out")
     timings["synth_s"] = time.perf_counter() - t
 
     models = out / "models"
