@@ -17,42 +17,11 @@ from evaluation.probes import attentive_probe, dense_probe, knn_probe, linear_pr
 from pipeline.core.sources import list_images
 from tests.conftest import tcjepa
 
-TINY = [
-    "--model",
-    "vit_tiny",
-    "--patch-size",
-    "8",
-    "--image-size",
-    "64",
-    "--batch-size",
-    "8",
-    "--captions-per-image",
-    "4",
-    "--no-progress",
-    "--steps",
-    "4",
-    "--set",
-    "depth=2",
-    "--set",
-    "predictor_width=96",
-    "--set",
-    "predictor_depth=2",
-    "--set",
-    "min_context=4",
-    "--set",
-    "val_images=8",
-    "--set",
-    "num_workers=0",
-    "--set",
-    "warmup_steps=2",
-]
-
 
 @pytest.fixture(scope="module")
-def cross_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store) -> Path:
-    run = tmp_path_factory.mktemp("eval") / "cross"
-    tcjepa("train", synth_dir / "images", "--cache", annotated_cache, "--store", annotated_store, "--out", run, *TINY)
-    return run
+def cross_run(reference_run) -> Path:
+    """The session's trained `cross` run (12 steps); evaluation adds its features and reports to it."""
+    return reference_run
 
 
 # --- probes on data whose answer is known ---------------------------------------------------
@@ -186,9 +155,9 @@ def test_eval_reports_every_probe_and_caches_features(cross_run, synth_dir):
         "--no-progress",
     )
     line = done.stdout.strip().splitlines()[-1]
-    assert line.startswith("step 4 | linear top1") and "dense patch_accuracy" in line and "attentive top1" in line
+    assert line.startswith("step 12 | linear top1") and "dense patch_accuracy" in line and "attentive top1" in line
     report = json.loads((cross_run / "eval" / "labels.json").read_text())
-    assert report["step"] == 4 and report["labelled"] == 40 and report["undecodable"] == 0
+    assert report["step"] == 12 and report["labelled"] == 40 and report["undecodable"] == 0
     assert sum(report["split"].values()) == 40 and report["split_source"] == "random"
     assert set(report["probes"]) == {"linear", "knn", "dense", "attentive"}
     for result in report["probes"].values():
@@ -342,7 +311,7 @@ def test_export_loads_into_timm_and_back_into_ours_with_equal_features(tmp_path,
     from safetensors.torch import load_file
 
     done = tcjepa("export", cross_run, "--out", tmp_path / "export")
-    assert json.loads(done.stdout)["step"] == 4
+    assert json.loads(done.stdout)["step"] == 12
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     theirs = timm.models.vision_transformer.VisionTransformer(**config["timm"]).eval()
     theirs.load_state_dict(load_file(str(tmp_path / "export" / "model.safetensors")))

@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from train.losses import prediction_loss, target_features, text_regularisers
 from train.predictor import Predictor, PredictorBlock, TextBatch, TextCrossAttention
 
-torch.set_num_threads(2)
-
 
 def _text(b: int, n: int, s: int, d: int, seed: int = 0, lengths: torch.Tensor | None = None) -> TextBatch:
     g = torch.Generator().manual_seed(seed)
