@@ -200,7 +200,8 @@ def _committed(cache) -> int:
 def test_kill_and_resume_ends_as_an_uninterrupted_run(tmp_path, images, tiny_models):
     """SIGKILL the command and all it started once it has committed a chunk and is captioning the next; the rerun
     captions only the rest, and the cache is an uninterrupted run's, each caption once. The hf backend (engines
-    differ in how they generate, not in what is committed when: a vLLM CLI run resumes in test_demo.py); several
+    differ in how they generate, not in what is committed when; a vLLM CLI rerun skips the cached images in
+    test_demo.py); several
     writers at once on one cache: test_cache.py's writer processes."""
     subset = tmp_path / "images"
     subset.mkdir()
