@@ -43,8 +43,8 @@ FIXTURE_MARKERS = {
     "tiny_models": "slow",
     "reference_run": "slow",
     "exact_run": "slow",
+    "trained_t5": "slow",
 }
-TIER_MARKERS = ("slow", "vllm", "ray", "distributed", "s3")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -153,14 +153,20 @@ def kill_tree(proc: subprocess.Popen) -> None:
     Stopped first, so none can start another; torchrun's workers and Ray's actors live in sessions of their own,
     which is why a process group is not enough.
     """
-    kill_when(proc, lambda: True)
+    import psutil
+
+    family = freeze_tree(proc)
+    for p in family:
+        with suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(family, timeout=60)
+    proc.communicate() if proc.stdout is not None and not proc.stdout.closed else proc.wait()
 
 
 def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
-    """Kill `proc` and everything under it at the first moment `ready()` holds, which is checked again with all of
-    them stopped: the kill lands exactly in the state the test waited for, not at a moment chosen by a clock."""
-    import psutil
-
+    """Kill `proc` and everything under it (`kill_tree`) at the first moment `ready()` holds, which is checked again
+    with all of them stopped: the kill lands exactly in the state the test waited for, not at a moment chosen by a
+    clock."""
     deadline = time.monotonic() + timeout
     while True:
         assert proc.poll() is None, "the process ended before the moment to kill it"
@@ -168,11 +174,7 @@ def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float 
         if ready():
             family = freeze_tree(proc)
             if ready():
-                for p in family:
-                    with suppress(psutil.NoSuchProcess):
-                        p.send_signal(signal.SIGKILL)
-                psutil.wait_procs(family, timeout=60)
-                proc.communicate() if proc.stdout is not None else proc.wait()
+                kill_tree(proc)
                 return
             thaw(family)
         time.sleep(0.02)
@@ -434,6 +436,40 @@ def vector_store(tmp_path_factory, annotated_cache) -> Path:
         writer.finish()
         store.publish(writer)
     return path
+
+
+TRAINED_T5_STEPS = 600
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trained_t5_build(request, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path] | None]:
+    """Start `trained_t5`'s build when the session begins, if a selected test needs it.
+
+    The build trains the tiny T5 for minutes on one thread (it pins torch to one thread, for bit-identical weights);
+    started first, it runs on the second core while the other tests run, and is done when its test comes.
+    """
+    if not any("trained_t5" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    synth = request.getfixturevalue("synth_dir")
+    out = tmp_path_factory.mktemp("trained-t5")
+    corpus = ["--t5-corpus", synth / "captions.jsonl", "--t5-steps", TRAINED_T5_STEPS]
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        command = cli("tiny-models", "--out", out / "models", *corpus)
+        proc = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=stdout, stderr=stderr)
+    yield proc, out
+    if proc.poll() is None:
+        kill_tree(proc)
+
+
+@pytest.fixture(scope="session")
+def trained_t5(_trained_t5_build) -> tuple[Path, dict]:
+    """`tcjepa tiny-models --t5-corpus` (the session's captions, TRAINED_T5_STEPS steps): (its directory, the JSON
+    it printed)."""
+    proc, out = _trained_t5_build
+    proc.wait(timeout=1200)
+    assert proc.returncode == 0, (out / "stderr").read_text()[-3000:]
+    return out / "models", json.loads((out / "stdout").read_text().strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
