@@ -135,6 +135,13 @@ def test_several_recipes_need_a_choice(tmp_path, annotated_cache, tiny_models):
     assert (both.already_stored, both.encoded) == (1, 320)
 
 
+@pytest.mark.parametrize("bad", [{"token_budget": 0}, {"window": 0}, {"segment_mb": 0.0}])
+def test_work_sizes_must_be_positive(tmp_path, annotated_cache, bad):
+    with pytest.raises(UserError, match="--token-budget, --window and --segment-mb must be positive"):
+        run_embed(EmbedConfig(cache=annotated_cache, store=tmp_path / "s", model="never-loaded", **bad))
+    assert not (tmp_path / "s").exists()
+
+
 def test_bad_model_is_one_line(tmp_path, annotated_cache, synth_dir):
     proc = tcjepa(
         "embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", synth_dir, *SMALL_STORE, check=False

@@ -32,12 +32,18 @@ def _file_size_limit(max_bytes: int) -> Callable[[], None]:
     return apply
 
 
+# coverage.py, when it measures the commands, writes a data file of a few hundred KiB as each one exits.
+COVERAGE_DATA_BYTES = 1 << 20
+
+
 def _cli(*args: object, max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
-    """`tcjepa ARGS`, with files limited to `max_file_bytes` (coverage.py, which may measure the command, could not
-    save its data under that limit: it is left out of that process)."""
+    """`tcjepa ARGS`, with files limited to `max_file_bytes`; under a limit too small for coverage.py's data file the
+    command is not measured (its save would fail after the command's own error line)."""
     if max_file_bytes is None:
         return run_command(cli(*args), check=False)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_PROCESS_")}
+    env = dict(os.environ)
+    if max_file_bytes < COVERAGE_DATA_BYTES:
+        env = {k: v for k, v in env.items() if not k.startswith("COVERAGE_PROCESS_")}
     return run_command(cli(*args), check=False, preexec_fn=_file_size_limit(max_file_bytes), env=env)
 
 
