@@ -142,11 +142,13 @@ def test_work_sizes_must_be_positive(tmp_path, annotated_cache, bad):
     assert not (tmp_path / "s").exists()
 
 
-def test_bad_model_is_one_line(tmp_path, annotated_cache, synth_dir):
-    proc = tcjepa(
-        "embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", synth_dir, *SMALL_STORE, check=False
-    )
+def test_bad_model_or_executor_is_one_line(tmp_path, annotated_cache, synth_dir):
+    args = ["embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", synth_dir, *SMALL_STORE]
+    proc = tcjepa(*args, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --model") and proc.stderr.count("\n") == 1
+    proc = tcjepa(*args, "--executor", "dask", check=False)
+    assert proc.returncode == 2 and proc.stderr == "error: --executor 'dask': choose local or ray\n"
+    assert not (tmp_path / "s").exists()
 
 
 def test_plan_batches_respects_budget_and_covers_everything():

@@ -197,6 +197,15 @@ def test_resume_needs_a_checkpoint(tmp_path, synth_dir):
     )
 
 
+def test_a_config_file_or_missing_images_are_one_line(tmp_path, synth_dir):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("steps: [1\n")
+    proc = tcjepa("train", synth_dir / "images", "--out", tmp_path / "r", "--config", config_file, check=False)
+    assert proc.returncode == 2 and "not valid YAML" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    proc = tcjepa("train", "--out", tmp_path / "r", check=False)
+    assert proc.returncode == 2 and proc.stderr == "error: no images: pass IMAGES (or `images:` in --config)\n"
+
+
 def test_help_config_lists_every_key():
     from dataclasses import fields
 
