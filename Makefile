@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.tcjepa-installed
 PYTEST_ARGS ?=
+# The unit tier: every test that starts nothing heavy (see the markers in pyproject.toml).
+UNIT_TIER := not (slow or vllm or ray or distributed or s3)
 
-.PHONY: venv test demo bench clean-venv
+.PHONY: venv lint test test-fast coverage demo bench clean-venv
 
 venv: $(STAMP)
 
@@ -23,8 +25,25 @@ $(STAMP): pyproject.toml .ci/constraints-cpu.txt .ci/cpu_env_fix.py
 	$(PY) -c "import torch, torchvision, vllm, zarr, transformers; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__)"
 	touch $(STAMP)
 
-test: venv
+# Static checks, before any test runs. (The type checker of the source packages joins them here.)
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Everything (what CI runs): lint, then every tier.
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The unit tier: >= 100 tests in under 90 s on 2 cores, no test over 60 s.
+test-fast: venv
+	$(PY) -m pytest -m "$(UNIT_TIER)" --timeout 60 $(PYTEST_ARGS)
+
+# The whole suite under coverage.py (the processes the tests start included: [tool.coverage] in pyproject.toml),
+# then line coverage per file and in total; exits as pytest did.
+coverage: venv
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	status=0; $(PY) -m coverage run -m pytest $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m coverage combine -q && $(PY) -m coverage report --sort=cover; exit $$status
 
 demo: venv
 	$(VENV)/bin/tcjepa demo

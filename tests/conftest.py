@@ -1,37 +1,376 @@
-"""Session-wide fixtures: tiny models and synthetic data are built once per test session."""
+"""Session-wide fixtures and the helpers tests share.
+
+Tiny models, synthetic data, a caption cache, an embedding store, trained runs and an S3 server are built once per
+test session. Tests run the CLI through `tcjepa` (wait for it) or `start_tcjepa` (a process to watch and kill), and end
+only the processes they started (`kill_tree`).
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+
+from embedding_cache.store import TokenLayout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One compute thread per process, here and in every process a test starts: on 2 cores that other processes (or other
+# work on the machine) share, OpenMP's waiting threads made tiny models up to ~10x slower than one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
+# --- tiers -------------------------------------------------------------------------------------------------------
 
-def tcjepa(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        **kwargs,
-    )
+# Session fixtures that start a marked thing, or cost the unit tier too much (the tiny models and what is made with
+# them: ~30 s on 2 cores): a test that uses one carries its marker, whether or not it says so itself.
+FIXTURE_MARKERS = {
+    "vllm_engine": "vllm",
+    "s3_server": "s3",
+    "tiny_models": "slow",
+    "reference_run": "slow",
+    "exact_run": "slow",
+    "trained_t5": "slow",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in FIXTURE_MARKERS.items():
+            if fixture in item.fixturenames and item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+
+
+# --- running the CLI --------------------------------------------------------------------------------------------
+
+
+def cli(*args: object) -> list[str]:
+    """The command line of `tcjepa ARGS` in this interpreter."""
+    return [sys.executable, "-m", "pipeline", *map(str, args)]
+
+
+def torchrun(*args: object, launch: tuple[str, ...] = ("--standalone", "--nproc-per-node", "2")) -> list[str]:
+    """The command line of `torchrun LAUNCH -m pipeline ARGS` (default: two processes on this host)."""
+    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "pipeline", *map(str, args)]
+
+
+def run_command(
+    command: list[str], check: bool = True, timeout: float = 600, **kwargs: Any
+) -> subprocess.CompletedProcess:
+    """Run `command` in the repository, capturing its text output; with `check`, a failure shows its stderr."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"tcjepa {' '.join(map(str, args))} exited "
-            f"{proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+            f"{' '.join(command[1:])} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def tcjepa(*args: object, check: bool = True, timeout: float = 600, **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
+    return run_command(cli(*args), check=check, timeout=timeout, **kwargs)
+
+
+def start(command: list[str], quiet: bool = False, **kwargs: Any) -> subprocess.Popen:
+    """Start `command` in the repository in a session of its own (so `kill_tree` can end it and its children);
+    text pipes for its output, or none when `quiet`."""
+    streams: dict[str, Any] = (
+        {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        if quiet
+        else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    )
+    return subprocess.Popen(command, cwd=REPO, start_new_session=True, **streams, **kwargs)
+
+
+def start_tcjepa(*args: object, quiet: bool = False, **kwargs: Any) -> subprocess.Popen:
+    """Start `tcjepa ARGS` (see `start`)."""
+    return start(cli(*args), quiet=quiet, **kwargs)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[str, str]]:
+    """Wait for processes started with pipes; each must succeed. Their (stdout, stderr)."""
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        outs.append((out, err))
+    return outs
+
+
+def _family(proc: subprocess.Popen) -> list[Any]:
+    import psutil
+
+    try:
+        parent = psutil.Process(proc.pid)
+        return [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def freeze_tree(proc: subprocess.Popen) -> list[Any]:
+    """SIGSTOP a process this test started and every process under it, until none is left running; returns them.
+
+    The state the processes left on disk then stays as it is while the test looks at it.
+    """
+    import psutil
+
+    stopped: dict[int, Any] = {}
+    while True:
+        family = [p for p in _family(proc) if p.pid not in stopped]
+        if not family:
+            return list(stopped.values())
+        for p in family:
+            with suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGSTOP)
+                stopped[p.pid] = p
+
+
+def thaw(family: list[Any]) -> None:
+    """SIGCONT what `freeze_tree` stopped."""
+    import psutil
+
+    for p in family:
+        with suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGCONT)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process this test started and every process under it, by their ids, and wait until they are gone.
+
+    Stopped first, so none can start another; torchrun's workers and Ray's actors live in sessions of their own,
+    which is why a process group is not enough.
+    """
+    import psutil
+
+    family = freeze_tree(proc)
+    for p in family:
+        with suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(family, timeout=60)
+    proc.communicate() if proc.stdout is not None and not proc.stdout.closed else proc.wait()
+
+
+def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
+    """Kill `proc` and everything under it (`kill_tree`) at the first moment `ready()` holds, which is checked again
+    with all of them stopped: the kill lands exactly in the state the test waited for, not at a moment chosen by a
+    clock."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the process ended before the moment to kill it"
+        assert time.monotonic() < deadline, "the moment to kill the process never came"
+        if ready():
+            family = freeze_tree(proc)
+            if ready():
+                kill_tree(proc)
+                return
+            thaw(family)
+        time.sleep(0.02)
+
+
+def descendants(proc: subprocess.Popen, marker: str) -> list[Any]:
+    """Processes under `proc` whose command line contains `marker` (e.g. one Ray actor's class)."""
+    import psutil
+
+    found = []
+    for p in _family(proc)[1:]:
+        with suppress(psutil.NoSuchProcess):
+            if marker in " ".join(p.cmdline()):
+                found.append(p)
+    return found
+
+
+# --- training ---------------------------------------------------------------------------------------------------
+
+
+def sets(*pairs: str) -> list[str]:
+    """`--set key=value` for each pair."""
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+# A tiny run: 8×8 patches of 8 px, a 2-layer encoder and predictor, 4 captions per image.
+TINY_TRAIN = [
+    *("--model", "vit_tiny", "--patch-size", "8", "--image-size", "64", "--batch-size", "8"),
+    *("--captions-per-image", "4", "--no-progress"),
+    *sets("depth=2", "predictor_width=96", "predictor_depth=2", "min_context=4", "val_images=8"),
+    *sets("num_workers=1", "warmup_steps=2"),
+]
+LOSS_KEYS = ("loss", "loss_predict", "loss_sparse", "loss_consistency")
+# The reference run: 12 steps of `cross`, logging every step, validating and checkpointing every 4.
+REFERENCE_STEPS = ["--steps", "12", *sets("log_every=1", "val_every=4", "checkpoint_every=4")]
+# Runs compared across process counts: float32 (bf16 rounds differently per batch split), a checkpoint every 2 steps.
+EXACT_STEPS = ["--steps", "8", *sets("log_every=1", "val_every=4", "checkpoint_every=2", "bf16=false")]
+
+
+def train_args(images: Path, cache: Path | str | None, store: Path | str | None, run: Path, *extra: object) -> list:
+    """`tcjepa train` arguments of a tiny run on `images` (with a cache and store unless they are None)."""
+    data = [] if cache is None else ["--cache", cache, "--store", store]
+    return ["train", images, *data, "--out", run, *TINY_TRAIN, *extra]
+
+
+def metrics(run: Path) -> list[dict]:
+    """The lines of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_runs(a: list[dict], b: list[dict]) -> None:
+    """Two runs' metrics agree step by step: losses within float32 reduction-order noise, schedules exactly."""
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for x, y in zip(a, b):
+        for key in (*LOSS_KEYS, "val_loss_predict"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-5), (x["step"], key)
+        if "lr" in x:
+            assert (x["lr"], x["wd"], x["ema"]) == (y["lr"], y["wd"], y["ema"])
+
+
+# --- stores ------------------------------------------------------------------------------------------------------
+
+
+def store_keys(store: Path) -> list[bytes]:
+    """Every caption key of a local store, segment by segment."""
+    from embedding_cache.store import EmbeddingStore
+
+    opened = EmbeddingStore(store)
+    return [k.tobytes() for segment in opened.segment_ids() for k in opened.read_keys(segment)]
+
+
+def assert_same_embeddings(got: Path, want: Path) -> None:
+    """Two local stores hold the same captions, each once, with vectors equal up to bfloat16 rounding (another batch
+    composition changes the last bits)."""
+    from embedding_cache.reader import EmbeddingReader
+
+    keys = store_keys(got)
+    assert len(keys) == len(set(keys)), "a caption is stored twice"
+    assert set(keys) == set(store_keys(want)), "captions lost or added"
+    a, b = EmbeddingReader(got), EmbeddingReader(want)
+    for key in keys:
+        np.testing.assert_allclose(
+            a.get_key(key).astype(np.float32), b.get_key(key).astype(np.float32), atol=0.02, rtol=0.02
+        )
+
+
+# A store of made-up vectors: `numbered_caption(i)` is caption i (its key, `[length, TEST_WIDTH]` float16 vectors).
+TEST_ENCODER = {"kind": "t5-encoder", "model": "fake", "max_length": 64}
+TEST_WIDTH = 8
+
+
+TEST_LAYOUT = TokenLayout(chunk_tokens=16, shard_chunks=4)  # 64-token shards: captions cross chunks and shards
+
+
+def numbered_caption(i: int, length: int | None = None) -> tuple[bytes, np.ndarray]:
+    from pipeline.core.recipes import text_key
+
+    rng = np.random.default_rng(i)
+    n = int(rng.integers(0, 40)) if length is None else length
+    return text_key(f"caption {i}"), rng.standard_normal((n, TEST_WIDTH)).astype(np.float16)
+
+
+def publish_captions(store: Any, ids: Any) -> Any:
+    """Write `numbered_caption(i)` for each of `ids` into a new segment of `store` and publish it."""
+    writer = store.new_segment(TEST_LAYOUT)
+    for i in ids:
+        writer.append(*numbered_caption(i))
+    writer.finish()
+    return store.publish(writer)
+
+
+# --- images ------------------------------------------------------------------------------------------------------
+
+
+def png(colour: Any, size: tuple[int, int] = (32, 24), mode: str = "RGB") -> bytes:
+    """A PNG of one colour."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def bad_image_catalogue() -> dict[str, tuple[bytes, str | None]]:
+    """name -> (bytes, expected failure reason prefix or None when it must decode)."""
+    from PIL import Image
+
+    rgb = png("green", (40, 30))
+    jpeg = io.BytesIO()
+    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(jpeg, format="JPEG")
+    palette = io.BytesIO()
+    Image.new("P", (20, 20), 3).save(palette, format="PNG", transparency=3)
+    sixteen = io.BytesIO()
+    Image.fromarray(np.full((20, 20), 40000, dtype=np.uint16)).save(sixteen, format="PNG")
+    bomb = io.BytesIO()
+    Image.new("1", (10_000, 9_000)).save(bomb, format="PNG")
+    return {
+        "ok.png": (rgb, None),
+        "truncated.png": (rgb[: len(rgb) // 2], "corrupt or truncated"),
+        "zero.png": (b"", "empty file"),
+        "pixel.png": (png("red", (1, 1)), "too small"),
+        "bomb.png": (bomb.getvalue(), "decompression bomb"),
+        "cmyk.jpg": (jpeg.getvalue(), None),
+        "palette_alpha.png": (palette.getvalue(), None),
+        "rgba.png": (png((255, 0, 0, 0), (20, 20), "RGBA"), None),
+        "la.png": (png((128, 255), (20, 20), "LA"), None),
+        "sixteen_bit.png": (sixteen.getvalue(), None),
+        "png_named.jpg": (png("blue", (40, 30)), None),
+        "text.png": (b"hello, I am not an image", "not an image"),
+        "huge_but_decodable.png": (png("white", (3000, 2000)), None),
+    }
+
+
+# --- captioning with the tiny VLM --------------------------------------------------------------------------------
+
+TINY_VLLM_ARGS = {"max_model_len": 1024}
+CAPTION_MAX_TOKENS = 12
+# `tcjepa caption` flags of the configuration `caption_config` makes.
+VLLM_CLI = [
+    "--vllm-arg",
+    "max_model_len=1024",
+    "--max-tokens",
+    str(CAPTION_MAX_TOKENS),
+    "--chunk-images",
+    "4",
+    "--decode-workers",
+    "1",
+]
+
+
+def caption_config(images: list, cache: Path, tiny_models: Path, **kw: Any):
+    """A `CaptionConfig` for the tiny VLM on vLLM (the settings of `VLLM_CLI`)."""
+    from captioning.engines import SamplingConfig
+    from captioning.job import CaptionConfig
+
+    return CaptionConfig(
+        inputs=images,
+        cache=cache,
+        model=str(tiny_models / "vlm"),
+        engine_args=dict(TINY_VLLM_ARGS),
+        sampling=SamplingConfig(max_tokens=CAPTION_MAX_TOKENS),
+        chunk_images=4,
+        decode_workers=1,
+        **kw,
+    )
+
+
+def caption_rows(cache: Path, recipe: str | None = None) -> list[dict]:
+    """Every caption row of a cache (of one recipe)."""
+    from captioning.cache import CaptionCache
+
+    return CaptionCache(cache).read_captions(recipes=None if recipe is None else [recipe]).to_pylist()
+
+
+# --- session fixtures --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -56,30 +395,81 @@ def annotated_cache(tmp_path_factory, synth_dir) -> Path:
     return cache
 
 
+# The embedding settings of `annotated_store`: small chunks and shards, so captions cross both.
+SMALL_STORE = ["--chunk-tokens", "64", "--shard-chunks", "4", "--window", "64", "--no-progress"]
+
+
 @pytest.fixture(scope="session")
 def annotated_store(tmp_path_factory, annotated_cache, tiny_models) -> Path:
     """Embeddings (random tiny T5) of every caption of `annotated_cache`, in small chunks and shards."""
     path = tmp_path_factory.mktemp("store") / "store"
-    tcjepa(
-        "embed",
-        "--cache",
-        annotated_cache,
-        "--store",
-        path,
-        "--model",
-        tiny_models / "t5",
-        "--chunk-tokens",
-        "64",
-        "--shard-chunks",
-        "4",
-        "--window",
-        "64",
-        "--no-progress",
-    )
+    done = tcjepa("embed", "--cache", annotated_cache, "--store", path, "--model", tiny_models / "t5", *SMALL_STORE)
+    (path.parent / "embed.stdout").write_text(done.stdout)  # what the command said, for test_embed
     return path
 
 
-TINY_VLLM_ARGS = {"max_model_len": 1024}
+VECTOR_WIDTH = 16
+
+
+def caption_vector(key: bytes, text: str) -> np.ndarray:
+    """A stand-in caption embedding, a function of the caption: one row per word and one for EOS."""
+    rng = np.random.default_rng(list(key[:8]))
+    return rng.standard_normal((len(text.split()) + 1, VECTOR_WIDTH)).astype(np.float16)
+
+
+@pytest.fixture(scope="session")
+def vector_store(tmp_path_factory, annotated_cache) -> Path:
+    """A store of `caption_vector`s for every caption of `annotated_cache`, in two segments, written through the
+    store's Python API: for tests of what reads a store, without a text encoder."""
+    from captioning.cache import CaptionCache
+    from embedding_cache.store import EmbeddingStore, TokenLayout
+
+    path = tmp_path_factory.mktemp("vectors") / "store"
+    store = EmbeddingStore.open_or_create(path, {"kind": "test-vectors", "width": VECTOR_WIDTH}, VECTOR_WIDTH)
+    rows = CaptionCache(annotated_cache).read_captions(columns=["text_sha256", "text"]).to_pylist()
+    texts = {bytes.fromhex(r["text_sha256"]): r["text"] for r in rows}
+    keys = sorted(texts)
+    for part in (keys[: len(keys) // 2], keys[len(keys) // 2 :]):
+        writer = store.new_segment(TokenLayout(chunk_tokens=64, shard_chunks=4))
+        for key in part:
+            writer.append(key, caption_vector(key, texts[key]))
+        writer.finish()
+        store.publish(writer)
+    return path
+
+
+TRAINED_T5_STEPS = 600
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trained_t5_build(request, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path] | None]:
+    """Start `trained_t5`'s build when the session begins, if a selected test needs it.
+
+    The build trains the tiny T5 for minutes on one thread (it pins torch to one thread, for bit-identical weights);
+    started first, it runs on the second core while the other tests run, and is done when its test comes.
+    """
+    if not any("trained_t5" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    synth = request.getfixturevalue("synth_dir")
+    out = tmp_path_factory.mktemp("trained-t5")
+    corpus = ["--t5-corpus", synth / "captions.jsonl", "--t5-steps", TRAINED_T5_STEPS]
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        command = cli("tiny-models", "--out", out / "models", *corpus)
+        proc = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=stdout, stderr=stderr)
+    yield proc, out
+    if proc.poll() is None:
+        kill_tree(proc)
+
+
+@pytest.fixture(scope="session")
+def trained_t5(_trained_t5_build) -> tuple[Path, dict]:
+    """`tcjepa tiny-models --t5-corpus` (the session's captions, TRAINED_T5_STEPS steps): (its directory, the JSON
+    it printed)."""
+    proc, out = _trained_t5_build
+    proc.wait(timeout=1200)
+    assert proc.returncode == 0, (out / "stderr").read_text()[-3000:]
+    return out / "models", json.loads((out / "stdout").read_text().strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +480,45 @@ def vllm_engine(tiny_models):
     engine = VLLMEngine(str(tiny_models / "vlm"), dict(TINY_VLLM_ARGS))
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store) -> Path:
+    """A finished run of `cross` (`REFERENCE_STEPS`), shared read-only: tests that write into a run copy it first
+    (evaluation's feature cache and reports excepted: they are what `tcjepa eval` adds to a run)."""
+    run = tmp_path_factory.mktemp("runs") / "reference"
+    tcjepa(*train_args(synth_dir / "images", annotated_cache, annotated_store, run, *REFERENCE_STEPS))
+    return run
+
+
+@pytest.fixture(scope="session")
+def exact_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store) -> Path:
+    """`EXACT_STEPS` on one process: what runs on two processes (DDP, FSDP, a resumed one) must match."""
+    run = tmp_path_factory.mktemp("runs") / "exact"
+    tcjepa(*train_args(synth_dir / "images", annotated_cache, annotated_store, run, *EXACT_STEPS))
+    return run
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, str]]:
+    """An S3-compatible server (moto) on loopback for the session: the AWS environment variables that reach it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> dict[str, str]:
+    """The session's S3 server reachable from this test's process; returns the environment for its subprocesses."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    return {**os.environ}

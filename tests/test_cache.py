@@ -1,11 +1,14 @@
 import json
 import multiprocessing as mp
+import threading
 
 import pyarrow.parquet as pq
 import pytest
 
 from captioning.cache import CaptionCache, caption_row
+from captioning.verify import verify_cache
 from pipeline.core.errors import UserError
+from pipeline.core.recipes import recipe_hash
 from tests.conftest import tcjepa
 
 RECIPE = {"kind": "test", "model": "m"}
@@ -106,32 +109,56 @@ def test_not_a_cache(tmp_path):
         CaptionCache(tmp_path)
 
 
-def _writer(root, recipe, start, stop, chunk):
+def _writer(root, start, stop, chunk, also: dict | None = None):
+    """One writer process: stores the recipe itself (as each `tcjepa caption` does), then commits in chunks."""
     cache = CaptionCache(root)
+    recipes = [cache.add_recipe(RECIPE, f"writer {start}"), *([cache.add_recipe(also)] if also else [])]
     for lo in range(start, stop, chunk):
-        cache.commit(_rows(recipe, range(lo, min(lo + chunk, stop)), samples=3))
+        cache.commit([row for r in recipes for row in _rows(r, range(lo, min(lo + chunk, stop)), samples=3)])
 
 
-@pytest.mark.parametrize("writers", [2, 4])
-def test_concurrent_writers_with_overlapping_inputs(tmp_path, writers):
-    cache = CaptionCache.open_or_create(tmp_path / "c")
-    recipe = cache.add_recipe(RECIPE)
+def _assert_each_key_once(root, per_recipe: dict[str, int]) -> None:
+    cache = CaptionCache(root)
+    keys = _keys(cache)
+    assert len(keys) == len(set(keys)) == sum(per_recipe.values())
+    assert sum(pq.read_metadata(f).num_rows for f in cache.caption_files()) == len(keys)
+    assert {r["hash"]: r["captions"] for r in cache.info().recipes} == per_recipe
+    verify_cache(root, progress=False)
+
+
+@pytest.mark.distributed
+def test_concurrent_writer_processes_with_overlapping_inputs(tmp_path):
+    """Five processes store the same recipe at once (two of them a second one too) and commit images [0, 40) in
+    different chunkings; every caption ends up in the cache once, and the cache verifies."""
+    CaptionCache.open_or_create(tmp_path / "c")
+    other = {"kind": "test", "model": "other"}
     ctx = mp.get_context("spawn")
-    # each writer covers images [0, 40) in a different chunking; all overlap fully
-    procs = [
-        ctx.Process(target=_writer, args=(tmp_path / "c", recipe, w * 3 % 40 if w else 0, 40, 3 + w))
-        for w in range(writers)
-    ]
-    procs.append(ctx.Process(target=_writer, args=(tmp_path / "c", recipe, 0, 40, 7)))
+    specs = [(0, 40, 3, None), (4, 40, 4, other), (7, 40, 5, None), (9, 40, 6, other), (0, 40, 7, None)]
+    procs = [ctx.Process(target=_writer, args=(tmp_path / "c", *spec)) for spec in specs]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
-    keys = _keys(CaptionCache(tmp_path / "c"))
-    assert len(keys) == len(set(keys)) == 40 * 3
-    total = sum(pq.read_metadata(f).num_rows for f in CaptionCache(tmp_path / "c").caption_files())
-    assert total == 120
+    _assert_each_key_once(tmp_path / "c", {recipe_hash(RECIPE): 120, recipe_hash(other): 3 * 36})
+    assert CaptionCache(tmp_path / "c").recipes()[recipe_hash(RECIPE)].name.startswith("writer "), "one name wins"
+
+
+def test_concurrent_writers_in_threads(tmp_path):
+    """The same protocol in process: handles of their own, committing overlapping chunks at the same moments."""
+    CaptionCache.open_or_create(tmp_path / "c")
+    start = threading.Barrier(4)
+
+    def write(first: int, chunk: int) -> None:
+        start.wait()
+        _writer(tmp_path / "c", first, 40, chunk)
+
+    threads = [threading.Thread(target=write, args=spec) for spec in ((0, 3), (2, 4), (5, 5), (0, 40))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    _assert_each_key_once(tmp_path / "c", {recipe_hash(RECIPE): 120})
 
 
 def test_cache_info_cli(annotated_cache):

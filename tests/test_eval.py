@@ -28,42 +28,11 @@ from evaluation.protocol import LINEAR_LRS, LINEAR_WDS
 from pipeline.core.sources import list_images
 from tests.conftest import tcjepa
 
-TINY = [
-    "--model",
-    "vit_tiny",
-    "--patch-size",
-    "8",
-    "--image-size",
-    "64",
-    "--batch-size",
-    "8",
-    "--captions-per-image",
-    "4",
-    "--no-progress",
-    "--steps",
-    "4",
-    "--set",
-    "depth=2",
-    "--set",
-    "predictor_width=96",
-    "--set",
-    "predictor_depth=2",
-    "--set",
-    "min_context=4",
-    "--set",
-    "val_images=8",
-    "--set",
-    "num_workers=0",
-    "--set",
-    "warmup_steps=2",
-]
 
-
-@pytest.fixture(scope="session")
-def cross_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store) -> Path:
-    run = tmp_path_factory.mktemp("eval") / "cross"
-    tcjepa("train", synth_dir / "images", "--cache", annotated_cache, "--store", annotated_store, "--out", run, *TINY)
-    return run
+@pytest.fixture(scope="module")
+def cross_run(reference_run) -> Path:
+    """The session's trained `cross` run (12 steps); evaluation adds its features and reports to it."""
+    return reference_run
 
 
 # --- probes on data whose answer is known ---------------------------------------------------
@@ -233,10 +202,10 @@ def test_eval_reports_every_probe_with_its_floors_and_caches_features(cross_run,
     # every probe on three feature sets: the attentive probe's 3 x 300 steps dominate on a busy CPU
     done = _eval(cross_run, synth_dir / "images", "--labels", synth_dir / "labels.jsonl", timeout=2400)
     line = done.stdout.strip().splitlines()[-1]
-    assert line.startswith("step 4 | linear top1") and "dense patch_accuracy" in line and "attentive top1" in line
+    assert line.startswith("step 12 | linear top1") and "dense patch_accuracy" in line and "attentive top1" in line
     assert "(baseline " in line and ", pixels " in line
     report = json.loads((cross_run / "eval" / "labels.json").read_text())
-    assert report["step"] == 4 and report["labelled"] == 40 and report["undecodable"] == 0
+    assert report["step"] == 12 and report["labelled"] == 40 and report["undecodable"] == 0
     assert sum(report["split"].values()) == 40 and report["split_source"] == "random"
     assert report["protocol"]["knn"] == {"k": 20, "T": 0.07, "vote": "sum of exp(cos / T) over the k nearest"}
     assert report["protocol"]["preprocessing"]["resize_shorter_side"] == 73
@@ -312,7 +281,7 @@ def test_eval_reads_class_folders_and_reports_both_floors(tmp_path, cross_run, s
         assert set(part["probes"]) == {"linear", "knn"}
     assert "randomly initialised" in report["baseline"]["what"] and "pixels" in report["pixels"]["what"]
     line = done.stdout.strip().splitlines()[-1]
-    assert line.startswith("step 4 | linear top1") and "(baseline " in line
+    assert line.startswith("step 12 | linear top1") and "(baseline " in line
     assert line.endswith(f"test {len(val_images)}")
     dense = tcjepa("eval", cross_run, "--train", data / "train", "--val", data / "val", "--probe", "dense", check=False)
     assert dense.returncode == 2 and "class folders have none" in dense.stderr
@@ -422,7 +391,7 @@ def test_export_loads_into_timm_by_name_with_no_missing_or_unexpected_keys(tmp_p
     from safetensors.torch import load_file
 
     done = tcjepa("export", cross_run, "--out", tmp_path / "export")
-    assert json.loads(done.stdout)["step"] == 4 and json.loads(done.stdout)["weights"] == "target"
+    assert json.loads(done.stdout)["step"] == 12 and json.loads(done.stdout)["weights"] == "target"
     assert _modes(tmp_path / "export") == {"config.json": 0o644, "model.safetensors": 0o644}
     theirs = _timm_model(tmp_path / "export").eval()  # timm loads strictly: a missing or extra key raises
     saved = load_file(str(tmp_path / "export" / "model.safetensors"))

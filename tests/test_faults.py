@@ -13,7 +13,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,8 +21,7 @@ import pytest
 
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.recipes import sha256_file
-from tests.conftest import REPO, tcjepa
-from tests.test_train import TINY
+from tests.conftest import cli, run_command, sets, tcjepa, train_args
 
 
 def _file_size_limit(max_bytes: int) -> Callable[[], None]:
@@ -34,16 +32,19 @@ def _file_size_limit(max_bytes: int) -> Callable[[], None]:
     return apply
 
 
+# coverage.py, when it measures the commands, writes a data file of a few hundred KiB as each one exits.
+COVERAGE_DATA_BYTES = 1 << 20
+
+
 def _cli(*args: object, max_file_bytes: int | None = None) -> subprocess.CompletedProcess:
-    limit = None if max_file_bytes is None else _file_size_limit(max_file_bytes)
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=limit,
-    )
+    """`tcjepa ARGS`, with files limited to `max_file_bytes`; under a limit too small for coverage.py's data file the
+    command is not measured (its save would fail after the command's own error line)."""
+    if max_file_bytes is None:
+        return run_command(cli(*args), check=False)
+    env = dict(os.environ)
+    if max_file_bytes < COVERAGE_DATA_BYTES:
+        env = {k: v for k, v in env.items() if not k.startswith("COVERAGE_PROCESS_")}
+    return run_command(cli(*args), check=False, preexec_fn=_file_size_limit(max_file_bytes), env=env)
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -118,25 +119,8 @@ def test_train_with_a_full_disk_keeps_no_half_checkpoint_then_runs_whole(
     tmp_path, synth_dir, annotated_cache, annotated_store
 ):
     run = tmp_path / "run"
-    args = [
-        "train",
-        synth_dir / "images",
-        "--cache",
-        annotated_cache,
-        "--store",
-        annotated_store,
-        "--out",
-        run,
-        *TINY,
-        "--steps",
-        "4",
-        "--set",
-        "log_every=1",
-        "--set",
-        "val_every=4",
-        "--set",
-        "checkpoint_every=2",
-    ]
+    every = sets("log_every=1", "val_every=4", "checkpoint_every=2")
+    args = train_args(synth_dir / "images", annotated_cache, annotated_store, run, "--steps", "4", *every)
     # The limit is above a batch in shared memory (DataLoader workers), below a checkpoint.
     _assert_one_line_error(_cli(*args, max_file_bytes=4_000_000), "cannot write", "File too large")
     assert not (run / "checkpoint.pt").exists() and not list(run.glob(".checkpoint.pt.*"))
@@ -173,22 +157,7 @@ def test_read_only_destinations_fail_in_one_line_and_change_nothing(
             "cannot access",
             "writable",
         )
-        _assert_one_line_error(
-            _cli(
-                "train",
-                synth_dir / "images",
-                "--cache",
-                annotated_cache,
-                "--store",
-                annotated_store,
-                "--out",
-                locked / "run",
-                *TINY,
-                "--steps",
-                "2",
-            ),
-            "cannot access",
-            "writable",
-        )
+        train = train_args(synth_dir / "images", annotated_cache, annotated_store, locked / "run", "--steps", "2")
+        _assert_one_line_error(_cli(*train), "cannot access", "writable")
     assert {"cache": _tree(cache), "store": _tree(store)} == before
     assert not any(locked.iterdir())

@@ -15,8 +15,6 @@ from benchmarks.reference_predictor import text_regularisers as reference_regula
 from train.losses import patch_word_cosine, prediction_loss, target_features, text_regularisers
 from train.predictor import Predictor, PredictorBlock, TextBatch, TextCrossAttention, TextKeysValues
 
-torch.set_num_threads(2)
-
 
 def _text(b: int, n: int, s: int, d: int, seed: int = 0, lengths: torch.Tensor | None = None) -> TextBatch:
     g = torch.Generator().manual_seed(seed)

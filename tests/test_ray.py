@@ -1,21 +1,33 @@
-"""`--executor ray`: a local Ray instance (2 CPUs, no GPU) started by the command itself, with the tiny models."""
+"""`--executor ray`: a local Ray instance (2 CPUs, no GPU) started by the command itself, with the tiny models.
+
+Each test kills one actor of the run it started (found among that run's own processes) once the run has published
+some of its work; Ray restarts the actor and retries its batch.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
-import numpy as np
-import psutil
+import pytest
 
 from captioning.cache import CaptionCache
-from embedding_cache.reader import EmbeddingReader
-from embedding_cache.store import EmbeddingStore
-from tests.conftest import REPO, tcjepa
+from captioning.job import run_caption
+from tests.conftest import (
+    VLLM_CLI,
+    assert_same_embeddings,
+    bad_image_catalogue,
+    caption_config,
+    caption_rows,
+    descendants,
+    finish,
+    start_tcjepa,
+    tcjepa,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+WITHOUT_RAY_ADDRESS = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
 def _segments(store) -> int:
@@ -25,144 +37,66 @@ def _segments(store) -> int:
         return 0
 
 
-def _workers() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "SegmentPerBatch" in " ".join(p.info["cmdline"] or [])]
+def _kill_one_actor_once(proc, actor: str, published) -> int | None:
+    """SIGKILL one process of `proc`'s own whose command line names `actor`, once `published()` >= 2; then wait for
+    the run to end. What had been published when it was killed."""
+    import time
+
+    killed, deadline = None, time.monotonic() + 300
+    while killed is None and proc.poll() is None and time.monotonic() < deadline:
+        actors = descendants(proc, actor)
+        if actors and published() >= 2:
+            killed = published()
+            actors[0].send_signal(signal.SIGKILL)
+        time.sleep(0.02)
+    return killed
 
 
 def test_embed_on_ray_equals_the_local_executor_and_survives_a_killed_worker(
     tmp_path, annotated_cache, annotated_store, tiny_models
 ):
     store = tmp_path / "store"
-    args = [
-        "embed",
-        "--cache",
-        annotated_cache,
-        "--store",
-        store,
-        "--model",
-        tiny_models / "t5",
-        "--chunk-tokens",
-        "64",
-        "--shard-chunks",
-        "4",
-        "--window",
-        "4",
-        "--executor",
-        "ray",
-        "--ray-actors",
-        "2",
-        "--no-progress",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline", *map(str, args)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    killed = None
-    deadline = time.monotonic() + 300
-    while killed is None and proc.poll() is None and time.monotonic() < deadline:
-        workers = _workers()
-        if workers and _segments(store) >= 2:
-            killed = _segments(store)
-            workers[0].send_signal(signal.SIGKILL)  # one T5 actor dies mid-run; Ray restarts it and retries its batch
-        time.sleep(0.05)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+    args = ["embed", "--cache", annotated_cache, "--store", store, "--model", tiny_models / "t5"]
+    args += ["--chunk-tokens", "64", "--shard-chunks", "4", "--window", "4", "--executor", "ray", "--ray-actors", "2"]
+    proc = start_tcjepa(*args, "--no-progress", env=WITHOUT_RAY_ADDRESS)
+    # One T5 actor dies mid-run; Ray restarts it and retries its batch.
+    killed = _kill_one_actor_once(proc, "SegmentPerBatch", lambda: _segments(store))
+    finish([proc])
     assert killed is not None and killed < 80, f"the worker was not killed mid-run ({killed} of 80 segments published)"
     assert tcjepa("store", "verify", store, "--no-progress").stdout.startswith("ok: ")
-    got, want = EmbeddingReader(store), EmbeddingReader(annotated_store)
-    assert len(got) == len(want) == 320, "nothing lost, nothing twice"
-    for segment in want.segment_ids:
-        for key in EmbeddingStore(annotated_store).read_keys(segment):
-            np.testing.assert_allclose(
-                got.get_key(key.tobytes()).astype(np.float32),
-                want.get_key(key.tobytes()).astype(np.float32),
-                atol=0.02,
-                rtol=0.02,
-            )
-    again = tcjepa(*args)
+    assert_same_embeddings(store, annotated_store)  # nothing lost, nothing twice
+    again = tcjepa(*args, "--no-progress", env=WITHOUT_RAY_ADDRESS)
     assert "320 already stored; encoded 0 captions" in again.stdout, "a rerun over a finished store does no work"
 
 
+@pytest.mark.vllm
 def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_actor_dies(
     tmp_path, synth_dir, tiny_models, vllm_engine
 ):
     """Ray tasks read and decode, one engine actor captions and commits, and is SIGKILLed once it has committed
-    twice; Ray restarts it and retries its batch. The cache: the same recipe, keys, texts and failures as local."""
-    from captioning.job import run_caption
-    from tests.test_caption import VLLM_CLI, _cfg, _rows
-    from tests.test_sources_images import bad_image_catalogue
-
+    twice; Ray restarts it and retries its batch. Two images were captioned before (the same recipe, in process):
+    Ray skips them. The cache: the same recipe, keys, texts and failures as the local executor's."""
     images = tmp_path / "images"
     images.mkdir()
     for source in sorted((synth_dir / "images").glob("*.png"))[:12]:
         (images / source.name).write_bytes(source.read_bytes())
-    for name, (data, failure) in bad_image_catalogue(tmp_path).items():
+    for name, (data, failure) in bad_image_catalogue().items():
         if name in ("truncated.png", "zero.png", "pixel.png"):
             assert failure is not None
             (images / name).write_bytes(data)
-    run_caption(_cfg([images], tmp_path / "local", tiny_models), engine=vllm_engine)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    one_per_batch = [
-        *VLLM_CLI[: VLLM_CLI.index("--chunk-images")],
-        *VLLM_CLI[VLLM_CLI.index("--chunk-images") + 2 :],
-        "--chunk-images",
-        "1",
-    ]
-    args = [
-        "caption",
-        images,
-        "--cache",
-        tmp_path / "ray",
-        "--model",
-        tiny_models / "vlm",
-        *one_per_batch,
-        "--executor",
-        "ray",
-        "--ray-actors",
-        "1",
-    ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline", *map(str, args)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    shards, killed = tmp_path / "ray" / "manifests", None
-    deadline = time.monotonic() + 300
-    while killed is None and proc.poll() is None and time.monotonic() < deadline:
-        committed = len(list(shards.glob("*.json"))) if shards.is_dir() else 0
-        actors = [p for p in psutil.process_iter(["cmdline"]) if "CaptionActor" in " ".join(p.info["cmdline"] or [])]
-        if actors and committed >= 2:
-            killed = committed
-            actors[0].send_signal(signal.SIGKILL)
-        time.sleep(0.02)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    assert killed is not None and killed < 15, f"the actor was not killed mid-run ({killed} of 15 batches committed)"
-    assert "captioned 12 images (96 captions)" in out and "3 failed" in out, out
-    local, ray_rows = _rows(tmp_path / "local"), _rows(tmp_path / "ray")
+    run_caption(caption_config([images], tmp_path / "local", tiny_models), engine=vllm_engine)
+    first_two = sorted(images.glob("0*.png"))[:2]
+    run_caption(caption_config(first_two, tmp_path / "ray", tiny_models), engine=vllm_engine)
+    before = len(list((tmp_path / "ray" / "manifests").glob("*.json")))
+    one_per_batch = [*VLLM_CLI[: VLLM_CLI.index("--chunk-images")], *VLLM_CLI[VLLM_CLI.index("--chunk-images") + 2 :]]
+    args = ["caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *one_per_batch]
+    proc = start_tcjepa(*args, "--chunk-images", "1", "--executor", "ray", "--ray-actors", "1", env=WITHOUT_RAY_ADDRESS)
+    shards = tmp_path / "ray" / "manifests"
+    killed = _kill_one_actor_once(proc, "CaptionActor", lambda: len(list(shards.glob("*.json"))) - before)
+    ((out, _),) = finish([proc])
+    assert killed is not None and killed < 13, f"the actor was not killed mid-run ({killed} of 13 batches committed)"
+    assert "captioned 10 images (80 captions), 2 already cached, 3 failed" in out, out
+    local, ray_rows = caption_rows(tmp_path / "local"), caption_rows(tmp_path / "ray")
     assert sorted(map(sorted, (r.items() for r in ray_rows))) == sorted(map(sorted, (r.items() for r in local)))
     local_failures = CaptionCache(tmp_path / "local").read_failures().sort_by("source_id").to_pylist()
     assert CaptionCache(tmp_path / "ray").read_failures().sort_by("source_id").to_pylist() == local_failures
-    again = tcjepa(
-        "caption",
-        images,
-        "--cache",
-        tmp_path / "ray",
-        "--model",
-        tiny_models / "vlm",
-        *VLLM_CLI,
-        "--executor",
-        "ray",
-        env=env,
-    ).stdout
-    assert "captioned 0 images" in again and "12 already cached" in again, again

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import signal
+import shutil
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,52 +15,53 @@ from captioning.remote_cache import mirror_cache
 from embedding_cache.remote_store import mirror_store
 from pipeline.core.errors import DataProblem
 from pipeline.core.remote import mirror_path
-from tests.conftest import REPO, tcjepa
-from tests.test_train import TINY, _assert_close_runs
+from tests.conftest import (
+    REPO,
+    TINY_TRAIN,
+    assert_close_runs,
+    assert_same_embeddings,
+    finish,
+    kill_when,
+    metrics,
+    start,
+    start_tcjepa,
+    tcjepa,
+    torchrun,
+)
 
+pytestmark = pytest.mark.s3
 BUCKET = "tcjepa-test"
 
 
 @pytest.fixture(scope="module")
-def s3(annotated_cache, annotated_store):
-    """The session's cache and store uploaded as plain trees (as `aws s3 sync` would), and the env that reaches them."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+def uploaded(s3_server, annotated_cache, annotated_store):
+    """The session's cache and store uploaded as plain trees (as `aws s3 sync` would), once per module."""
     import s3fs
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs = s3fs.S3FileSystem(
+        key=s3_server["AWS_ACCESS_KEY_ID"],
+        secret=s3_server["AWS_SECRET_ACCESS_KEY"],
+        endpoint_url=s3_server["AWS_ENDPOINT_URL"],
+        skip_instance_cache=True,
+    )
     fs.mkdir(BUCKET)
     fs.put(str(annotated_cache), f"{BUCKET}/cache", recursive=True)
     fs.put(str(annotated_store), f"{BUCKET}/store", recursive=True)
-    yield fs, {**os.environ}
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+    return fs
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture
+def s3(uploaded, s3_env):
+    """(file system, environment of the subprocesses) for a test on the uploaded bucket."""
+    return uploaded, s3_env
 
 
+@pytest.mark.slow
 def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(
     tmp_path, s3, synth_dir, annotated_cache, annotated_store, capsys
 ):
     _, env = s3
-    common = [*TINY, "--steps", "2", "--set", "log_every=1", "--set", "val_every=2"]
+    common = [*TINY_TRAIN, "--steps", "2", "--set", "log_every=1", "--set", "val_every=2"]
     tcjepa(
         "train",
         synth_dir / "images",
@@ -91,7 +88,7 @@ def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(
         env=env,
     )
     assert "1 new of 1 shards" in remote.stderr and "1 new of 1 segments" in remote.stderr
-    local, remote_lines = _metrics(tmp_path / "local"), _metrics(tmp_path / "remote")
+    local, remote_lines = metrics(tmp_path / "local"), metrics(tmp_path / "remote")
     assert len(remote_lines) == len(local) == 3
     assert remote_lines == [
         {**m, "images_per_s": r["images_per_s"]} if "images_per_s" in m else m for m, r in zip(local, remote_lines)
@@ -115,15 +112,14 @@ def test_train_reads_a_remote_cache_and_store_through_a_local_mirror(
     )
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_training_fetches_only_the_segments_that_hold_its_captions(
     tmp_path, s3, synth_dir, annotated_cache, annotated_store
 ):
     """A remote store of two segments (the first 12 images' captions, then the rest) and a run on those 12 images on
     two nodes: rank 0 builds the index from the store's keys, and each node fetches only the segment holding its
     captions. The metrics match a one-process run on the local store."""
-    import hashlib
-    import shutil
-
     from captioning.cache import CaptionCache
     from embedding_cache.reader import EmbeddingReader
     from embedding_cache.remote_store import RemoteEmbeddingStore
@@ -152,7 +148,7 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
         writer.finish()
         remote.publish(writer)
 
-    common = [*TINY, "--steps", "2", "--set", "log_every=1", "--set", "val_every=2", "--set", "bf16=false"]
+    common = [*TINY_TRAIN, "--steps", "2", "--set", "log_every=1", "--set", "val_every=2", "--set", "bf16=false"]
     tcjepa(
         "train",
         subset,
@@ -163,54 +159,19 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
         "--out",
         tmp_path / "local",
         *common,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=env,
     )
     # Two nodes of one process each (two torchrun agents meeting at a c10d rendezvous), each with its own HOME and
     # so its own default mirror, as on two machines.
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "subset",
-                "-m",
-                "pipeline",
-                "train",
-                str(subset),
-                "--cache",
-                f"s3://{BUCKET}/cache",
-                "--store",
-                url,
-                "--out",
-                str(tmp_path / "remote"),
-                *map(str, common),
-            ],
-            cwd=REPO,
-            env={**env, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path / f"node{k}")},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for k in range(2)
-    ]
-    errs = []
-    for node in nodes:
-        _, err = node.communicate(timeout=300)
-        assert node.returncode == 0, err[-3000:]
-        errs.append(err)
+    rendezvous = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d")
+    rendezvous += ("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "subset")
+    args = ["train", subset, "--cache", f"s3://{BUCKET}/cache", "--store", url, "--out", tmp_path / "remote", *common]
+    command = torchrun(*args, launch=rendezvous)
+    nodes = [start(command, env={**env, "HOME": str(tmp_path / f"node{k}")}) for k in range(2)]
+    errs = [err for _, err in finish(nodes, timeout=300)]
     assert sum("1 new of 1 segments this run needs (the store has 2)" in err for err in errs) == 2, errs
     for k in range(2):
         mirrors = tmp_path / f"node{k}" / ".cache" / "tcjepa" / "mirror"
@@ -219,7 +180,7 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
         assert (
             mirror_path(url, mirrors, suffix="-keys").exists() == mirror_path(f"s3://{BUCKET}/cache", mirrors).exists()
         ), "only the node of rank 0 reads the store's keys and the cache, to build the index"
-    _assert_close_runs(_metrics(tmp_path / "local"), _metrics(tmp_path / "remote"))
+    assert_close_runs(metrics(tmp_path / "local"), metrics(tmp_path / "remote"))
 
 
 def test_damaged_remote_files_are_never_used(tmp_path, s3):
@@ -273,18 +234,6 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     assert report.stdout.startswith("ok: 1 recipes, 2 shards, 320 captions"), report.stdout
     assert a.recipes()[digest].name == b.recipes()[digest].name == "first", "the first writer's recipe name wins"
 
-    # a PUT retried after its response was lost finds its own entry: a success, not a lost race
-    from pipeline.core.recipes import canonical_json
-    from pipeline.core.remote import PublishLog
-
-    log = PublishLog(url, fs, f"{BUCKET}/raced-cache", tmp_path / "fresh-log")
-    # already there: someone else's
-    fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000000.json", canonical_json({"mine": 1}))
-    assert log.append({"mine": 2}) is None
-    log.keep(0, b"{}"), log.keep(1, b"{}")
-    fs.pipe_file(f"{BUCKET}/raced-cache/log/000000000002.json", canonical_json({"mine": 3}))
-    assert log.append({"mine": 3}) == 2
-
     # the cache deleted and made anew under the same URL: the old mirror is emptied, not taken for the new cache
     fs.rm(f"{BUCKET}/raced-cache", recursive=True)
     fresh = RemoteCaptionCache.open_or_create(url, tmp_path / "host-a")
@@ -293,38 +242,17 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     assert fresh.commit(rows[:10]).captions_added == 10
 
 
+@pytest.mark.distributed
 def test_four_processes_write_one_remote_cache_at_once(tmp_path, s3, synth_dir, annotated_cache):
     """Two hosts sharing a mirror directory and two with their own, all importing the same captions."""
     env = s3[1]
     url = f"s3://{BUCKET}/shared-cache"
     mirrors = [tmp_path / "m1", tmp_path / "m1", tmp_path / "m2", tmp_path / "m3"]
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "caption",
-                "--cache",
-                url,
-                "--annotations",
-                synth_dir / "captions.jsonl",
-                "--mirror",
-                m,
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        start_tcjepa("caption", "--cache", url, "--annotations", synth_dir / "captions.jsonl", "--mirror", m, env=env)
         for m in mirrors
     ]
-    added = 0
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-2000:]
-        added += int(out.split(" captions added")[0].split()[-1])
+    added = sum(int(out.split(" captions added")[0].split()[-1]) for out, _ in finish(procs))
     assert added == 320
     report = tcjepa("cache", "verify", url, "--no-progress", env=env)
     assert " 320 captions" in report.stdout, report.stdout
@@ -333,11 +261,13 @@ def test_four_processes_write_one_remote_cache_at_once(tmp_path, s3, synth_dir, 
     assert json.loads(local)["recipes"] == json.loads(remote)["recipes"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, annotated_store, tiny_models):
     """A lost race at the store level (in process), then two `tcjepa embed` processes at once on one s3:// store."""
     from embedding_cache.reader import EmbeddingReader
     from embedding_cache.remote_store import RemoteEmbeddingStore
-    from embedding_cache.store import EmbeddingStore, TokenLayout
+    from embedding_cache.store import TokenLayout
 
     env = s3[1]
     encoder = {"kind": "test-encoder"}
@@ -367,60 +297,21 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, ann
     )
 
     url = f"s3://{BUCKET}/embedded-store"
-    args = [
-        "embed",
-        "--cache",
-        annotated_cache,
-        "--store",
-        url,
-        "--model",
-        tiny_models / "t5",
-        "--chunk-tokens",
-        "256",
-        "--shard-chunks",
-        "4",
-        "--window",
-        "32",
-        "--segment-mb",
-        "0.1",
-        "--no-progress",
-    ]
+    args = ["embed", "--cache", annotated_cache, "--store", url, "--model", tiny_models / "t5", "--no-progress"]
+    args += ["--chunk-tokens", "256", "--shard-chunks", "4", "--window", "32", "--segment-mb", "0.1"]
 
-    def start(k: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "pipeline", *map(str, args), "--mirror", tmp_path / f"embed-{k}"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-
-    procs = [start(0), start(1)]
-    deadline = time.monotonic() + 300
-    while not fs.exists(f"{BUCKET}/embedded-store/log") and procs[0].poll() is None and time.monotonic() < deadline:
+    def published() -> bool:
         fs.invalidate_cache()
-        time.sleep(0.2)
-    os.killpg(procs[0].pid, signal.SIGKILL)  # a host dies mid-run; its rerun resumes beside the other writer
-    procs[0].communicate()
-    procs[0] = start(0)
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-2000:]
+        return fs.exists(f"{BUCKET}/embedded-store/log")
+
+    procs = [start_tcjepa(*args, "--mirror", tmp_path / f"embed-{k}", env=env) for k in range(2)]
+    kill_when(procs[0], published)  # a host dies once a segment is published; its rerun resumes beside the other
+    procs[0] = start_tcjepa(*args, "--mirror", tmp_path / "embed-0", env=env)
+    finish(procs)
     assert tcjepa(
         "store", "verify", url, "--no-progress", env={**env, "HOME": str(tmp_path / "home")}
     ).stdout.startswith("ok: ")
-    got, want = EmbeddingReader(mirror_store(url, tmp_path / "reader")), EmbeddingReader(annotated_store)
-    assert len(got) == len(want) == 320
-    for segment in want.segment_ids:
-        for key in EmbeddingStore(annotated_store).read_keys(segment):
-            np.testing.assert_allclose(
-                got.get_key(key.tobytes()).astype(np.float32),
-                want.get_key(key.tobytes()).astype(np.float32),
-                atol=0.02,
-                rtol=0.02,
-            )
+    assert_same_embeddings(mirror_store(url, tmp_path / "reader"), annotated_store)
 
 
 def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir):

@@ -15,15 +15,9 @@ from pipeline.core.errors import UserError
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.recipes import sha256_bytes
 from pipeline.core.sources import ImageReader, iter_images, list_images
+from tests.conftest import bad_image_catalogue, png
 
-
-def _png(colour, size=(32, 24), mode="RGB"):
-    buf = io.BytesIO()
-    Image.new(mode, size, colour).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-IMAGES = {f"im{i}.png": _png((40 * i, 255 - 30 * i, 90)) for i in range(5)}
+IMAGES = {f"im{i}.png": png((40 * i, 255 - 30 * i, 90)) for i in range(5)}
 
 
 def test_every_source_kind_yields_the_same_images(tmp_path):
@@ -83,13 +77,13 @@ def test_every_source_kind_yields_the_same_images(tmp_path):
 
 def test_tar_links_and_traversal_are_never_followed(tmp_path):
     secret = tmp_path / "secret.png"
-    secret.write_bytes(_png("red"))
+    secret.write_bytes(png("red"))
     with tarfile.open(tmp_path / "evil.tar", "w") as tar:
         link = tarfile.TarInfo("link.png")
         link.type = tarfile.SYMTYPE
         link.linkname = str(secret)
         tar.addfile(link)
-        data = _png("blue")
+        data = png("blue")
         info = tarfile.TarInfo("../../escape.png")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
@@ -110,46 +104,18 @@ def test_bad_inputs_are_refused_up_front(tmp_path):
         list(iter_images([tmp_path / "t.parquet"]))
 
 
-def bad_image_catalogue(tmp_path):
-    """name -> (bytes, expected failure reason prefix or None when it must decode)."""
-    rgb = _png("green", (40, 30))
-    jpeg = io.BytesIO()
-    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(jpeg, format="JPEG")
-    palette = io.BytesIO()
-    Image.new("P", (20, 20), 3).save(palette, format="PNG", transparency=3)
-    sixteen = io.BytesIO()
-    Image.fromarray(np.full((20, 20), 40000, dtype=np.uint16)).save(sixteen, format="PNG")
-    bomb = io.BytesIO()
-    Image.new("1", (10_000, 9_000)).save(bomb, format="PNG")
-    return {
-        "ok.png": (rgb, None),
-        "truncated.png": (rgb[: len(rgb) // 2], "corrupt or truncated"),
-        "zero.png": (b"", "empty file"),
-        "pixel.png": (_png("red", (1, 1)), "too small"),
-        "bomb.png": (bomb.getvalue(), "decompression bomb"),
-        "cmyk.jpg": (jpeg.getvalue(), None),
-        "palette_alpha.png": (palette.getvalue(), None),
-        "rgba.png": (_png((255, 0, 0, 0), (20, 20), "RGBA"), None),
-        "la.png": (_png((128, 255), (20, 20), "LA"), None),
-        "sixteen_bit.png": (sixteen.getvalue(), None),
-        "png_named.jpg": (_png("blue", (40, 30)), None),
-        "text.png": (b"hello, I am not an image", "not an image"),
-        "huge_but_decodable.png": (_png("white", (3000, 2000)), None),
-    }
-
-
 def test_decode_normalises_or_names_the_problem(tmp_path):
     policy = ImagePolicy(max_pixels=512 * 512)
-    for name, (data, reason) in bad_image_catalogue(tmp_path).items():
+    for name, (data, reason) in bad_image_catalogue().items():
         image, error = decode(data, policy)
         if reason is None:
             assert error is None, (name, error)
             assert image.mode == "RGB" and image.width * image.height <= 512 * 512, name
         else:
             assert image is None and error.startswith(reason), (name, error)
-    rgba, _ = decode(_png((255, 0, 0, 0), (20, 20), "RGBA"), policy)
+    rgba, _ = decode(png((255, 0, 0, 0), (20, 20), "RGBA"), policy)
     assert rgba.getpixel((3, 3)) == (255, 255, 255), "transparent pixels become white"
-    big, _ = decode(_png("white", (3000, 2000)), policy)
+    big, _ = decode(png("white", (3000, 2000)), policy)
     assert abs(big.width / big.height - 1.5) < 0.01
 
 

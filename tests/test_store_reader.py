@@ -1,7 +1,4 @@
 import json
-import multiprocessing as mp
-import os
-import shutil
 
 import numpy as np
 import pytest
@@ -11,24 +8,11 @@ from embedding_cache.reader import EmbeddingReader, StoreKeys
 from embedding_cache.store import EmbeddingStore, TokenLayout
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
-
-ENC = {"kind": "t5-encoder", "model": "fake", "max_length": 64}
-D = 8
-LAYOUT = TokenLayout(chunk_tokens=16, shard_chunks=4)  # 64-token shards: captions cross chunks and shards
-
-
-def _caption(i, length=None):
-    rng = np.random.default_rng(i)
-    n = int(rng.integers(0, 40)) if length is None else length
-    return text_key(f"caption {i}"), rng.standard_normal((n, D)).astype(np.float16)
-
-
-def _write(store, ids):
-    w = store.new_segment(LAYOUT)
-    for i in ids:
-        w.append(*_caption(i))
-    w.finish()
-    return store.publish(w)
+from tests.conftest import TEST_ENCODER as ENC
+from tests.conftest import TEST_LAYOUT as LAYOUT
+from tests.conftest import TEST_WIDTH as D
+from tests.conftest import numbered_caption as _caption
+from tests.conftest import publish_captions as _write
 
 
 def test_reader_returns_exactly_what_zarr_returns(tmp_path):
@@ -96,69 +80,6 @@ def test_gather_padded(tmp_path):
     assert np.array_equal(batch[2, :3], _caption(0, 3)[1]) and not batch[2, 3:].any()
     capped, lengths = reader.gather_padded(rows, max_len=4)
     assert capped.shape[1] == 4 and lengths.tolist() == [4, 0, 3]
-
-
-def test_publish_drops_keys_another_writer_published(tmp_path):
-    store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
-    other = EmbeddingStore(tmp_path / "s")  # a second writer process's view
-    w1, w2 = store.new_segment(LAYOUT), other.new_segment(LAYOUT)
-    for i in range(0, 30):
-        w1.append(*_caption(i))
-    for i in range(20, 45):
-        w2.append(*_caption(i))
-    w1.finish()
-    w2.finish()
-    assert store.publish(w1).captions == 30
-    second = other.publish(w2)
-    assert (second.captions, second.duplicates_dropped) == (15, 10)
-    reader = EmbeddingReader(tmp_path / "s")
-    assert len(reader) == 45
-    for i in range(45):
-        key, arr = _caption(i)
-        assert np.array_equal(reader.get_key(key), arr)
-    all_keys = np.concatenate([store.read_keys(s) for s in store.segment_ids()])
-    assert len(np.unique(all_keys, axis=0)) == 45
-    assert not (tmp_path / "s" / ".staging").exists()
-    w3 = store.new_segment(LAYOUT)
-    w3.append(*_caption(3))
-    w3.finish()
-    assert store.publish(w3).segment is None  # nothing new: no empty segment is published
-
-
-def _concurrent_writer(path, lo, hi):
-    store = EmbeddingStore(path)
-    for start in range(lo, hi, 7):
-        _write(store, range(start, min(start + 7, hi)))
-
-
-def test_four_concurrent_writer_processes(tmp_path):
-    EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_concurrent_writer, args=(tmp_path / "s", lo, lo + 40)) for lo in (0, 10, 20, 30)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    reader = EmbeddingReader(tmp_path / "s")
-    assert len(reader) == 70
-    for i in range(70):
-        key, arr = _caption(i)
-        assert np.array_equal(reader.get_key(key), arr)
-
-
-def test_unlisted_segments_are_invisible_and_cleaned(tmp_path):
-    store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
-    first = _write(store, range(5)).segment
-    # as if a writer died after renaming its segment but before listing it
-    shutil.copytree(tmp_path / "s" / "segments" / first, tmp_path / "s" / "segments" / "orphan")
-    # and a dead writer's staging directory (pid that cannot exist)
-    dead = tmp_path / "s" / ".staging" / f"0-{os.uname().nodename}-999999999-abcd"
-    dead.mkdir(parents=True)
-    assert len(EmbeddingReader(tmp_path / "s")) == 5
-    _write(store, range(5, 8))
-    assert not (tmp_path / "s" / "segments" / "orphan").exists() and not dead.exists()
-    assert len(EmbeddingReader(tmp_path / "s")) == 8
 
 
 def test_store_refuses_another_encoder_and_foreign_dirs(tmp_path):

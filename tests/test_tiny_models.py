@@ -1,5 +1,4 @@
 import hashlib
-import json
 
 import pytest
 
@@ -29,13 +28,16 @@ def test_random_models_load_offline_through_from_pretrained(tiny_models):
     assert vlm.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
 
+@pytest.mark.slow
 def test_same_arguments_give_identical_files(tmp_path, synth_dir):
-    args = ["--t5-corpus", synth_dir / "captions.jsonl", "--t5-steps", 20]
-    tcjepa("tiny-models", "--out", tmp_path / "a", *args)
-    tcjepa("tiny-models", "--out", tmp_path / "b", *args)
-    c_stats = json.loads(
-        tcjepa("tiny-models", "--out", tmp_path / "c", *args, "--seed", 1, "--no-t5-phrase-tags").stdout
-    )
+    """Through the CLI once, then twice in this process (the same function): the files depend on the arguments only,
+    not on the process that built them."""
+    from pipeline.devkit.tiny_models import build_tiny_models
+
+    corpus = synth_dir / "captions.jsonl"
+    tcjepa("tiny-models", "--out", tmp_path / "a", "--t5-corpus", corpus, "--t5-steps", 20)
+    build_tiny_models(tmp_path / "b", t5_corpus=corpus, t5_steps=20)
+    c_stats = build_tiny_models(tmp_path / "c", t5_corpus=corpus, t5_steps=20, seed=1, t5_phrase_tags=False)
     a, b, c = _digests(tmp_path / "a"), _digests(tmp_path / "b"), _digests(tmp_path / "c")
     assert a == b
     assert (
@@ -97,21 +99,21 @@ def test_phrase_tags_mark_each_object_phrase_with_what_the_phrase_determines():
 
 
 @pytest.mark.slow
-def test_trained_t5_ties_colours_to_positions(tmp_path, synth_dir, tiny_models):
+def test_trained_t5_ties_colours_to_positions(trained_t5, tiny_models):
     """A random T5 is a bag of words; phrase tagging makes every word of an object's phrase carry the object.
 
     Measured by linear probes on held-out scenes, both ways: the object's colour from its position phrase, and
-    its cell from its colour word - what a predictor cross-attending from a cell to the caption needs.
+    its cell from its colour word - what a predictor cross-attending from a cell to the caption needs. (The ~3 min
+    build starts with the session: conftest's `trained_t5`.)
     """
     from pipeline.devkit.tiny_t5 import binding_score, probe_accuracy
 
-    stats = json.loads(
-        tcjepa("tiny-models", "--out", tmp_path, "--t5-corpus", synth_dir / "captions.jsonl", "--t5-steps", 600).stdout
-    )
+    trained, stats = trained_t5
     random_probe = probe_accuracy(tiny_models / "t5")
     trained_probe = stats["t5_probe_accuracy"]
+    assert stats["t5_training"]["steps"] == 600
     assert stats["t5_training"]["phrase_tags"] and stats["t5_training"]["tag_accuracy"] > 0.8, stats
-    assert stats["t5_binding_score"] == pytest.approx(binding_score(tmp_path / "t5"), abs=1e-4)
+    assert stats["t5_binding_score"] == pytest.approx(binding_score(trained / "t5"), abs=1e-4)
     assert 0 < binding_score(tiny_models / "t5") < 0.2, "a random T5: a colour word hardly changes with its cell"
     assert random_probe["colour_from_where"] < 0.4 and random_probe["cell_from_colour"] < 0.15, random_probe
     assert trained_probe["colour_from_where"] > 0.9 and trained_probe["cell_from_colour"] > 0.5, trained_probe

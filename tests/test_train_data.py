@@ -10,20 +10,21 @@ import pytest
 import torch
 
 from embedding_cache.reader import EmbeddingReader
+from pipeline.core.sources import ImageRef
 from train.config import TrainConfig
 from train.data import StepBatches, crop_box, split_images
-from train.data_index import build_index
+from train.data_index import TrainIndex, build_index
 from train.jepa import build_models, ema_update, param_groups
 from train.schedules import Cosine, Linear, WarmupCosine
 
 
 @pytest.fixture(scope="module")
-def setup(synth_dir, annotated_cache, annotated_store):
-    index = build_index([synth_dir / "images"], annotated_cache, annotated_store, [], progress=False)
+def setup(synth_dir, annotated_cache, vector_store):
+    index = build_index([synth_dir / "images"], annotated_cache, vector_store, [], progress=False)
     cfg = TrainConfig(
         images=[str(synth_dir / "images")],
         cache=str(annotated_cache),
-        store=str(annotated_store),
+        store=str(vector_store),
         model="vit_tiny",
         patch_size=8,
         image_size=64,
@@ -207,3 +208,49 @@ def test_an_image_gone_since_the_index_was_built_is_replaced_with_its_captions(s
     pair, alone = data.validation_batch(np.array([1, 2])), data.validation_batch(np.array([2]))
     assert pair.replaced == 1 and torch.equal(pair.images[0], alone.images[0])
     assert torch.equal(pair.tokens[0], pair.tokens[1])
+    (folder / moved.refs[0].source_id).unlink()
+    data = StepBatches(moved, np.array([0]), one, (8, 8))
+    assert data[0].replaced == 1
+    # Replaced by the next usable image: image 1's pixels stand in for image 0's.
+    assert torch.equal(data.validation_batch(np.array([0])).images, data.validation_batch(np.array([1])).images)
+
+
+# --- the step-batch sampler: which samples each rank takes at each step ---------------------------------------
+
+
+def _sampler(n_images: int, batch: int, seed: int = 3, rank: int = 0, world: int = 1) -> StepBatches:
+    """Batches over `n_images` indexed images (ids 100, 103, ...), no text: `images_of_step` reads no image."""
+    refs = [ImageRef(f"{i}.png", "file", f"/nowhere/{i}.png") for i in range(n_images)]
+    index = TrainIndex(
+        refs, ["0" * 64] * n_images, np.zeros(n_images + 1, np.int64), np.zeros((0, 32), np.uint8), [], {}
+    )
+    cfg = TrainConfig(conditioning="none", batch_size=batch, seed=seed, steps=100, image_size=32, patch_size=8)
+    return StepBatches(index, 100 + 3 * np.arange(n_images), cfg, (4, 4), rank=rank, world=world)
+
+
+def test_epochs_run_back_to_back_each_a_permutation_of_the_images():
+    data = _sampler(10, 4)
+    taken = np.concatenate([data.images_of_step(s) for s in range(15)])  # 60 samples: 6 epochs, steps across ends
+    epochs = taken.reshape(6, 10)
+    for order in epochs:
+        assert sorted(order.tolist()) == list(range(100, 130, 3)), "each image once per epoch"
+    assert len({tuple(order) for order in epochs}) == 6, "a new order each epoch"
+    straddling = data.images_of_step(2)  # positions 8..11: the end of epoch 0, the start of epoch 1
+    assert straddling.tolist() == [*epochs[0][8:], *epochs[1][:2]]
+    assert np.array_equal(_sampler(10, 4).images_of_step(7), data.images_of_step(7)), "a function of (seed, step)"
+    assert not np.array_equal(_sampler(10, 4, seed=4).images_of_step(0), data.images_of_step(0))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_rank_shares_are_disjoint_and_make_up_the_global_batch(world):
+    whole = _sampler(13, 8)
+    for step in (0, 1, 5, 11):
+        shares = [_sampler(13, 8, rank=r, world=world).images_of_step(step) for r in range(world)]
+        assert all(len(s) == 8 // world for s in shares)
+        # Rank r takes global positions [r·b/w, (r+1)·b/w) of the step: in rank order, the shares are the batch.
+        assert np.array_equal(np.concatenate(shares), whole.images_of_step(step))
+
+
+def test_a_batch_that_does_not_split_evenly_is_refused():
+    with pytest.raises(ValueError, match="batch_size 8 is not divisible by 3 processes"):
+        _sampler(13, 8, rank=0, world=3)

@@ -1,12 +1,10 @@
 import hashlib
-import io
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from captioning.annotations import import_annotations
 from captioning.cache import CaptionCache
@@ -14,22 +12,17 @@ from embedding_cache.reader import EmbeddingReader
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
 from pipeline.core.sources import ImageReader
-from tests.conftest import REPO
+from tests.conftest import REPO, png
 from train.data_index import TrainIndex, build_index
 
 N = 40  # images in the session's synth_dir, 8 captions each
 EXTRA = 10  # images that get one extra caption (and one repeated text) in a second recipe
 
 
-def _png(colour: tuple[int, int, int]) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (32, 32), colour).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
-def store(annotated_store):
-    return annotated_store
+def store(vector_store):
+    """A store of every caption of `annotated_cache` (made-up vectors: the index reads only its keys)."""
+    return vector_store
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def mixed(tmp_path_factory, synth_dir):
     odd = root / "odd"
     odd.mkdir()
     for i in range(10):
-        (odd / f"new{i}.png").write_bytes(_png((20 * i, 50, 200)))
+        (odd / f"new{i}.png").write_bytes(png((20 * i, 50, 200), (32, 32)))
     broken = b"\x89PNG\r\n\x1a\n broken"
     (odd / "broken.png").write_bytes(broken)
     (odd / "gone.png").symlink_to(odd / "nowhere.png")
@@ -110,7 +103,7 @@ def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, a
 def test_same_names_different_images_are_rehashed(tmp_path, annotated_cache, capsys):
     (tmp_path / "images").mkdir()
     for i in range(N):
-        (tmp_path / "images" / f"{i:06d}.png").write_bytes(_png((5 * i, 100, 30)))
+        (tmp_path / "images" / f"{i:06d}.png").write_bytes(png((5 * i, 100, 30), (32, 32)))
     index = build_index([tmp_path], annotated_cache, None, [], min_coverage=0, verify_sample=3, progress=False)
     assert "hashing every image" in capsys.readouterr().err
     reader = ImageReader()
@@ -176,3 +169,23 @@ def test_the_index_needs_no_deep_learning_libraries():
         ).stdout.strip()
         == "[]"
     )
+
+
+def test_a_file_that_is_not_an_index_is_refused(tmp_path, synth_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"source_id": ["a"]}), tmp_path / "index.parquet")
+    with pytest.raises(UserError, match="is not a tcjepa train index v1; delete it to rebuild the index"):
+        TrainIndex.load(tmp_path / "index.parquet")
+
+
+def test_images_of_no_caption_and_left_out_images_survive_a_round_trip(tmp_path, synth_dir, mixed, store):
+    cache, odd = mixed
+    index = build_index([synth_dir, odd], cache, store, ["captions", "extra"], min_coverage=0, progress=False)
+    assert index.coverage == {0: 10, 8: N} and index.missing_embeddings == EXTRA and sum(index.left_out.values()) == 2
+    assert [len(index.captions_of(i)) for i in range(len(index))] == [8] * N + [0] * 10
+    index.save(tmp_path / "index.parquet")
+    loaded = TrainIndex.load(tmp_path / "index.parquet")
+    _same(index, loaded)
+    assert loaded.coverage_line() == index.coverage_line()

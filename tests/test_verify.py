@@ -28,9 +28,16 @@ def cache(tmp_path, annotated_cache) -> Path:
 
 
 @pytest.fixture
-def store(tmp_path, annotated_store) -> Path:
-    shutil.copytree(annotated_store, tmp_path / "store")
+def store(tmp_path, vector_store) -> Path:
+    shutil.copytree(vector_store, tmp_path / "store")
     return tmp_path / "store"
+
+
+@pytest.fixture
+def t5_store(tmp_path, annotated_store) -> Path:
+    """A store the tiny T5 made, which `--deep` can re-encode."""
+    shutil.copytree(annotated_store, tmp_path / "t5-store")
+    return tmp_path / "t5-store"
 
 
 def _shard(cache: Path) -> str:
@@ -169,7 +176,8 @@ def test_store_verify_finds_duplicate_keys_and_missing_segments(store):
         verify_store(store, progress=False)
 
 
-def test_store_verify_deep_re_encodes_and_catches_vectors_that_lie(store, annotated_cache, tiny_models):
+def test_store_verify_deep_re_encodes_and_catches_vectors_that_lie(t5_store, annotated_cache, tiny_models):
+    store = t5_store
     with pytest.raises(UserError, match="--deep needs --cache"):
         verify_store(store, deep=True, progress=False)
     with pytest.raises(UserError, match="pass its directory with --model"):

@@ -1,0 +1,68 @@
+"""Checkpoints (`train.checkpoint`): saved whole or not at all, a killed save's leftovers removed, a damaged file
+refused in one line. The disk fills for real: the soft file-size limit of this process is lowered for one save."""
+
+from __future__ import annotations
+
+import resource
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from pipeline.core.errors import UserError
+from train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((64, 64), float(step))}, "step": step, "config": {"lr": 0.1}}
+
+
+@contextmanager
+def _file_size_limit(max_bytes: int) -> Iterator[None]:
+    """Writes past `max_bytes` fail with EFBIG (as on a full disk) in this process, until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_checkpoint_round_trips_and_a_run_without_one_has_none(tmp_path):
+    assert load_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path, _state(3))
+    loaded = load_checkpoint(tmp_path)
+    assert (
+        loaded["step"] == 3
+        and loaded["config"] == {"lr": 0.1}
+        and torch.equal(loaded["model"]["w"], _state(3)["model"]["w"])
+    )
+
+
+def test_a_save_that_fills_the_disk_raises_the_os_error_and_keeps_the_last_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, _state(1))
+    before = (tmp_path / CHECKPOINT).read_bytes()
+    with _file_size_limit(4096), pytest.raises(OSError, match="File too large"):
+        save_checkpoint(tmp_path, _state(2))
+    assert (tmp_path / CHECKPOINT).read_bytes() == before, "the previous checkpoint is intact"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT], "no half-written temporary is left"
+
+
+def test_a_killed_saves_temporary_is_removed_by_the_next_save(tmp_path):
+    stale = tmp_path / f".{CHECKPOINT}.999999999.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    save_checkpoint(tmp_path, _state(4))
+    assert not stale.exists() and load_checkpoint(tmp_path)["step"] == 4
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path):
+    save_checkpoint(tmp_path, _state(5))
+    data = (tmp_path / CHECKPOINT).read_bytes()
+    (tmp_path / CHECKPOINT).write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="cannot be read .*move it away to start over") as caught:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(caught.value)

@@ -1,0 +1,158 @@
+"""Training settings refused in process: `apply` (type checks), `validate` (combinations), `load_yaml`, and runs that
+`run_training` will not continue. test_train.py keeps the CLI's error path (one `error:` line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from pipeline.core.errors import UserError
+from train.config import TrainConfig, apply, differences, load_yaml, parse_set, to_dict, validate
+
+
+def _set(*pairs: str) -> TrainConfig:
+    return apply(TrainConfig(), parse_set(list(pairs)), "--set")
+
+
+def _settings(**changes) -> TrainConfig:
+    return apply(TrainConfig(cache="c", store="s"), changes, "command line")
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [
+        (["stepz=3"], "--set: unknown config key 'stepz' (did you mean 'steps'?)"),
+        (["lr=fast"], "config key 'lr': expected a number"),
+        (["steps=2.5"], "config key 'steps': expected an integer"),
+        (["bf16=1"], "config key 'bf16': expected true or false"),
+        (["ema=[0.99]"], "config key 'ema': expected 2 numbers like [a, b]"),
+        (["recipes={a: 1}"], "config key 'recipes': expected a list"),
+        (["model=[1]"], "config key 'model': expected a string"),
+        (["lr"], "--set 'lr': expected key=value"),
+        (["lr=[1"], "--set 'lr=[1': cannot read the value as YAML"),
+    ],
+)
+def test_bad_values_are_refused_with_the_key_named(pairs, message):
+    with pytest.raises(UserError) as caught:
+        _set(*pairs)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_values_are_converted_to_the_fields_types():
+    cfg = _set("lr=1e-4", "ema=[0.99, 1]", "recipes=one", "mirror=null", "steps=7", "hflip=true")
+    assert cfg.lr == 1e-4 and cfg.ema == (0.99, 1.0) and cfg.recipes == ["one"] and cfg.mirror is None
+    assert cfg.steps == 7 and cfg.hflip is True
+    assert TrainConfig().recipes is not TrainConfig().recipes, "list defaults are not shared"
+
+
+def test_an_old_runs_value_is_read_as_what_it_meant(capsys):
+    assert apply(TrainConfig(), {"loss": "l2"}, "run/config.yaml").loss == "mse"
+    assert "run/config.yaml: loss: 'l2' is read as 'mse'" in capsys.readouterr().err
+    assert differences({**to_dict(TrainConfig(loss="mse")), "loss": "l2"}, TrainConfig(loss="mse")) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"conditioning": "crosss"}, "conditioning must be one of none, sequence, cross"),
+        ({"pool": "mean"}, "pool must be one of"),
+        ({"model": "vit_enormous"}, "model must be one of"),
+        ({"patch_size": 7, "image_size": 64}, "patch_size 7 does not divide image_size 64"),
+        ({"target_scale": [0.3, 0.2]}, "mask settings: target_scale must be ordered"),
+        ({"steps": 0}, "steps must be at least 1, got 0"),
+        ({"min_coverage": 1.5}, "min_coverage must be in [0, 1]"),
+        ({"num_workers": -1}, "warmup_steps and num_workers must be >= 0"),
+        ({"lambda_sparse": -0.1}, "lambda_sparse and beta_consistency must be >= 0"),
+        ({"crop_scale": [0.5, 1.5]}, "crop_scale must satisfy 0 < low <= high <= 1"),
+        ({"cache": None}, "conditioning cross needs --cache and --store (or use --conditioning none)"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_before_anything_is_built(changes, message):
+    with pytest.raises(UserError) as caught:
+        validate(_settings(**changes))
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_defaults_and_a_textless_run_without_a_cache_are_valid():
+    validate(_settings())
+    validate(TrainConfig(conditioning="none"))
+
+
+def test_config_files_that_cannot_be_read_are_named(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("steps: [1\n")
+    with pytest.raises(UserError, match=r"--config .*c\.yaml: not valid YAML"):
+        load_yaml(bad)
+    with pytest.raises(UserError, match="no such file"):
+        load_yaml(tmp_path / "absent.yaml")
+    bad.write_text("- steps\n")
+    with pytest.raises(UserError, match="expected a mapping of config keys, got list"):
+        load_yaml(bad)
+    bad.write_text("")
+    assert load_yaml(bad) == {}
+
+
+@pytest.fixture
+def saved_run(tmp_path, synth_dir, annotated_cache, vector_store):
+    """A run directory as `tcjepa train` leaves it before training: its config and the store's encoder record."""
+    cfg = TrainConfig(
+        images=[str(synth_dir / "images")], cache=str(annotated_cache), store=str(vector_store), steps=2, device="cpu"
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    from embedding_cache.store import EmbeddingStore
+
+    store = EmbeddingStore(vector_store)
+    record = {"encoder_hash": store.encoder_hash, "encoder": store.encoder, "d_model": store.width}
+    (run / "text_encoder.json").write_text(json.dumps(record))
+    return cfg, run
+
+
+def _files(run):
+    return {p.name: p.read_bytes() for p in run.iterdir() if p.name != ".lock"}
+
+
+def test_a_run_of_another_config_is_refused_and_left_as_it_was(saved_run):
+    from train.loop import run_training
+
+    cfg, run = saved_run
+    before = _files(run)
+    with pytest.raises(UserError, match=r"holds a run with another config \(lr: 0.001 → 0.5\)"):
+        run_training(apply(cfg, {"lr": 0.5}, "command line"), run, progress=False)
+    assert _files(run) == before
+
+
+def test_a_run_continued_on_another_encoders_store_is_refused(saved_run):
+    """The store path is in the config, but a store rebuilt in place with another encoder is caught by the record."""
+    from train.loop import run_training
+
+    cfg, run = saved_run
+    record = json.loads((run / "text_encoder.json").read_text())
+    (run / "text_encoder.json").write_text(json.dumps({**record, "encoder_hash": "0" * 64}))
+    with pytest.raises(UserError, match="was trained on embeddings of encoder 000000000000"):
+        run_training(cfg, run, progress=False)
+    assert not (run / "index.parquet").exists()
+
+
+def test_a_run_in_use_is_refused(saved_run):
+    from filelock import FileLock
+
+    from train.loop import run_training
+
+    cfg, run = saved_run
+    with FileLock(str(run / ".lock")), pytest.raises(UserError, match="is in use by another `tcjepa train`"):
+        run_training(cfg, run, progress=False)
+
+
+def test_a_directory_that_is_not_a_run_is_refused(tmp_path, synth_dir):
+    from train.loop import run_training
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    cfg = TrainConfig(images=[str(synth_dir / "images")], conditioning="none", steps=2, device="cpu")
+    with pytest.raises(UserError, match="is a non-empty directory that is not a tcjepa run"):
+        run_training(cfg, tmp_path / "mine", progress=False)
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
