@@ -169,12 +169,14 @@ def test_cache_compact_cli_survives_sigkill_and_refuses_a_non_cache(tmp_path):
 
 
 @pytest.mark.s3
-def test_a_remote_cache_compacts_through_its_log_and_stale_mirrors_catch_up(tmp_path, s3_server):
+def test_a_remote_cache_compacts_through_its_log_and_stale_mirrors_catch_up(tmp_path, s3_env):
     """Two hosts write an s3:// cache; a third compacts it; a mirror made before the compaction and one made after
     both read every row once, and the replaced shards' objects are gone from the bucket."""
     from captioning.remote_cache import RemoteCaptionCache, mirror_cache
 
-    url = f"s3://{s3_server}/compact-me"
+    bucket = "compaction"
+    _s3fs().mkdir(bucket)
+    url = f"s3://{bucket}/compact-me"
     writers = [RemoteCaptionCache.open_or_create(url, tmp_path / f"host-{h}") for h in "ab"]
     recipe = writers[0].add_recipe({"kind": "test", "model": "m"}, "mine")
     writers[1].add_recipe({"kind": "test", "model": "m"}, "mine")
@@ -189,9 +191,9 @@ def test_a_remote_cache_compacts_through_its_log_and_stale_mirrors_catch_up(tmp_
     before = _contents(stale)
     assert len(before[0]) == len(set(before[0])) == 96
     fs = _s3fs()
-    objects_before = len(fs.find(f"{s3_server}/compact-me/captions"))
+    objects_before = len(fs.find(f"{bucket}/compact-me/captions"))
     report = compact_cache(url, target_mb=0.004, mirror=tmp_path / "compactor", progress=False)
-    assert report.merged >= 6 and len(fs.find(f"{s3_server}/compact-me/captions")) < objects_before
+    assert report.merged >= 6 and len(fs.find(f"{bucket}/compact-me/captions")) < objects_before
     assert _contents(mirror_cache(url, tmp_path / "stale")) == before  # the old mirror, synced after
     assert _contents(mirror_cache(url, tmp_path / "fresh")) == before  # a new one never fetches replaced shards
     verify_cache(url, progress=False)
@@ -212,29 +214,3 @@ def _s3fs():
     import s3fs
 
     return s3fs.S3FileSystem(skip_instance_cache=True)
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """An S3 server (moto) on loopback with an empty bucket; its name."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    _s3fs().mkdir("compaction")
-    yield "compaction"
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
