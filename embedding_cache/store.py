@@ -471,7 +471,7 @@ class SegmentWriter:
             array = self._arrays[name]
             array.resize((start + n_write, *array.shape[1:]))
             array[start : start + n_write] = buf[:n_write]
-            self._sha256[name].update(np.ascontiguousarray(buf[:n_write], dtype=buf.dtype.newbyteorder("<")))
+            self._sha256[name].update(np.ascontiguousarray(buf[:n_write], dtype=buf.dtype.newbyteorder("<")).data)
         self._written_rows += n_write
         rest_tokens = parts["tokens"][n_write:]
         rest_scales = parts["scales"][n_write:] if self._int8 else None

@@ -33,7 +33,7 @@ ROOT_ARRAYS = ("projection", "channel_scales")  # what a store root may hold bes
 
 def array_sha256(array: np.ndarray) -> str:
     """sha256 of an array's row-major little-endian bytes: a checksum independent of zarr's file layout."""
-    return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).data).hexdigest()
 
 
 def codec_of(recipe: dict[str, Any]) -> str:

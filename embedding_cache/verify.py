@@ -135,9 +135,9 @@ def verify_segment(
             raise problem(
                 f"non-finite value in token row {row} (caption {caption}, key {keys[caption].tobytes().hex()[:16]})"
             )
-        digests["tokens"].update(np.ascontiguousarray(block, dtype=block.dtype.newbyteorder("<")))
+        digests["tokens"].update(np.ascontiguousarray(block, dtype=block.dtype.newbyteorder("<")).data)
         if scales is not None:
-            digests["scales"].update(np.ascontiguousarray(values, dtype="<f4"))
+            digests["scales"].update(np.ascontiguousarray(values, dtype="<f4").data)
         if bar is not None:
             bar.update(len(block))
     actual = {"tokens": digests["tokens"].hexdigest(), "offsets": array_sha256(offsets), "keys": array_sha256(keys)}

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,7 +42,7 @@ from evaluation.protocol import CROP_FRACTION
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from train.data import IMAGENET_MEAN, IMAGENET_STD
-from train.vit import LN_EPS, VisionTransformer
+from train.vit import LN_EPS, Block, VisionTransformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -106,7 +106,7 @@ def encoder_config(encoder: VisionTransformer, image_size: int) -> dict[str, Any
         "width": encoder.width,
         "depth": len(encoder.blocks),
         "heads": encoder.heads,
-        "mlp_ratio": encoder.blocks[0].mlp.fc1.out_features / encoder.width,
+        "mlp_ratio": cast(Block, encoder.blocks[0]).mlp.fc1.out_features / encoder.width,
     }
 
 
@@ -202,10 +202,10 @@ def export_run(run: Path, out: Path, fmt: str = "timm", encoder: str = "target")
         raise UserError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "timm":
-        _write_weights(out / WEIGHTS, to_timm_names(enc.state_dict(), enc.pos_embed))
+        _write_weights(out / WEIGHTS, to_timm_names(enc.state_dict(), cast(torch.Tensor, enc.pos_embed)))
         _write(out / CONFIG, (json.dumps({**timm_config(arch), **provenance}, indent=1) + "\n").encode())
     else:
-        _write_weights(out / WEIGHTS, to_hf_names(enc.state_dict(), enc.pos_embed))
+        _write_weights(out / WEIGHTS, to_hf_names(enc.state_dict(), cast(torch.Tensor, enc.pos_embed)))
         _write(out / CONFIG, hf_config(arch).encode())
         _write(out / PROVENANCE, (json.dumps(provenance, indent=1) + "\n").encode())
     return provenance

@@ -109,7 +109,7 @@ def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None
         np.array([ids[r] for r in raw], dtype=np.int64),
         cells,
         cell_size,
-        split if split and split[0] is not None else None,
+        [str(s) for s in split] if split and split[0] is not None else None,
         unmatched,
     )
 
@@ -120,7 +120,7 @@ def _cells(row: dict, path: Path, number: int) -> tuple[np.ndarray | None, int]:
     try:
         grid = np.array(row["cells"], dtype=np.int64)
     except (TypeError, ValueError):
-        grid = np.empty(0)
+        grid = np.empty(0, dtype=np.int64)
     if grid.ndim != 2 or grid.size == 0:
         raise _line_error(path, number, "cells must be a non-empty list of equal-length rows of integers")
     size = row.get("cell_size")

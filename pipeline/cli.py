@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -812,13 +812,15 @@ def demo(
 def main() -> None:
     """Console-script entry point: bad usage, `UserError` and I/O failures become one `error:` line (exit 2),
     `DataProblem` one `problem:` line (exit 1)."""
-    usage_error = typer.BadParameter.__base__  # click's UsageError, as the click that typer ships defines it
+    # click's UsageError, as the click that typer ships defines it (BadParameter's base)
+    usage_error = cast(type[Exception], typer.BadParameter.__base__)
     try:
         code = app(prog_name="tcjepa", standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except usage_error as exc:  # a missing or unknown option: one line, and where the help is
         ctx = getattr(exc, "ctx", None)
-        typer.echo(f"error: {exc.format_message()} (see `{ctx.command_path if ctx else 'tcjepa'} --help`)", err=True)
+        message = cast(Any, exc).format_message()
+        typer.echo(f"error: {message} (see `{ctx.command_path if ctx else 'tcjepa'} --help`)", err=True)
         sys.exit(2)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -276,13 +276,15 @@ def build_index(
 
     left_out: Counter[str] = Counter()
     kept: list[int] = []
+    kept_sha: list[str] = []
     for i, sha in enumerate(shas):
         reason = UNREADABLE if sha is None else rejected.get(sha)
-        if reason is None:
+        if sha is not None and reason is None:
             kept.append(i)
+            kept_sha.append(sha)
         else:
-            left_out[reason] += 1
-    per_image = [by_image.get(shas[i], []) for i in kept]
+            left_out[reason or UNREADABLE] += 1
+    per_image = [by_image.get(sha, []) for sha in kept_sha]
     missing: set[str] = set()
     if embeddings is not None:
         wanted = sorted({k for keys in per_image for k in keys})
@@ -298,7 +300,7 @@ def build_index(
     flat = bytes.fromhex("".join(k for keys in per_image for k in keys))
     index = TrainIndex(
         [refs[i] for i in kept],
-        [shas[i] for i in kept],
+        kept_sha,
         offsets,
         np.frombuffer(flat, dtype=np.uint8).reshape(-1, KEY_BYTES).copy(),
         chosen,

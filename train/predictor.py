@@ -202,7 +202,7 @@ class PredictorBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`x` `[B*M, T, d]` → the layer's output and (cross mode with captions) its cross-attention queries."""
         x = x + self.attn(self.norm1(x), key_mask)
-        if self.cross is None or captions is None:
+        if self.cross is None or self.norm_cross is None or captions is None:
             return x + self.mlp(self.norm2(x)), None
         p, t, d = x.shape
         per_image = x.reshape(p // blocks_per_image, blocks_per_image * t, d)
@@ -225,6 +225,11 @@ class PredictorBlock(nn.Module):
 
 
 class Predictor(nn.Module):
+    """The JEPA predictor: context features and mask tokens in, predicted target features out, optionally reading
+    captions (see the module docstring)."""
+
+    pos_embed: torch.Tensor
+
     def __init__(
         self,
         encoder_width: int,
@@ -244,14 +249,15 @@ class Predictor(nn.Module):
             raise ValueError(f"pool must be one of {', '.join(POOLING)}, got {pool!r}")
         if conditioning != "none" and not text_dim:
             raise ValueError(f"conditioning {conditioning!r} needs the text embedding width (text_dim)")
+        text_width = text_dim or 0
         self.conditioning = conditioning
         self.embed = nn.Linear(encoder_width, width)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
         self.register_buffer("pos_embed", sincos_2d(width, grid), persistent=False)
         cross = conditioning == "cross"
         self.blocks = nn.ModuleList(PredictorBlock(width, heads, mlp_ratio, cross, pool) for _ in range(depth))
-        self.cross = TextKeysValues(text_dim, width, depth) if cross else None
-        self.text_embed = nn.Linear(text_dim, width) if conditioning == "sequence" else None
+        self.cross = TextKeysValues(text_width, width, depth) if cross else None
+        self.text_embed = nn.Linear(text_width, width) if conditioning == "sequence" else None
         self.text_type = nn.Parameter(torch.zeros(1, 1, width)) if conditioning == "sequence" else None
         self.norm = nn.LayerNorm(width, eps=LN_EPS)
         self.proj = nn.Linear(width, encoder_width)
@@ -281,7 +287,7 @@ class Predictor(nn.Module):
         x, token_valid = self.sequences(context, context_idx, target_idx, context_valid)
         key_mask = token_valid
         use_text = text if self.conditioning != "none" else None
-        if use_text is not None and self.conditioning == "sequence":
+        if use_text is not None and self.text_embed is not None and self.text_type is not None:  # sequence mode
             words = self.text_embed(use_text.tokens) + self.text_type  # [B, N, S, w]
             words = words.reshape(b, -1, words.shape[-1]).repeat_interleave(m, dim=0)
             x = torch.cat([x, words.to(x.dtype)], dim=1)
@@ -296,7 +302,7 @@ class Predictor(nn.Module):
             x, q = block(x, key_mask, captions, m)
             if q is not None:
                 queries.append(q)
-        keys = [captions.keys for captions in layers] if queries else []
+        keys = [captions.keys for captions in layers if captions is not None] if queries else []
         out = self.proj(self.norm(x[:, lc : lc + lt]))
         per_image_valid = None if token_valid is None else token_valid.reshape(b, m * (lc + lt))
         return PredictorOutput(out.view(b, m, lt, -1), queries, keys, per_image_valid)
