@@ -282,7 +282,9 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
     )
     out: dict = {"check": "torchrun", "backend": dist.get_backend(), "world": dist.get_world_size()}
     try:
-        base = config(Spec("torchrun", "vit_small", "cross", "before_mlp", False), shapes)
+        base = config(
+            Spec("torchrun", "vit_base", "cross", "before_mlp", True), replace(shapes, batch=shapes.batch // 4 or 1)
+        )
         for name, cfg in (("ddp", base), ("fsdp", replace(base, fsdp=True))):
             rig = Rig(cfg, shapes.text_dim, device)
             losses = torch.stack(rig.run(rig.batches(range(2))))[:, 0].tolist()

@@ -83,8 +83,11 @@ def _damaged(path: Path, exc: Exception) -> UserError:
     )
 
 
-def _load_full(run: Path) -> dict[str, Any]:
+def load_full_checkpoint(run: Path) -> dict[str, Any] | None:
+    """The run's `checkpoint.pt` (memory-mapped on CPU: only the tensors used are read), or None without one."""
     path = run / CHECKPOINT
+    if not path.exists():
+        return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for a damaged file
@@ -111,8 +114,9 @@ def sharded_checkpoint(run: Path) -> tuple[Path, int] | None:
 def checkpoint_step(run: Path) -> int | None:
     """The step of the run's checkpoint (either format), or None when it has none yet."""
     steps = []
-    if (run / CHECKPOINT).exists():
-        steps.append(int(_load_full(run)["step"]))
+    full = load_full_checkpoint(run)
+    if full is not None:
+        steps.append(int(full["step"]))
     sharded = sharded_checkpoint(run)
     if sharded is not None:
         steps.append(sharded[1])
@@ -183,7 +187,7 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
     A sharded checkpoint is read whole into this process (its model and target only): for evaluation and export,
     not for resuming a sharded run (`load_sharded_into`).
     """
-    full = _load_full(run) if (run / CHECKPOINT).exists() else None
+    full = load_full_checkpoint(run)
     sharded = sharded_checkpoint(run)
     if sharded is None or (full is not None and int(full["step"]) >= sharded[1]):
         return full

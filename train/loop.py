@@ -40,7 +40,7 @@ from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from train.checkpoint import (
     checkpoint_step,
-    load_checkpoint,
+    load_full_checkpoint,
     load_sharded_into,
     save_checkpoint,
     save_sharded_checkpoint,
@@ -273,26 +273,30 @@ class Trainer:
         self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
         self.ema = Linear(cfg.ema[0], cfg.ema[1], cfg.steps)
         self.metrics = MetricsLog(run)
-        full = None if cfg.fsdp else load_checkpoint(run)
-        if full is not None:
-            self.model.load_state_dict(full["model"])
-            self.target.load_state_dict(full["target"])
         # The optimizer is made after FSDP has replaced the parameters by their shards.
         self.train_module = wrap_models(self.model, self.target, cfg, self.rt.device)
         self.optimizer = make_optimizer(self.model, cfg, self.rt.device)
         self.step = TrainStep(self.model, self.train_module, self.target, self.optimizer, cfg, self.rt.device)
-        self.start_step = 0
-        if full is not None:
-            set_optimizer_state_dict(
-                self.model, self.optimizer, full["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
-            self.start_step = int(full["step"])
-        elif cfg.fsdp and sharded_checkpoint(run) is not None:
-            self.start_step = self._load_sharded()
+        self.start_step = self._resume()
         if self.start_step and self.rt.main:
             print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
         if self.rt.main:  # what a stopped run logged after its last checkpoint (or before its first) is redone
             self.metrics.truncate_after(self.start_step)
+
+    def _resume(self) -> int:
+        """Load the run's newest checkpoint, of either format, into this process's (sharded or whole) models and
+        optimizer; its step, or 0 when there is none."""
+        sharded = sharded_checkpoint(self.run_dir)
+        full = load_full_checkpoint(self.run_dir)
+        if sharded is not None and (full is None or sharded[1] > int(full["step"])):
+            return self._load_sharded()
+        if full is None:
+            return 0
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, full["model"], options=options)
+        set_model_state_dict(self.target, full["target"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, full["optimizer"], options=options)
+        return int(full["step"])
 
     def _sharded_state(self) -> dict[str, Any]:
         """This process's shards (plain tensors on one process) of model, target and optimizer, keyed by name."""

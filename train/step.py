@@ -233,7 +233,8 @@ class TrainStep:
 
 
 def use_tensor_cores() -> None:
-    """TF32 for float32 matmuls and convolutions on CUDA (what bf16 autocast leaves in float32: losses, norms)."""
+    """TF32 for float32 matmuls and convolutions on CUDA: all of them without `bf16`, and those autocast keeps in
+    float32 with it."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
 
