@@ -102,9 +102,11 @@ def _free_port() -> int:
 
 def test_hsdp_on_two_nodes_of_two_equals_one(tmp_path, synth_dir, annotated_cache, annotated_store, one_process):
     """Two torchrun agents on loopback, as two nodes of two processes: a 2×2 mesh, sharded within a node and
-    replicated across the two."""
+    replicated across the two; each rank's 2 rows in 2 micro-batches (the all-reduce across nodes deferred)."""
     run = tmp_path / "hsdp"
-    args = _args(synth_dir, annotated_cache, annotated_store, run, "--fsdp", "--shard-within-node")
+    args = _args(
+        synth_dir, annotated_cache, annotated_store, run, "--fsdp", "--shard-within-node", "--accum-steps", "2"
+    )
     port = _free_port()
     agents = [
         subprocess.Popen(

@@ -126,12 +126,6 @@ class Batch:
         """Images with at least one caption: the regularisers' denominator (they average over such images)."""
         return 0 if self.lengths is None else int((self.lengths > 0).any(dim=1).sum())
 
-    def context_valid(self) -> torch.Tensor | None:
-        """bool `[b, Lc]`, True on real context patches; None when no row is padded (attention needs no mask)."""
-        if bool((self.context_lengths == self.context.shape[1]).all()):
-            return None
-        return torch.arange(self.context.shape[1]) < self.context_lengths[:, None]
-
 
 def image_policy(image_size: int) -> ImagePolicy:
     """Decoding limits for images trained or evaluated at `image_size`: generous, but no decompression bombs."""
