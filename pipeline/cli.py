@@ -520,11 +520,11 @@ def embed(
     typer.echo(report.summary(dry_run))
 
 
-def config_option(key: str) -> Any:
+def config_option(key: str, *names: str) -> Any:
     """A `train` flag that sets config key `key`: its help and default come from the config's field."""
     from train.config import TrainConfig, field_help
 
-    return typer.Option(help=f"{field_help(key)} (config key {key}; default: {getattr(TrainConfig(), key)})")
+    return typer.Option(*names, help=f"{field_help(key)} (config key {key}; default: {getattr(TrainConfig(), key)})")
 
 
 def _help_config(value: bool) -> None:
@@ -597,6 +597,15 @@ def train(
     num_workers: Annotated[int | None, config_option("num_workers")] = None,
     image_column: Annotated[str | None, config_option("image_column")] = None,
     split: Annotated[str | None, config_option("split")] = None,
+    compile_: Annotated[bool | None, config_option("compile", "--compile/--no-compile")] = None,
+    accum_steps: Annotated[int | None, config_option("accum_steps")] = None,
+    checkpoint_activations: Annotated[
+        bool | None, config_option("checkpoint_activations", "--checkpoint-activations/--no-checkpoint-activations")
+    ] = None,
+    fsdp: Annotated[bool | None, config_option("fsdp", "--fsdp/--no-fsdp")] = None,
+    shard_within_node: Annotated[
+        bool | None, config_option("shard_within_node", "--shard-within-node/--no-shard-within-node")
+    ] = None,
     resume: Annotated[
         bool, typer.Option(help="Require a checkpoint in --out to continue from (resuming is automatic anyway).")
     ] = False,
@@ -642,12 +651,19 @@ def train(
         "num_workers": num_workers,
         "image_column": image_column,
         "split": split,
+        "compile": compile_,
+        "accum_steps": accum_steps,
+        "checkpoint_activations": checkpoint_activations,
+        "fsdp": fsdp,
+        "shard_within_node": shard_within_node,
     }
     cfg = apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line")
     cfg = apply(cfg, parse_set(set_ or []), "--set")
     if not cfg.images:
         raise UserError("no images: pass IMAGES (or `images:` in --config)")
-    if resume and not (out / "checkpoint.pt").exists():
+    from train.checkpoint import has_checkpoint
+
+    if resume and not has_checkpoint(out):
         raise UserError(f"--resume: {out} holds no checkpoint to continue from")
     from train.loop import run_training
 

@@ -1,23 +1,37 @@
 """Checkpoints: written atomically, loaded with `weights_only=True`, never silently skipped.
 
-A checkpoint holds plain state dicts, the step and the resolved config; no
-pickled objects. A checkpoint that exists but cannot be read stops the run with
-a clear message (the reference code swallowed such errors and restarted from
-step 0).
+Two formats, one per run:
+- `checkpoint.pt` (one process, DDP): plain full state dicts, the step and the resolved config, written by rank 0;
+- `sharded_checkpoint/` (FSDP): each process writes its own shards with `torch.distributed.checkpoint` (DCP), so a
+  1 B-parameter model and its optimizer state are never gathered on one rank; `latest.json` names the newest
+  complete one (with its step and config) and is written only after every shard is. DCP reshards on load, so such
+  a run resumes on any number of processes.
+
+`load_checkpoint` gives full state dicts whatever the format (evaluation reads runs through it). A checkpoint that
+exists but cannot be read stops the run with a clear message (the reference code swallowed such errors and
+restarted from step 0).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipeline.core.errors import UserError
-from pipeline.core.fsutil import fsync_dir
+from pipeline.core.fsutil import atomic_write_bytes, fsync_dir
 
 CHECKPOINT = "checkpoint.pt"
+SHARDED = "sharded_checkpoint"
+LATEST = "latest.json"
 
 
 class _WriteErrorKeeper:
@@ -63,15 +77,128 @@ def save_checkpoint(run: Path, state: dict[str, Any]) -> Path:
     return final
 
 
-def load_checkpoint(run: Path) -> dict[str, Any] | None:
-    """The run's checkpoint (on CPU, memory-mapped: only the tensors used are read), or None when it has none yet."""
+def _damaged(path: Path, exc: Exception) -> UserError:
+    return UserError(
+        f"{path} cannot be read ({str(exc).splitlines()[0][:120]}); move it away to start over, or restore a good copy"
+    )
+
+
+def load_full_checkpoint(run: Path) -> dict[str, Any] | None:
+    """The run's `checkpoint.pt` (memory-mapped on CPU: only the tensors used are read), or None without one."""
     path = run / CHECKPOINT
     if not path.exists():
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for a damaged file
-        raise UserError(
-            f"{path} cannot be read ({str(exc).splitlines()[0][:120]}); move it away to start over, "
-            "or restore a good copy"
-        ) from None
+        raise _damaged(path, exc) from None
+
+
+def _latest_sharded(run: Path) -> dict[str, Any] | None:
+    """`latest.json` of the run's sharded checkpoints ({"step", "dir", "config"}), or None when there is none."""
+    path = run / SHARDED / LATEST
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise _damaged(path, exc) from None
+
+
+def sharded_checkpoint(run: Path) -> tuple[Path, int] | None:
+    """(directory, step) of the run's newest complete sharded checkpoint, or None."""
+    latest = _latest_sharded(run)
+    return None if latest is None else (run / SHARDED / latest["dir"], int(latest["step"]))
+
+
+def checkpoint_step(run: Path) -> int | None:
+    """The step of the run's checkpoint (either format), or None when it has none yet."""
+    steps = []
+    full = load_full_checkpoint(run)
+    if full is not None:
+        steps.append(int(full["step"]))
+    sharded = sharded_checkpoint(run)
+    if sharded is not None:
+        steps.append(sharded[1])
+    return max(steps) if steps else None
+
+
+def has_checkpoint(run: Path) -> bool:
+    return (run / CHECKPOINT).exists() or (run / SHARDED / LATEST).exists()
+
+
+@contextmanager
+def _one_process_meant() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group is up: that is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def save_sharded_checkpoint(run: Path, state: dict[str, Any], step: int, config: dict[str, Any]) -> Path:
+    """Every process writes its shards of `state` (DTensor or plain state dicts) to `sharded_checkpoint/step-N/`;
+    then rank 0 points `latest.json` at it and removes older ones. A collective: every rank calls it.
+
+    A run killed while saving leaves `latest.json` on the previous, complete checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    distributed = dist.is_available() and dist.is_initialized()
+    main = not distributed or dist.get_rank() == 0
+    root = run / SHARDED
+    name = f"step-{step:08d}"
+    target = root / name
+    if main:
+        shutil.rmtree(target, ignore_errors=True)  # left by a run killed while saving this very step
+        root.mkdir(parents=True, exist_ok=True)
+    if distributed:
+        dist.barrier()
+    with _one_process_meant():
+        dcp.save(state, checkpoint_id=target, no_dist=not distributed)
+    if main:  # dcp.save returns once the metadata, written after every rank's shards, is on disk
+        atomic_write_bytes(root / LATEST, json.dumps({"step": step, "dir": name, "config": config}).encode())
+        for old in root.glob("step-*"):
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def load_sharded_into(run: Path, state: dict[str, Any]) -> int:
+    """Fill `state` (this process's DTensor or plain state dicts, as `get_state_dict` gives) in place from the run's
+    newest sharded checkpoint, whatever the number of processes that wrote it; returns its step."""
+    import torch.distributed.checkpoint as dcp
+
+    found = sharded_checkpoint(run)
+    if found is None:
+        raise UserError(f"{run} has no sharded checkpoint to resume from")
+    directory, step = found
+    try:
+        with _one_process_meant():
+            dcp.load(state, checkpoint_id=directory, no_dist=not (dist.is_available() and dist.is_initialized()))
+    except Exception as exc:
+        raise _damaged(directory, exc) from None
+    return step
+
+
+def load_checkpoint(run: Path) -> dict[str, Any] | None:
+    """The run's checkpoint as full state dicts on CPU: `model`, `target`, `step`, `config` (and `optimizer` from a
+    `checkpoint.pt`, memory-mapped: only the tensors used are read), whatever the format; None when it has none yet.
+
+    A sharded checkpoint is read whole into this process (its model and target only): for evaluation and export,
+    not for resuming a sharded run (`load_sharded_into`).
+    """
+    full = load_full_checkpoint(run)
+    sharded = sharded_checkpoint(run)
+    if sharded is None or (full is not None and int(full["step"]) >= sharded[1]):
+        return full
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    directory, step = sharded
+    try:
+        with _one_process_meant():
+            state = _load_state_dict_from_keys({"model", "target"}, checkpoint_id=directory)
+    except Exception as exc:
+        raise _damaged(directory, exc) from None
+    latest = _latest_sharded(run)
+    assert latest is not None
+    return {"model": state["model"], "target": state["target"], "step": step, "config": latest["config"]}

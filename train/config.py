@@ -140,8 +140,22 @@ class TrainConfig:
     seed: int = setting(0, "seed for weights, data order, crops, masks and caption sampling")
     device: str = setting("auto", DEVICE_HELP)
     bf16: bool = setting(True, "bf16 autocast (no GradScaler is needed for bf16)")
-    compile: bool = setting(False, "torch.compile the encoder and predictor")
-    fsdp: bool = setting(False, "shard the models with FSDP (for vit_huge / vit_giant) instead of DDP")
+    compile: bool = setting(
+        False,
+        "torch.compile each encoder and predictor block (batch and sequence lengths marked dynamic: one graph for "
+        "every step's masks; captions padded to max_words)",
+    )
+    checkpoint_activations: bool = setting(
+        False, "recompute each encoder and predictor block in the backward instead of keeping its activations"
+    )
+    accum_steps: int = setting(
+        1, "micro-batches per step: a process's rows are split in this many, one backward each, one optimizer step"
+    )
+    fsdp: bool = setting(False, "shard the models with FSDP2 (for vit_huge / vit_giant) instead of DDP")
+    shard_within_node: bool = setting(
+        False, "with fsdp: HSDP, parameters sharded across a node's GPUs and replicated across nodes (2-D mesh)"
+    )
+    ddp_bucket_mb: int = setting(25, "DDP gradient bucket size in MiB (bigger: fewer all-reduces, less overlap)")
     log_every: int = setting(10, "steps between metrics.jsonl lines")
     val_every: int = setting(100, "steps between validation passes")
     checkpoint_every: int = setting(200, "steps between checkpoints")
@@ -152,6 +166,10 @@ RUNTIME_ONLY = {
     "num_workers",
     "device",
     "compile",
+    "checkpoint_activations",
+    "accum_steps",
+    "shard_within_node",
+    "ddp_bucket_mb",
     "log_every",
     "val_every",
     "checkpoint_every",
@@ -282,6 +300,8 @@ POSITIVE = (
     "log_every",
     "val_every",
     "checkpoint_every",
+    "accum_steps",
+    "ddp_bucket_mb",
 )
 
 
@@ -318,6 +338,13 @@ def validate(config: TrainConfig) -> None:
                 f"{what}width {width} must be divisible by {what}heads ({heads}) and by 4 (2-D sin-cos position "
                 f"embeddings); e.g. {what}width {heads * 4 * max(round(width / (heads * 4)), 1)}"
             )
+    if config.shard_within_node and not config.fsdp:
+        raise UserError("shard_within_node shards with FSDP: set fsdp too (--fsdp --shard-within-node)")
+    if config.batch_size % config.accum_steps:
+        raise UserError(
+            f"batch_size {config.batch_size} is not divisible by accum_steps {config.accum_steps} "
+            "(each process splits its rows into accum_steps equal micro-batches)"
+        )
     if config.conditioning != "none" and not (config.cache and config.store):
         raise UserError(f"conditioning {config.conditioning} needs --cache and --store (or use --conditioning none)")
     try:

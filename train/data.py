@@ -104,11 +104,27 @@ class Batch:
         values = (getattr(self, f.name) for f in dataclasses.fields(self))
         return Batch(*(v.pin_memory() if isinstance(v, torch.Tensor) else v for v in values))
 
-    def context_valid(self) -> torch.Tensor | None:
-        """bool `[b, Lc]`, True on real context patches; None when no row is padded (attention needs no mask)."""
-        if bool((self.context_lengths == self.context.shape[1]).all()):
-            return None
-        return torch.arange(self.context.shape[1]) < self.context_lengths[:, None]
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def rows(self, start: int, stop: int) -> Batch:
+        """Rows `start:stop` (a micro-batch), the context cut to their longest: only padding is dropped."""
+        lengths = self.context_lengths[start:stop]
+        longest = int(lengths.max())
+        text = self.tokens is not None and self.lengths is not None
+        return Batch(
+            self.images[start:stop],
+            self.context[start:stop, :longest],
+            lengths,
+            self.targets[start:stop],
+            self.tokens[start:stop] if text else None,
+            self.lengths[start:stop] if text else None,
+            0,
+        )
+
+    def images_with_text(self) -> int:
+        """Images with at least one caption: the regularisers' denominator (they average over such images)."""
+        return 0 if self.lengths is None else int((self.lengths > 0).any(dim=1).sum())
 
 
 def image_policy(image_size: int) -> ImagePolicy:
@@ -116,11 +132,25 @@ def image_policy(image_size: int) -> ImagePolicy:
     return ImagePolicy(max_pixels=max(1024 * 1024, 4 * image_size**2))
 
 
+class Normalise(torch.nn.Module):
+    """uint8 `[b, 3, H, W]` → float, ImageNet mean/std (done on the device: 4× less to copy).
+
+    The constants are buffers, moved to the device once: made afresh they would be a host-to-device copy, and a
+    wait for it, every step.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.float() / 255.0 - self.mean) / self.std
+
+
 def normalise(images: torch.Tensor) -> torch.Tensor:
-    """uint8 `[b, 3, H, W]` → float, ImageNet mean/std (done on the device: 4× less to copy)."""
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
-    return (images.float() / 255.0 - mean) / std
+    """`Normalise` for a one-off batch (evaluation); a loop keeps one `Normalise` on its device instead."""
+    return Normalise().to(images.device)(images)
 
 
 class StepBatches(torch.utils.data.Dataset):

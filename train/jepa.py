@@ -7,7 +7,9 @@ gets no gradient and is never wrapped, unlike in the reference code).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +19,10 @@ from train.config import TrainConfig
 from train.losses import prediction_loss, target_features, text_regularisers
 from train.predictor import Predictor, PredictorOutput, TextBatch
 from train.vit import VisionTransformer, build_vit
+
+# DDP finds the tensors of a forward's output by pytree flattening (with `static_graph` it hangs its delayed gradient
+# all-reduce on them): registered, the predictor's dataclass output is seen into instead of taken as one opaque leaf.
+torch.export.register_dataclass(PredictorOutput)
 
 
 class JEPA(nn.Module):
@@ -85,6 +91,60 @@ def param_groups(model: JEPA, text_lr_scale: float) -> list[dict]:
     ]
 
 
+def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` (a block's forward) called with its batch and sequence dims marked dynamic.
+
+    Blocks are called as `block(x [B, L, d], key_mask [B, L] | None, *rest)`; a `TextBatch` in `rest` has a dynamic
+    batch dim only (N is fixed and words are padded to max_words). Duck sizing is off so that two dims that happen to
+    be equal when a graph is traced (B·M = L on some step) are not assumed equal forever, which would recompile.
+    """
+    from torch._dynamo import maybe_mark_dynamic
+    from torch.fx.experimental import _config as shape_config
+
+    def forward(x: torch.Tensor, key_mask: torch.Tensor | None = None, *rest: Any) -> Any:
+        for tensor in (x, key_mask):
+            if tensor is not None:
+                maybe_mark_dynamic(tensor, 0)
+                maybe_mark_dynamic(tensor, 1)
+        for arg in rest:
+            if isinstance(arg, TextBatch):
+                maybe_mark_dynamic(arg.tokens, 0)
+                maybe_mark_dynamic(arg.lengths, 0)
+        with shape_config.patch(use_duck_shape=False):
+            return compiled(x, key_mask, *rest)
+
+    return forward
+
+
+def compile_blocks(*stacks: nn.ModuleList) -> None:
+    """torch.compile each block's forward (a whole graph, no break allowed), one graph shared by all blocks alike.
+
+    Shapes: the batch and sequence lengths are marked dynamic rather than padded to a few bucket sizes. Context and
+    target lengths change every step (block sizes are drawn per step, contexts are padded only to the batch's
+    longest) and the validation batch has its own size: buckets would compile one graph per (context bucket,
+    target size, batch size) and pad every step to its bucket, while marked dims compile one graph per block type and
+    grad mode for the whole run. The price is CUDA graphs, which need static shapes; at ViT-B/16 and batches of 64+
+    per GPU the kernels are long enough that launch overhead is small.
+
+    Only `forward` is compiled: module hooks (DDP, FSDP's all-gathers, activation checkpointing) stay outside the
+    graph, and the state-dict keys do not change.
+    """
+    for blocks in stacks:
+        for block in blocks:
+            block.forward = _mark_lengths_dynamic(torch.compile(block.forward, fullgraph=True))  # type: ignore[method-assign]
+
+
+def checkpoint_blocks(*stacks: nn.ModuleList) -> None:
+    """Recompute each block's activations in the backward (torch.utils.checkpoint, non-reentrant) instead of keeping
+    them. The blocks are wrapped in place; state-dict keys stay those of the unwrapped model (the wrapper strips its
+    prefix on save and restores it on load)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    for blocks in stacks:
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
 @dataclass
 class StepLosses:
     total: torch.Tensor
@@ -92,6 +152,16 @@ class StepLosses:
     sparse: torch.Tensor
     consistency: torch.Tensor
     positive_fraction: torch.Tensor | None  # [L] in cross mode
+
+    def weighted(self, predict: float, text: float | torch.Tensor, cfg: TrainConfig) -> StepLosses:
+        """A micro-batch's share of its step's losses: the prediction loss (a mean over target patches, the same
+        number per image) times its share of the images, the regularisers (means over images with captions) times its
+        share of those, so the shares of a step's micro-batches add up to the whole batch's losses."""
+        scaled = replace(
+            self, predict=self.predict * predict, sparse=self.sparse * text, consistency=self.consistency * text
+        )
+        scaled.total = scaled.predict + cfg.lambda_sparse * scaled.sparse + cfg.beta_consistency * scaled.consistency
+        return scaled
 
 
 def compute_losses(

@@ -29,20 +29,30 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
-from train.checkpoint import load_checkpoint, save_checkpoint
+from train.checkpoint import (
+    checkpoint_step,
+    load_full_checkpoint,
+    load_sharded_into,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    sharded_checkpoint,
+)
 from train.config import TrainConfig, differences, to_dict, validate
-from train.data import Batch, StepBatches, normalise, split_images
+from train.data import Batch, StepBatches, split_images
 from train.data_index import TrainIndex, build_index
-from train.jepa import JEPA, StepLosses, build_models, compute_losses, ema_update, param_groups
+from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, effective_rank, plot_curves
-from train.predictor import TextBatch
 from train.schedules import Cosine, Linear, WarmupCosine
+from train.step import TrainStep, make_optimizer, on_device, shuffled, to_device, use_tensor_cores, without_captions
 from train.vit import VisionTransformer
 
 CONFIG = "config.yaml"
@@ -70,6 +80,7 @@ def start_runtime(cfg: TrainConfig) -> Runtime:
     device = resolve_device(cfg.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        use_tensor_cores()
     if world > 1 and not dist.is_initialized():
         # A long timeout: rank 0 may spend a while building the index while the others wait.
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
@@ -233,42 +244,6 @@ def text_width(cfg: TrainConfig) -> int | None:
     return EmbeddingStore(cfg.store).width
 
 
-@dataclass
-class DeviceBatch:
-    """A batch on the device, as the model takes it."""
-
-    images: torch.Tensor  # float [b, 3, H, W], normalised
-    context: torch.Tensor  # int64 [b, Lc]
-    context_valid: torch.Tensor | None  # bool [b, Lc]; None when no row is padded
-    targets: torch.Tensor  # int64 [b, M, Lt]
-    text: TextBatch | None
-
-    def losses(
-        self, model: torch.nn.Module, target: VisionTransformer, cfg: TrainConfig, text: TextBatch | None
-    ) -> StepLosses:
-        """This batch's losses with captions `text` (the batch's own, shuffled ones, or None)."""
-        return compute_losses(model, target, self.images, self.context, self.targets, text, cfg, self.context_valid)
-
-
-def to_device(batch: Batch, device: torch.device, dtype: torch.dtype) -> DeviceBatch:
-    valid = batch.context_valid()
-    text = None
-    if batch.tokens is not None and batch.lengths is not None:
-        text = TextBatch(batch.tokens, batch.lengths).to(device, dtype=dtype, non_blocking=True)
-    return DeviceBatch(
-        normalise(batch.images.to(device, non_blocking=True)),
-        batch.context.to(device, non_blocking=True),
-        None if valid is None else valid.to(device, non_blocking=True),
-        batch.targets.to(device, non_blocking=True),
-        text,
-    )
-
-
-def shuffled(text: TextBatch) -> TextBatch:
-    """Captions moved to the next image (a derangement): the honest control for text reliance."""
-    return TextBatch(text.tokens.roll(1, dims=0), text.lengths.roll(1, dims=0))
-
-
 class Trainer:
     """One training run on this process: joins the process group, builds the index (rank 0), the models, the data
     and the optimizer, and resumes from the run's checkpoint when there is one. `run()` trains."""
@@ -278,6 +253,11 @@ class Trainer:
         self.run_dir = run
         self.progress = progress
         self.rt = start_runtime(cfg)
+        if (cfg.batch_size // self.rt.world) % cfg.accum_steps:
+            raise UserError(
+                f"each of the {self.rt.world} processes gets {cfg.batch_size // self.rt.world} images per step, not "
+                f"divisible by accum_steps {cfg.accum_steps}"
+            )
         for_index = inputs_for_index(cfg, self.rt)
         self.run_lock = prepare_run(cfg, run, self.rt, Path(for_index.store) if cfg.conditioning != "none" else None)
         self.index = load_or_build_index(for_index, run, self.rt)
@@ -291,45 +271,59 @@ class Trainer:
         self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
         self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
         self.ema = Linear(cfg.ema[0], cfg.ema[1], cfg.steps)
-        self.autocast_dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         self.metrics = MetricsLog(run)
-        state = load_checkpoint(run)
-        if state is not None:
-            self.model.load_state_dict(state["model"])
-            self.target.load_state_dict(state["target"])
         # The optimizer is made after FSDP has replaced the parameters by their shards.
-        self.train_module = self._wrap(self.model)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
-        self.start_step = 0
-        if state is not None:
-            set_optimizer_state_dict(
-                self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
-            self.start_step = int(state["step"])
-            if self.rt.main:
-                print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
+        self.train_module = wrap_models(self.model, self.target, cfg, self.rt.device)
+        self.optimizer = make_optimizer(self.model, cfg, self.rt.device)
+        self.step = TrainStep(self.model, self.train_module, self.target, self.optimizer, cfg, self.rt.device)
+        self.start_step = self._resume()
+        if self.start_step and self.rt.main:
+            print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
         if self.rt.main:  # what a stopped run logged after its last checkpoint (or before its first) is redone
             self.metrics.truncate_after(self.start_step)
 
-    def _wrap(self, model: JEPA) -> torch.nn.Module:
-        """DDP (the target stays unwrapped), or FSDP sharding of both models alike so the EMA is shard-local."""
-        module: torch.nn.Module = model
-        if self.rt.world > 1:
-            if self.cfg.fsdp:
-                from torch.distributed.fsdp import fully_shard
+    def _resume(self) -> int:
+        """Load the run's newest checkpoint, of either format, into this process's (sharded or whole) models and
+        optimizer; its step, or 0 when there is none."""
+        sharded = sharded_checkpoint(self.run_dir)
+        full = load_full_checkpoint(self.run_dir)
+        if sharded is not None and (full is None or sharded[1] > int(full["step"])):
+            return self._load_sharded()
+        if full is None:
+            return 0
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, full["model"], options=options)
+        set_model_state_dict(self.target, full["target"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, full["optimizer"], options=options)
+        return int(full["step"])
 
-                for block in [*model.encoder.blocks, *model.predictor.blocks]:
-                    fully_shard(block)
-                fully_shard(model)
-                for block in self.target.blocks:
-                    fully_shard(block)
-                fully_shard(self.target)
-            else:
-                ids = [self.rt.device.index] if self.rt.device.type == "cuda" else None
-                module = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        if self.cfg.compile:
-            module = torch.compile(module)
-        return module
+    def _sharded_state(self) -> dict[str, Any]:
+        """This process's shards (plain tensors on one process) of model, target and optimizer, keyed by name."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "target": get_model_state_dict(self.target), "optimizer": optimizer}
+
+    def _load_sharded(self) -> int:
+        state = self._sharded_state()
+        step = load_sharded_into(self.run_dir, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_model_state_dict(self.target, state["target"])
+        return step
+
+    def _save(self, step: int) -> None:
+        """FSDP: every process writes its shards (no gather); otherwise rank 0 writes full state dicts."""
+        if self.cfg.fsdp:
+            save_sharded_checkpoint(self.run_dir, self._sharded_state(), step, to_dict(self.cfg))
+        elif self.rt.main:
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = {
+                "model": get_model_state_dict(self.model, options=full),
+                "target": get_model_state_dict(self.target, options=full),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
+                "step": step,
+                "config": to_dict(self.cfg),
+            }
+            save_checkpoint(self.run_dir, state)
+        barrier(self.rt)
 
     def _set_schedules(self, step: int) -> float:
         lr, wd = self.lr(step), self.wd(step)
@@ -350,20 +344,6 @@ class Trainer:
             persistent_workers=False,
         )
 
-    def _state(self, step: int) -> dict[str, Any]:
-        """Full (unsharded, CPU) state keyed by parameter names: restorable on any world size, DDP or FSDP.
-
-        A collective under FSDP: every rank calls it, rank 0 writes it.
-        """
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
-            "model": get_model_state_dict(self.model, options=full),
-            "target": get_model_state_dict(self.target, options=full),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
-            "step": step,
-            "config": to_dict(self.cfg),
-        }
-
     def _mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if self.rt.world > 1:
             dist.all_reduce(values, op=dist.ReduceOp.SUM)
@@ -371,12 +351,15 @@ class Trainer:
         return values
 
     def run(self) -> list[dict[str, Any]]:
-        """Train from the start step to the last, logging, validating and checkpointing on schedule."""
+        """Train from the start step to the last, logging, validating and checkpointing on schedule.
+
+        The host reads the device only where it logs (`log_every`), validates or checkpoints: a step itself queues
+        its work and moves on.
+        """
         cfg, rt = self.cfg, self.rt
-        device_type = rt.device.type
         val_batch = self.dataset.validation_batch(self.val_ids)
         sums = torch.zeros(4, device=rt.device)
-        replaced = torch.zeros((), device=rt.device)
+        replaced = 0
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
         bar = None
@@ -385,22 +368,10 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr)
         self.train_module.train()
-        for step, batch in zip(range(self.start_step, cfg.steps), self._loader()):
-            momentum = self._set_schedules(step)
-            on_device = to_device(batch, rt.device, self.autocast_dtype)
-            with torch.autocast(device_type, dtype=self.autocast_dtype, enabled=cfg.bf16):
-                losses = on_device.losses(self.train_module, self.target, cfg, on_device.text)
-            self.optimizer.zero_grad(set_to_none=True)
-            losses.total.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            self.optimizer.step()
-            if self.cfg.fsdp and self.rt.world > 1:
-                self.target.reshard()  # a root FSDP module keeps its forward's full parameters; the EMA works on shards
-            ema_update(self.target, self.model.encoder, momentum)
+        batches = on_device(self._loader(), rt.device, cfg.accum_steps)
+        for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
+            sums += self.step(micro, self._set_schedules(step))
             done = step + 1
-            parts = torch.stack([losses.total, losses.predict, losses.sparse, losses.consistency]).detach().float()
-            sums += parts
             logged_steps += 1
             images_seen += cfg.batch_size
             replaced += batch.replaced
@@ -409,7 +380,9 @@ class Trainer:
             if done % cfg.log_every == 0 or done == cfg.steps:
                 means = self._mean_across_ranks(sums / logged_steps).tolist()
                 if rt.world > 1:
-                    dist.all_reduce(replaced, op=dist.ReduceOp.SUM)
+                    count = torch.tensor(float(replaced), device=rt.device)
+                    dist.all_reduce(count, op=dist.ReduceOp.SUM)
+                    replaced = int(count.item())
                 if not all(math.isfinite(v) for v in means):
                     self._stop_non_finite(done)
                 elapsed = time.perf_counter() - tick
@@ -421,14 +394,14 @@ class Trainer:
                     "loss_consistency": means[3],
                     "lr": self.lr(step),
                     "wd": self.wd(step),
-                    "ema": momentum,
+                    "ema": self.ema(step),
                     "images_per_s": images_seen / elapsed,
-                    "images_replaced": int(replaced),
+                    "images_replaced": replaced,
                 }
                 if rt.main:
                     self.metrics.append(record)
                 sums.zero_()
-                replaced.zero_()
+                replaced = 0
                 logged_steps, images_seen, tick = 0, 0, time.perf_counter()
             if done % cfg.val_every == 0 or done == cfg.steps:
                 # Every rank validates (FSDP's forward is collective); rank 0 writes.
@@ -440,10 +413,7 @@ class Trainer:
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
                     self._stop_non_finite(done)
-                state = self._state(done)
-                if rt.main:
-                    save_checkpoint(self.run_dir, state)
-                barrier(rt)
+                self._save(done)
         if bar is not None:
             bar.close()
         if self.run_lock is not None:
@@ -453,8 +423,10 @@ class Trainer:
         return self.metrics.read() if rt.main else []
 
     def _stop_non_finite(self, step: int) -> None:
-        state = load_checkpoint(self.run_dir)
-        kept = f"the last good checkpoint (step {state['step']}) is kept" if state else "no checkpoint was written yet"
+        last = checkpoint_step(self.run_dir)
+        kept = (
+            f"the last good checkpoint (step {last}) is kept" if last is not None else "no checkpoint was written yet"
+        )
         raise UserError(f"loss became NaN/Inf by step {step}; {kept}. Lower --lr, enable grad_clip, or check the data")
 
     @torch.no_grad()
@@ -462,16 +434,17 @@ class Trainer:
         """Prediction loss with true / shuffled / no captions, positive patch–word cosines per layer, RankMe."""
         cfg, rt = self.cfg, self.rt
         self.model.eval()
-        on_device = to_device(batch, rt.device, self.autocast_dtype)
-        text = on_device.text
+        mb = to_device(batch, rt.device)
+        text = self.step.text(mb)
         out: dict[str, Any] = {}
-        with torch.autocast(rt.device.type, dtype=self.autocast_dtype, enabled=cfg.bf16):
-            true = on_device.losses(self.model, self.target, cfg, text)
-            out["val_loss_predict"] = float(true.predict)
-            swapped = shuffled(text) if text is not None else None
-            out["val_loss_predict_shuffled"] = float(on_device.losses(self.model, self.target, cfg, swapped).predict)
-            out["val_loss_predict_notext"] = float(on_device.losses(self.model, self.target, cfg, None).predict)
-            features = self.target(on_device.images)
+        true = self.step.losses(self.model, mb, text)
+        out["val_loss_predict"] = float(true.predict)
+        swapped = shuffled(text) if text is not None else None
+        out["val_loss_predict_shuffled"] = float(self.step.losses(self.model, mb, swapped).predict)
+        notext = without_captions(text) if text is not None else None
+        out["val_loss_predict_notext"] = float(self.step.losses(self.model, mb, notext).predict)
+        with torch.autocast(rt.device.type, dtype=self.step.dtype, enabled=cfg.bf16):
+            features = self.target(self.step.normalise(mb.images))
         if true.positive_fraction is not None:
             out["val_positive_cosine"] = [round(float(v), 5) for v in true.positive_fraction]
         flat = torch.nn.functional.layer_norm(features.float(), features.shape[-1:]).reshape(-1, features.shape[-1])
@@ -479,6 +452,63 @@ class Trainer:
         out["val_rankme"] = effective_rank(flat[pick])
         self.model.train()
         return out
+
+
+def wrap_models(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The module that trains: blocks compiled and/or checkpointed in place, then, in a process group, DDP around
+    the JEPA, or FSDP2 sharding of the JEPA and the target alike (the same mesh, block by block, so the EMA is
+    shard-local)."""
+    if cfg.compile:
+        compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks)
+    if cfg.checkpoint_activations:
+        checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)
+    if not dist.is_initialized():
+        return model
+    if cfg.fsdp:
+        shard(model, target, cfg, device)
+        return model
+    return torch.nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in, no copy out
+        # Every parameter gets a gradient every step (a caption-less image is masked, not skipped); DDP's reducer
+        # cannot skip the all-reduce of accumulated micro-batches (`no_sync`) with a static graph, though.
+        static_graph=cfg.accum_steps == 1,
+        bucket_cap_mb=cfg.ddp_bucket_mb,
+        **_no_buffer_sync(),
+    )
+
+
+def _no_buffer_sync() -> dict[str, bool]:
+    """No buffer broadcast before each forward (the only buffers are fixed position embeddings and normalisation
+    constants): `forward_sync_buffers=False` where torch has it (2.13), `broadcast_buffers=False` before."""
+    import inspect
+
+    if "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def shard(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torch.device) -> None:
+    """FSDP2 over every process (a 1-D mesh), or with `shard_within_node` HSDP: sharded across a node's processes and
+    replicated across nodes (a 2-D mesh, nodes × processes per node). bf16 parameters in forward and backward when
+    `bf16`, gradients reduced in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    if cfg.shard_within_node:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % per_node:
+            raise UserError(f"shard_within_node: {world} processes are not whole nodes of {per_node}")
+        mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=torch.float32)
+    for root, blocks in ((model, [*model.encoder.blocks, *model.predictor.blocks]), (target, list(target.blocks))):
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(root, mesh=mesh, mp_policy=policy)
 
 
 def run_training(cfg: TrainConfig, run: Path, progress: bool = True) -> list[dict[str, Any]]:

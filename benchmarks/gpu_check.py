@@ -1,0 +1,395 @@
+"""The GPU check: the trainer's own step on synthetic tensors, for the day a GPU is lent (`benchmarks/gpu_check.sh`).
+
+Needs torch and the project's model and step modules only (no store, no images, no text model: zarr, numcodecs,
+datasets and vllm are never imported), so it runs on a bare CUDA machine. One JSON line per figure, on stdout and,
+when $OUT (or --out) is set, in `$OUT/gpu_check.jsonl`:
+
+- `throughput`: images/s, MFU (FLOPs of one step counted by `FlopCounterMode` on the shapes computed, padding
+  included, over the step's time and the GPU's dense bf16 peak) and peak memory, ViT-B/16 at 224, captions
+  N=8 × 128 words of width 1024: `none` and `cross` `before_mlp` compiled; `cross` `after_mlp` and ViT-L/16
+  uncompiled; the host syncs counted in one step (CUDA's sync debug mode: 0 is the goal);
+- `smoke`: 100 compiled training steps over a few fixed batches: the loss must fall;
+- `torchrun`: one process under `torchrun` with NCCL, two steps with DDP and two with FSDP2, and a sharded
+  checkpoint written and read back.
+
+`--dry-run` does all of it on the CPU with tiny shapes, a few steps and gloo (a test runs it). Exit status 1 when a
+check fails. Under 5 minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import ROOT
+from train.config import TrainConfig
+from train.data import Batch, mask_config
+from train.jepa import build_models
+from train.loop import wrap_models
+from train.masks import sample_masks
+from train.schedules import WarmupCosine
+from train.step import TrainStep, make_optimizer, on_device, use_tensor_cores
+
+# Dense bf16 peak per GPU, by name as torch reports it.
+PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One throughput measurement."""
+
+    name: str
+    model: str
+    conditioning: str
+    pool: str
+    compiled: bool
+
+
+SPECS = [
+    Spec("vit_b16_none_compiled", "vit_base", "none", "before_mlp", True),
+    Spec("vit_b16_cross8_before_mlp_compiled", "vit_base", "cross", "before_mlp", True),
+    Spec("vit_b16_cross8_after_mlp", "vit_base", "cross", "after_mlp", False),
+    Spec("vit_l16_cross8_before_mlp", "vit_large", "cross", "before_mlp", False),
+]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    image_size: int
+    patch_size: int
+    batch: int  # images per step on this GPU
+    captions: int  # N
+    words: int  # max_words; captions are 1/2 to all of it long
+    text_dim: int
+    warmup: int  # untimed steps (compilation happens here)
+    timed: int
+    smoke_steps: int
+    overrides: dict  # TrainConfig fields that shrink the model (dry run)
+
+
+FULL = Shapes(224, 16, 64, 8, 128, 1024, warmup=3, timed=10, smoke_steps=100, overrides={})
+DRY = Shapes(
+    32,
+    8,
+    4,
+    2,
+    8,
+    16,
+    warmup=1,
+    timed=2,
+    smoke_steps=30,
+    overrides=dict(width=64, depth=2, heads=2, predictor_width=32, predictor_depth=2, predictor_heads=2),
+)
+
+
+def config(spec: Spec, shapes: Shapes) -> TrainConfig:
+    return TrainConfig(
+        model=spec.model,
+        image_size=shapes.image_size,
+        patch_size=shapes.patch_size,
+        batch_size=shapes.batch,
+        conditioning=spec.conditioning,
+        pool=spec.pool,
+        captions_per_image=shapes.captions,
+        max_words=shapes.words,
+        compile=spec.compiled,
+        min_context=4,
+        warmup_steps=10,
+        steps=shapes.smoke_steps,
+        **shapes.overrides,
+    )
+
+
+def synthetic_batch(
+    cfg: TrainConfig, grid: tuple[int, int], step: int, text_dim: int | None, missing: float = 0.0
+) -> Batch:
+    """A host batch as the loader makes it for `step`: random pixels, the step's masks for the global batch, and
+    (with `text_dim`) N captions per image of random token vectors, float16, zero-padded to the batch's longest;
+    a `missing` share of the images has no caption, and others lack some."""
+    rng = np.random.default_rng([cfg.seed, step])
+    b, n = cfg.batch_size, cfg.captions_per_image
+    masks = sample_masks(mask_config(cfg), grid, cfg.seed, step, b)
+    images = torch.from_numpy(rng.integers(0, 256, (b, 3, cfg.image_size, cfg.image_size), dtype=np.uint8))
+    tokens = lengths = None
+    if text_dim is not None:
+        words = rng.integers(max(cfg.max_words // 2, 1), cfg.max_words + 1, (b, n))
+        words[:, 1:][rng.random((b, n - 1)) < 0.25] = 0  # some images have fewer captions
+        words[rng.random(b) < missing] = 0
+        longest = max(int(words.max()), 1)
+        padded = rng.standard_normal((b, n, longest, text_dim), dtype=np.float32)
+        padded *= (np.arange(longest) < words[..., None])[..., None]
+        tokens, lengths = torch.from_numpy(padded.astype(np.float16)), torch.from_numpy(words.astype(np.int64))
+    return Batch(
+        images,
+        torch.from_numpy(masks.context),
+        torch.from_numpy(masks.context_lengths),
+        torch.from_numpy(masks.targets),
+        tokens,
+        lengths,
+        0,
+    )
+
+
+class Rig:
+    """Models, optimizer and step for one config on `device` (wrapped for DDP/FSDP when a process group is up)."""
+
+    def __init__(self, cfg: TrainConfig, text_dim: int | None, device: torch.device, count_flops: bool = False) -> None:
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.text_dim = text_dim if cfg.conditioning != "none" else None
+        self.device = device
+        self.model, self.target = build_models(cfg, self.text_dim)
+        self.model.to(device)
+        self.target.to(device)
+        self.grid = self.model.encoder.grid
+        # Counted before compiling: FlopCounterMode does not see inside compiled kernels.
+        self.flops_per_step = self._count_flops() if count_flops else 0
+        self.module = wrap_models(self.model, self.target, cfg, device)
+        self.optimizer = make_optimizer(self.model, cfg, device)
+        self.step = TrainStep(self.model, self.module, self.target, self.optimizer, cfg, device)
+        self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
+
+    def batches(self, steps: range, missing: float = 0.0) -> list[Batch]:
+        """The steps' batches on the host, pinned on CUDA as the trainer's loader hands them over."""
+        made = [synthetic_batch(self.cfg, self.grid, s, self.text_dim, missing) for s in steps]
+        return [b.pin_memory() for b in made] if self.device.type == "cuda" else made
+
+    def _count_flops(self) -> int:
+        """FLOPs of one eager step on this config's first batch (the model and target are put back as they were)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        optimizer = make_optimizer(self.model, self.cfg, self.device)
+        step = TrainStep(self.model, self.model, self.target, optimizer, self.cfg, self.device)
+        state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        target_state = {k: v.clone() for k, v in self.target.state_dict().items()}
+        (_, micro), *_ = on_device(self.batches(range(1)), self.device, 1)
+        with FlopCounterMode(display=False) as counter:
+            step(micro, 0.996)
+        self.model.load_state_dict(state)
+        self.target.load_state_dict(target_state)
+        return counter.get_total_flops()
+
+    def run(self, batches: list[Batch], lr: bool = True) -> list[torch.Tensor]:
+        """One step per batch; the loss parts of each, left on the device."""
+        out = []
+        for i, (_, micro) in enumerate(on_device(batches, self.device, self.cfg.accum_steps)):
+            if lr:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.lr(i) * group["lr_scale"]
+            out.append(self.step(micro, 0.996))
+        return out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_syncs(rig: Rig, batch: Batch) -> int | None:
+    """Host syncs one step makes, counted by CUDA's sync debug mode (None on CPU, which has none to count)."""
+    if rig.device.type != "cuda":
+        return None
+    (_, micro), *_ = on_device([batch], rig.device, 1)
+    synchronize(rig.device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rig.step(micro, 0.996)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronize(rig.device)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
+    cfg = config(spec, shapes)
+    rig = Rig(cfg, shapes.text_dim, device, count_flops=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    batches = rig.batches(range(shapes.warmup + shapes.timed))
+    start = time.perf_counter()
+    rig.run(batches[: shapes.warmup], lr=False)
+    synchronize(device)
+    warmup_s = time.perf_counter() - start
+    times = []
+    for batch in batches[shapes.warmup :]:
+        start = time.perf_counter()
+        rig.run([batch], lr=False)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
+    result = {
+        "check": "throughput",
+        "config": spec.name,
+        "compiled": spec.compiled,
+        "batch": shapes.batch,
+        "s_per_step": round(seconds, 5),
+        "images_per_s": round(shapes.batch / seconds, 1),
+        "gflop_per_step": round(rig.flops_per_step / 1e9, 3),
+        "mfu": round(rig.flops_per_step / seconds / peak, 4) if peak else None,
+        "warmup_s": round(warmup_s, 1),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "host_syncs_per_step": host_syncs(rig, batches[-1]),
+    }
+    del rig
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def smoke(shapes: Shapes, device: torch.device) -> dict:
+    """Compiled training on 4 fixed batches, cycled: the loss (mean of the last tenth over the first) must fall."""
+    cfg = config(Spec("smoke", "vit_base", "cross", "before_mlp", True), shapes)
+    rig = Rig(cfg, shapes.text_dim, device)
+    fixed = rig.batches(range(4), missing=0.25)
+    losses = torch.stack(rig.run([fixed[i % 4] for i in range(shapes.smoke_steps)]))[:, 0].tolist()
+    tenth = max(len(losses) // 10, 1)
+    first, last = statistics.mean(losses[:tenth]), statistics.mean(losses[-tenth:])
+    return {
+        "check": "smoke",
+        "steps": len(losses),
+        "loss_first": round(first, 4),
+        "loss_last": round(last, 4),
+        "ok": bool(last < first) and all(np.isfinite(losses)),
+    }
+
+
+def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
+    """Inside torchrun: two steps under DDP and two under FSDP2 with this backend, and a sharded checkpoint of the
+    FSDP model written and read back into a fresh one (the equal losses of the next step say it loaded)."""
+    import torch.distributed as dist
+
+    from train.checkpoint import load_sharded_into, save_sharded_checkpoint
+
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+    )
+    out: dict = {"check": "torchrun", "backend": dist.get_backend(), "world": dist.get_world_size()}
+    try:
+        base = config(
+            Spec("torchrun", "vit_base", "cross", "before_mlp", True), replace(shapes, batch=shapes.batch // 4 or 1)
+        )
+        for name, cfg in (("ddp", base), ("fsdp", replace(base, fsdp=True))):
+            rig = Rig(cfg, shapes.text_dim, device)
+            losses = torch.stack(rig.run(rig.batches(range(2))))[:, 0].tolist()
+            out[f"{name}_losses"] = [round(v, 4) for v in losses]
+            if cfg.fsdp:
+                with tempfile.TemporaryDirectory() as tmp:
+                    save_sharded_checkpoint(Path(tmp), _sharded(rig), 2, {})
+                    again = Rig(cfg, shapes.text_dim, device)
+                    restored = _sharded(again)
+                    load_sharded_into(Path(tmp), restored)
+                    _restore(again, restored)
+                probe = rig.batches(range(2, 3))
+                a, b = rig.run(probe)[0][0].item(), again.run(probe)[0][0].item()
+                out["fsdp_checkpoint_roundtrip"] = abs(a - b) <= 1e-3 * abs(a)
+        out["ok"] = all(np.isfinite(out["ddp_losses"] + out["fsdp_losses"])) and out["fsdp_checkpoint_roundtrip"]
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def _sharded(rig: Rig) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    model, optimizer = get_state_dict(rig.model, rig.optimizer)
+    return {"model": model, "target": get_model_state_dict(rig.target), "optimizer": optimizer}
+
+
+def _restore(rig: Rig, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    set_state_dict(rig.model, rig.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_model_state_dict(rig.target, state["target"])
+
+
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+class Report:
+    """JSON lines to stdout and, with a directory, to `gpu_check.jsonl` in it."""
+
+    def __init__(self, out: str | None) -> None:
+        self.path = Path(out) / "gpu_check.jsonl" if out else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, a few steps, gloo")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.jsonl (default: $OUT)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "smoke", "torchrun"])
+    parser.add_argument("--in-torchrun", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shapes = DRY if args.dry_run else FULL
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        use_tensor_cores()
+    elif args.dry_run:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.in_torchrun:
+        print(json.dumps(torchrun_steps(shapes, device)), flush=True)
+        return 0
+    report = Report(args.out)
+    report({"check": "environment", "torch": torch.__version__, "device": gpu_name(device), "dry_run": args.dry_run})
+    ok = True
+    if "throughput" not in args.skip:
+        for spec in SPECS:
+            report(throughput(spec, shapes, device))
+    if "smoke" not in args.skip:
+        result = smoke(shapes, device)
+        ok &= result["ok"]
+        report(result)
+    if "torchrun" not in args.skip:
+        result = run_torchrun(args.dry_run)
+        ok &= bool(result.get("ok"))
+        report(result)
+    report({"check": "done", "ok": ok})
+    return 0 if ok else 1
+
+
+def run_torchrun(dry_run: bool) -> dict:
+    """This script under `torchrun --standalone --nproc-per-node 1`; its last stdout line is the result."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["-m", "benchmarks.gpu_check", "--in-torchrun", *(["--dry-run"] if dry_run else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"check": "torchrun", "ok": False, "exit": proc.returncode, "stderr": proc.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

@@ -1,0 +1,127 @@
+"""The training step in one process: accumulated micro-batches give the one-batch update, activation checkpointing
+changes nothing but memory, and the host-to-device path (no streams on the CPU) hands over every batch as it is."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from benchmarks.gpu_check import synthetic_batch
+from train.config import TrainConfig
+from train.data import Batch
+from train.jepa import build_models, checkpoint_blocks
+from train.step import TrainStep, make_optimizer, micro_batches, on_device
+
+torch.set_num_threads(2)
+TEXT_DIM = 16
+GRID = (8, 8)
+CFG = TrainConfig(
+    model="vit_tiny",
+    image_size=64,
+    patch_size=8,
+    depth=2,
+    width=64,
+    heads=2,
+    predictor_width=32,
+    predictor_depth=2,
+    predictor_heads=2,
+    captions_per_image=3,
+    max_words=10,
+    min_context=4,
+    batch_size=8,
+    bf16=False,
+    grad_clip=1.0,
+    cache="unused",
+    store="unused",
+)
+
+
+def step_batch(step: int, cfg: TrainConfig = CFG) -> Batch:
+    # 40% of the images without any caption: micro-batches then differ in how many images the regularisers average.
+    return synthetic_batch(cfg, GRID, step, TEXT_DIM, missing=0.4)
+
+
+def train_steps(cfg: TrainConfig, model, target, batches: list[Batch]) -> list[torch.Tensor]:
+    optimizer = make_optimizer(model, cfg, torch.device("cpu"))
+    step = TrainStep(model, model, target, optimizer, cfg, torch.device("cpu"))
+    return [step(micro, 0.99) for _, micro in on_device(batches, torch.device("cpu"), cfg.accum_steps)]
+
+
+def assert_same_models(a, b, rtol: float, atol: float) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("pool", ["after_mlp", "before_mlp"])
+def test_accumulated_micro_batches_give_the_one_batch_update(pool):
+    cfg = TrainConfig(**{**CFG.__dict__, "pool": pool})
+    batches = [step_batch(s) for s in range(2)]
+    counts = [[mb.images_with_text() for mb in micro_batches(b, 4)] for b in batches]
+    assert any(len(set(c)) > 1 for c in counts), f"micro-batches must differ in images with text: {counts}"
+    torch.manual_seed(0)
+    model, target = build_models(cfg, TEXT_DIM)
+    results = {}
+    for k in (1, 2, 4):
+        m, t = copy.deepcopy(model), copy.deepcopy(target)
+        parts = train_steps(TrainConfig(**{**cfg.__dict__, "accum_steps": k}), m, t, batches)
+        results[k] = (m, t, torch.stack(parts))
+    one_model, one_target, one_parts = results[1]
+    assert one_parts[:, 2].min() > 0, "the regularisers take part"
+    for k in (2, 4):
+        m, t, parts = results[k]
+        torch.testing.assert_close(parts, one_parts, rtol=1e-5, atol=1e-6)
+        assert_same_models(m, one_model, rtol=1e-4, atol=1e-6)
+        assert_same_models(t, one_target, rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batches_are_the_batch_rows_with_only_padding_dropped():
+    batch = step_batch(3)
+    micro = micro_batches(batch, 4)
+    assert [len(mb) for mb in micro] == [2] * 4
+    for name in ("images", "context_lengths", "targets", "tokens", "lengths"):
+        assert torch.equal(torch.cat([getattr(mb, name) for mb in micro]), getattr(batch, name)), name
+    for i, mb in enumerate(micro):
+        rows = batch.context[2 * i : 2 * i + 2]
+        assert mb.context.shape[1] == int(mb.context_lengths.max()) <= rows.shape[1]
+        for row, full, n in zip(mb.context, rows, mb.context_lengths):
+            assert torch.equal(row[:n], full[:n])
+    assert sum(mb.images_with_text() for mb in micro) == batch.images_with_text() < len(batch)
+
+
+def test_checkpointed_blocks_train_the_same_and_keep_their_names():
+    torch.manual_seed(0)
+    model, target = build_models(CFG, TEXT_DIM)
+    plain, plain_target = copy.deepcopy(model), copy.deepcopy(target)
+    checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)
+    assert type(model.encoder.blocks[0]).__name__ == "CheckpointWrapper"
+    assert list(model.state_dict()) == list(plain.state_dict())
+    batches = [step_batch(s) for s in range(2)]
+    parts = train_steps(CFG, model, target, batches)
+    plain_parts = train_steps(CFG, plain, plain_target, batches)
+    torch.testing.assert_close(torch.stack(parts), torch.stack(plain_parts), rtol=1e-6, atol=1e-7)
+    assert_same_models(model, plain, rtol=1e-5, atol=1e-7)
+    plain.load_state_dict(model.state_dict())  # a checkpointed model's state loads into a plain one
+
+
+def test_on_the_cpu_batches_reach_the_step_unchanged_and_one_ahead():
+    batches = [step_batch(s) for s in range(3)]
+    pulled = []
+
+    def source():
+        for i, b in enumerate(batches):
+            pulled.append(i)
+            yield b
+
+    seen = []
+    for i, (batch, micro) in enumerate(on_device(source(), torch.device("cpu"), 2)):
+        # The next batch's copies are queued before this one is handed over (the overlap on CUDA).
+        assert pulled == list(range(min(i + 2, len(batches))))
+        assert batch is batches[i]
+        for mb, host in zip(micro, micro_batches(batch, 2)):
+            assert torch.equal(mb.images, host.images) and torch.equal(mb.context, host.context)
+            assert torch.equal(mb.tokens, host.tokens) and torch.equal(mb.lengths, host.lengths)
+            assert mb.images_with_text == host.images_with_text()
+        seen.append(i)
+    assert seen == [0, 1, 2]

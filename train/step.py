@@ -1,0 +1,245 @@
+"""One optimisation step on the device, apart from the data path: copies in, micro-batches, backward, AdamW, EMA.
+
+No image decoding or embedding store here (torch and the model modules only), so `benchmarks/gpu_check.py` drives
+the very step the trainer runs on synthetic tensors, on a machine that has nothing but torch.
+
+Nothing in a step waits for the device: the loss parts are summed on the device and read (one sync) only when the
+loop logs; the normalisation constants are buffers; copies come from pinned memory on a side stream (CUDA), a step
+ahead of the compute that needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from train.config import TrainConfig
+from train.data import Normalise
+from train.jepa import JEPA, StepLosses, compute_losses, ema_update, param_groups
+from train.predictor import TextBatch
+from train.vit import VisionTransformer
+
+if TYPE_CHECKING:
+    from train.data import Batch
+
+
+@dataclass
+class DeviceBatch:
+    """A micro-batch on the device, as copied: uint8 images, float16 caption tokens (converted by the step)."""
+
+    images: torch.Tensor  # uint8 [b, 3, H, W]
+    context: torch.Tensor  # int64 [b, Lc]
+    context_lengths: torch.Tensor  # int64 [b]
+    targets: torch.Tensor  # int64 [b, M, Lt]
+    tokens: torch.Tensor | None  # float16 [b, N, S, d_text]
+    lengths: torch.Tensor | None  # int64 [b, N]
+    images_with_text: int  # counted on the host: the regularisers' denominator
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            t
+            for t in (self.images, self.context, self.context_lengths, self.targets, self.tokens, self.lengths)
+            if t is not None
+        ]
+
+
+def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
+    """`batch` copied to `device` as it is (asynchronous when it is pinned, the DataLoader's doing on CUDA)."""
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return DeviceBatch(
+        move(batch.images),
+        move(batch.context),
+        move(batch.context_lengths),
+        move(batch.targets),
+        move(batch.tokens),
+        move(batch.lengths),
+        batch.images_with_text(),
+    )
+
+
+def micro_batches(batch: Batch, k: int) -> list[Batch]:
+    """The step's batch as `k` micro-batches of consecutive rows: together exactly the batch's rows, each with the
+    masks drawn for its rows of the global batch (only padding is dropped)."""
+    size = len(batch) // k
+    return [batch.rows(i * size, (i + 1) * size) for i in range(k)]
+
+
+def on_device(batches: Iterable[Batch], device: torch.device, k: int) -> Iterator[tuple[Batch, list[DeviceBatch]]]:
+    """Each batch with its `k` micro-batches on `device`; on CUDA, the copies of step s + 1 are queued on a side stream
+    before step s's compute, so they overlap it. On CPU the same iteration with plain copies (no streams)."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    pending: tuple[Batch, list[DeviceBatch], torch.cuda.Event | None] | None = None
+    for batch in batches:
+        queued = _copy(batch, device, k, stream)
+        if pending is not None:
+            yield _ready(pending, device)
+        pending = queued
+    if pending is not None:
+        yield _ready(pending, device)
+
+
+def _copy(
+    batch: Batch, device: torch.device, k: int, stream: torch.cuda.Stream | None
+) -> tuple[Batch, list[DeviceBatch], torch.cuda.Event | None]:
+    if stream is None:
+        return batch, [to_device(mb, device) for mb in micro_batches(batch, k)], None
+    with torch.cuda.stream(stream):
+        micro = [to_device(mb, device) for mb in micro_batches(batch, k)]
+        done = torch.cuda.Event()
+        done.record(stream)
+    return batch, micro, done
+
+
+def _ready(
+    pending: tuple[Batch, list[DeviceBatch], torch.cuda.Event | None], device: torch.device
+) -> tuple[Batch, list[DeviceBatch]]:
+    """The compute stream waits for the copies (on the device, not the host), and the memory they were made in is
+    not reused before the compute stream is done with it."""
+    batch, micro, done = pending
+    if done is not None:
+        compute = torch.cuda.current_stream(device)
+        compute.wait_event(done)
+        for mb in micro:
+            for t in mb.tensors():
+                t.record_stream(compute)
+    return batch, micro
+
+
+def shuffled(text: TextBatch) -> TextBatch:
+    """Captions moved to the next image (a derangement): the honest control for text reliance."""
+    return TextBatch(text.tokens.roll(1, dims=0), text.lengths.roll(1, dims=0))
+
+
+def without_captions(text: TextBatch) -> TextBatch:
+    """The same batch with every caption marked missing: the unconditioned prediction, through the same graph (a
+    compiled predictor is not traced again for text=None)."""
+    return TextBatch(text.tokens, torch.zeros_like(text.lengths))
+
+
+@contextmanager
+def _reduce_gradients(module: nn.Module, now: bool) -> Iterator[None]:
+    """Gradient reduction across processes in this backward (`now`) or deferred to the step's last micro-batch:
+    DDP skips its all-reduce; FSDP still reduce-scatters (sharded gradients keep the memory low) and, in HSDP,
+    defers the all-reduce across nodes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if now:
+        yield
+    elif isinstance(module, nn.parallel.DistributedDataParallel):
+        with module.no_sync():
+            yield
+    elif isinstance(module, FSDPModule):
+        module.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            module.set_requires_all_reduce(True)
+    else:
+        yield
+
+
+class TrainStep:
+    """The trainer's step: `step(micro_batches, momentum)` does forward and backward of every micro-batch, one AdamW
+    update and the EMA of the target encoder; it returns the step's loss parts (total, predict, sparse, consistency)
+    as a tensor on the device, never read here."""
+
+    def __init__(
+        self,
+        model: JEPA,
+        module: nn.Module,
+        target: VisionTransformer,
+        optimizer: torch.optim.Optimizer,
+        cfg: TrainConfig,
+        device: torch.device,
+    ) -> None:
+        self.model = model  # the JEPA itself: its parameters and encoder (EMA source)
+        self.module = module  # what runs forward and backward: the model, or its DDP wrapper
+        self.target = target
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.device = device
+        self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        self.normalise = Normalise().to(device)
+        # A compiled predictor sees one caption length: the config's longest.
+        self.words = cfg.max_words if cfg.compile else None
+        self.masked = cfg.context_equalise == "pad"  # cut: rows are never padded, attention needs no mask
+
+    def text(self, mb: DeviceBatch) -> TextBatch | None:
+        """The micro-batch's captions in the compute dtype (and, compiled, padded to max_words)."""
+        if mb.tokens is None or mb.lengths is None:
+            return None
+        tokens = mb.tokens.to(self.dtype)
+        if self.words is not None and tokens.shape[2] < self.words:
+            tokens = F.pad(tokens, (0, 0, 0, self.words - tokens.shape[2]))
+        # A fresh tensor, not a view of the loader's: a compiled graph guards on whether its inputs are views, and
+        # the shuffled and caption-less controls of validation are not.
+        return TextBatch(tokens, mb.lengths.clone())
+
+    def losses(self, module: nn.Module, mb: DeviceBatch, text: TextBatch | None) -> StepLosses:
+        """`mb`'s losses through `module` with captions `text` (the batch's own, shuffled ones, or none)."""
+        valid = None
+        if self.masked:
+            valid = torch.arange(mb.context.shape[1], device=mb.context.device) < mb.context_lengths[:, None]
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.cfg.bf16):
+            return compute_losses(
+                module, self.target, self.normalise(mb.images), mb.context, mb.targets, text, self.cfg, valid
+            )
+
+    def _text_shares(self, micro: list[DeviceBatch]) -> list[torch.Tensor | float]:
+        """Each micro-batch's weight for the regularisers: its images with captions over the global batch's, times
+        the number of processes (gradients and logged losses are averaged over them). Every process's rows then
+        count as in one batch, however many captioned images each has. The global count is summed on the device
+        (no wait for it here)."""
+        mine = [mb.images_with_text for mb in micro]
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return [n / max(sum(mine), 1) for n in mine]
+        total = torch.full((), float(sum(mine)), device=self.device)  # a fill, not a copy from the host
+        dist.all_reduce(total)
+        scale = dist.get_world_size() / total.clamp_min(1)
+        return [n * scale for n in mine]
+
+    def __call__(self, micro: list[DeviceBatch], momentum: float) -> torch.Tensor:
+        images = sum(len(mb) for mb in micro)
+        text_shares = self._text_shares(micro)
+        parts = torch.zeros(4, device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, (mb, text_share) in enumerate(zip(micro, text_shares)):
+            with _reduce_gradients(self.module, now=i == len(micro) - 1):
+                losses = self.losses(self.module, mb, self.text(mb))
+                share = losses.weighted(len(mb) / images, text_share, self.cfg)
+                share.total.backward()
+            parts += torch.stack([share.total, share.predict, share.sparse, share.consistency]).detach().float()
+        if self.cfg.grad_clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        reshard = getattr(self.target, "reshard", None)
+        if reshard is not None:  # FSDP: the target's forward left its full parameters; the EMA works on shards
+            reshard()
+        ema_update(self.target, self.model.encoder, momentum)
+        return parts
+
+
+def use_tensor_cores() -> None:
+    """TF32 for float32 matmuls and convolutions on CUDA: all of them without `bf16`, and those autocast keeps in
+    float32 with it."""
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def make_optimizer(model: JEPA, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `param_groups`; on CUDA the fused kernel (one launch for every parameter, no host sync)."""
+    fused = True if device.type == "cuda" else None
+    return torch.optim.AdamW(param_groups(model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas, fused=fused)
