@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import tcjepa
+from tests.conftest import TINY_TRAIN, tcjepa
 from tests.test_step import CFG, TEXT_DIM, assert_same_models, step_batch, train_steps
-from tests.test_train import TINY  # the tiny run: 8×8 patches of 8 px, 2-layer encoder and predictor
 from train.config import TrainConfig
 from train.jepa import build_models, checkpoint_blocks, compile_blocks
 
@@ -35,7 +34,7 @@ def test_a_compiled_run_recompiles_at_most_4_times_and_never_breaks_its_graph(
         annotated_store,
         "--out",
         run,
-        *TINY,
+        *TINY_TRAIN,
         "--steps",
         "30",
         "--compile",

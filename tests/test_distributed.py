@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tcjepa
-from tests.test_train import TINY
+from tests.conftest import REPO, TINY_TRAIN, tcjepa
 from train.checkpoint import LATEST, SHARDED, load_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -28,7 +27,7 @@ KEYS = ("loss", "loss_predict", "loss_sparse", "loss_consistency", "val_loss_pre
 
 def _args(synth_dir: Path, cache: Path, store: Path, run: Path, *extra: str) -> list[str]:
     return [str(a) for a in ("train", synth_dir / "images", "--cache", cache, "--store", store, "--out", run)] + [
-        *TINY,
+        *TINY_TRAIN,
         *EXACT,
         *extra,
     ]
@@ -170,7 +169,7 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_serves_eval_and_export(
         synth_dir / "labels.jsonl",
         "--probe",
         "linear",
-        "--workers",
+        "--num-workers",
         "0",
         "--no-progress",
     )
