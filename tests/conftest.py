@@ -16,10 +16,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tcjepa(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
+def python_module(
+    module: str, *args: str, check: bool = True, timeout: float = 600, **kwargs
+) -> subprocess.CompletedProcess:
+    """Run `python -m MODULE ARGS` from the repository root in a subprocess."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", *map(str, args)],
+        [sys.executable, "-m", module, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -28,10 +30,15 @@ def tcjepa(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> su
     )
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"tcjepa {' '.join(map(str, args))} exited "
+            f"python -m {module} {' '.join(map(str, args))} exited "
             f"{proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def tcjepa(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
+    return python_module("pipeline", *args, check=check, timeout=timeout, **kwargs)
 
 
 @pytest.fixture(scope="session")
