@@ -20,21 +20,26 @@ import torch
 
 from evaluation import protocol
 from evaluation.features import Features, extract_features
-from evaluation.labels import Labels, folder_labels, patch_labels, read_labels
+from evaluation.labels import Labels, dense_probe_name, folder_labels, patch_labels, read_labels
 from evaluation.preprocess import describe as describe_preprocessing
-from evaluation.probes import ProbeResult, Split, attentive_probe, dense_probe, knn_probe, linear_probe, random_split
+from evaluation.probes import (
+    ProbeResult,
+    Split,
+    attentive_probe,
+    dense_probe,
+    knn_probe,
+    linear_probe,
+    multilabel_probe,
+    random_split,
+)
+from evaluation.protocol import FLOORS
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.sources import ImageRef, list_images
 from train.data import IMAGENET_MEAN, IMAGENET_STD
 
-PROBES = ("linear", "knn", "dense", "attentive")
-FLOORS = {
-    "baseline": "the same probes on a randomly initialised encoder of the run's architecture (seeded with --seed)",
-    "pixels": "the same probes on raw pixels: the mean normalised colour of each patch (pooled: all of them, "
-    "the image downsampled to the patch grid)",
-}
+PROBES = ("linear", "knn", "dense", "multilabel", "attentive")
 EVAL_DIR = "eval"
 
 
@@ -91,25 +96,34 @@ def _split(labels: Labels, usable: np.ndarray, cfg: EvalConfig) -> Split:
     return Split(train, val, test)
 
 
-def _dense_labels(labels: Labels, sizes: np.ndarray, image_size: int, grid: tuple[int, int]) -> np.ndarray:
-    """int `[m, L]` per-patch classes of every labelled image (-1 where it has no cell map)."""
-    out = np.full((len(labels.label), grid[0] * grid[1]), -1, dtype=np.int64)
-    for row, (cells, size) in enumerate(zip(labels.cells, labels.cell_size)):
-        if cells is not None and sizes[row, 0] > 0:
-            out[row] = patch_labels(cells, size, (int(sizes[row, 0]), int(sizes[row, 1])), image_size, grid)
+def _dense_labels(labels: Labels, sizes: np.ndarray, image_size: int, grid: tuple[int, int]) -> dict[str, np.ndarray]:
+    """Per dense probe (one per per-cell map): int `[m, L]` per-patch classes of every labelled image (-1 where
+    it has no such map)."""
+    out = {}
+    for name in labels.map_names:
+        classes = np.full((len(labels.label), grid[0] * grid[1]), -1, dtype=np.int64)
+        for row, (cells, size) in enumerate(zip(labels.cell_maps[name], labels.cell_size)):
+            if cells is not None and sizes[row, 0] > 0:
+                classes[row] = patch_labels(cells, size, (int(sizes[row, 0]), int(sizes[row, 1])), image_size, grid)
+        out[dense_probe_name(name)] = classes
     return out
+
+
+def _tagged(split: Split, tagged: np.ndarray) -> Split:
+    """The split's rows whose labels give tags: the multi-label probe's."""
+    return Split(*(rows[tagged[rows]] for rows in (split.train, split.val, split.test)))
 
 
 def _probe_all(
     probes: tuple[str, ...],
     features: Features,
     labels: Labels,
-    dense: np.ndarray | None,
+    dense: dict[str, np.ndarray],
     split: Split,
     seed: int,
     device: torch.device,
 ) -> dict[str, Any]:
-    """Each probe of `probes` on one feature set, as report entries."""
+    """Each probe of `probes` on one feature set, as report entries (`dense` gives one per per-cell map)."""
     results: dict[str, ProbeResult] = {}
     for name in probes:
         if name == "linear":
@@ -117,8 +131,11 @@ def _probe_all(
         elif name == "knn":
             results[name] = knn_probe(features.pooled, labels.label, split, device=device)
         elif name == "dense":
-            assert features.patches is not None and dense is not None
-            results[name] = dense_probe(features.patches, dense, split, seed, device)
+            assert features.patches is not None
+            for probe, classes in dense.items():
+                results[probe] = dense_probe(features.patches, classes, split, seed, device, name=probe)
+        elif name == "multilabel":
+            results[name] = multilabel_probe(features.pooled, labels.tags, _tagged(split, labels.tagged), seed, device)
         else:
             assert features.patches is not None
             results[name] = attentive_probe(features.patches, labels.label, split, seed, device)
@@ -146,16 +163,21 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
     """Run the probes of `cfg` on the run and its floors; writes the JSON report (default
     `RUN/eval/<labels stem or dataset folder>.json`) and returns it.
 
-    With `default_probes`, a probe the labels cannot support (dense without cell maps) is dropped, not refused.
+    `dense` runs once per per-cell map of the labels (`dense` on "cells", `dense_NAME` on "cell_maps"."NAME").
+    With `default_probes`, a probe the labels cannot support (dense without cell maps, multilabel without tags)
+    is dropped, not refused.
     """
     unknown = [p for p in cfg.probes if p not in PROBES]
     if unknown:
         raise UserError(f"--probe {unknown[0]}: unknown probe; choose from {', '.join(PROBES)}")
     refs, labels, name = _labelled_images(cfg)
-    probes = tuple(p for p in PROBES if p in cfg.probes and (p != "dense" or labels.has_cells or not default_probes))
-    if "dense" in probes and not labels.has_cells:
-        where = "a labels file; class folders have none" if cfg.labels is None else f"{cfg.labels}; none has them"
-        raise UserError(f'--probe dense needs per-cell labels ("cells" and "cell_size" in {where})')
+    supported = {"dense": bool(labels.map_names), "multilabel": labels.has_tags}
+    probes = tuple(p for p in PROBES if p in cfg.probes and (supported.get(p, True) or not default_probes))
+    where = "a labels file; class folders have none" if cfg.labels is None else f"{cfg.labels}; none has them"
+    if "dense" in probes and not supported["dense"]:
+        raise UserError(f'--probe dense needs per-cell labels ("cells" or "cell_maps", and "cell_size", in {where})')
+    if "multilabel" in probes and not supported["multilabel"]:
+        raise UserError(f'--probe multilabel needs each image\'s set of labels ("tags" in {where})')
     need_patches = "dense" in probes or "attentive" in probes
     sets = extract_features(
         cfg.run,
@@ -176,7 +198,7 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         )
     if labels.unmatched and cfg.train is not None:
         print(f"eval: {labels.unmatched} images outside a --train class folder; left out", file=sys.stderr)
-    dense = _dense_labels(labels, features.sizes, features.image_size, features.grid) if "dense" in probes else None
+    dense = _dense_labels(labels, features.sizes, features.image_size, features.grid) if "dense" in probes else {}
     device = resolve_device(cfg.device)
     try:
         split = _split(labels, usable, cfg)

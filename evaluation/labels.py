@@ -1,12 +1,17 @@
-"""Probe labels: JSONL lines `{"image": ..., "label": ...}`, optionally with a per-cell map.
+"""Probe labels: JSONL lines `{"image": ..., "label": ...}`, optionally with per-cell maps and tags.
 
 `image` is a path relative to the labels file's folder (or `--image-root`), or a
 source id as `tcjepa` lists it (a tar member `shard.tar/member.png`, a table row
-`name::7`). `label` is any string or integer. For the dense probe a line may add
-`"cells": [[...], ...]` (rows of integer classes, negative = unlabelled) and
-`"cell_size"` (cell side in pixels of the original image), as `tcjepa synth` writes,
-and `"split": "train" | "val" | "test"` to use a dataset's own split instead of a
-random one (then every line must have it).
+`name::7`). `label` is any string or integer. A line may add:
+
+- per-cell maps for the dense probes: `"cells": [[...], ...]` (rows of integer
+  classes, negative = unlabelled; probe `dense`) and any number of named maps
+  `"cell_maps": {"shape": [[...], ...], ...}` (probe `dense_shape`, ...), all with
+  `"cell_size"` (cell side in pixels of the original image), as `tcjepa synth` writes;
+- `"tags": [...]`: the image's set of labels (strings or integers, possibly none) for the
+  multi-label probe; lines without it are left out of that probe;
+- `"split": "train" | "val" | "test"` to use a dataset's own split instead of a
+  random one (then every line must have it).
 
 Per-patch labels follow the run's patch grid: each patch takes the class of the
 cell under its centre, after the image is resized and centre-cropped as features
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,20 +35,38 @@ from evaluation.preprocess import centre_crop
 from pipeline.core.errors import UserError
 from pipeline.core.sources import ImageRef, list_images
 
+CELLS = "cells"  # the per-cell map given as "cells" (probe `dense`); others are named in "cell_maps"
+_MAP_NAME = re.compile(r"[a-z0-9_]+")
+
+
+def dense_probe_name(cell_map: str) -> str:
+    """The report's name of the dense probe on one per-cell map: `dense` on "cells", `dense_NAME` on another."""
+    return "dense" if cell_map == CELLS else f"dense_{cell_map}"
+
 
 @dataclass
 class Labels:
     image_index: np.ndarray  # int64 [m]: index into the image list of each labelled image
     classes: list[str]  # image-level class names; label ids index into it
     label: np.ndarray  # int64 [m]
-    cells: list[np.ndarray | None]  # per labelled image: int [rows, cols] cell classes, or None
-    cell_size: list[int]  # per labelled image: cell side in original pixels (0 without cells)
+    cell_maps: dict[str, list[np.ndarray | None]]  # map name -> per labelled image: int [rows, cols] classes, or None
+    cell_size: list[int]  # per labelled image: cell side in original pixels (0 without cell maps)
     split: list[str] | None  # per labelled image: "train" | "val" | "test", when the file gives splits
     unmatched: int  # label lines whose image is not among the images given (folders: images without a class)
+    tag_names: list[str]  # the multi-label vocabulary: every tag of the file, sorted
+    tags: np.ndarray  # bool [m, len(tag_names)]: the tags of each labelled image
+    tagged: np.ndarray  # bool [m]: the image's line gives tags (the others are left out of the multi-label probe)
 
     @property
-    def has_cells(self) -> bool:
-        return any(c is not None for c in self.cells)
+    def map_names(self) -> list[str]:
+        """The per-cell maps that some labelled image has, "cells" first."""
+        return sorted(
+            (k for k, v in self.cell_maps.items() if any(g is not None for g in v)), key=lambda k: (k != CELLS, k)
+        )
+
+    @property
+    def has_tags(self) -> bool:
+        return bool(self.tagged.any())
 
 
 def _line_error(path: Path, number: int, why: str) -> UserError:
@@ -59,8 +83,9 @@ def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None
     by_id = {r.source_id: i for i, r in enumerate(refs)}
     index: list[int] = []
     raw: list[str] = []
-    cells: list[np.ndarray | None] = []
+    maps: list[dict[str, np.ndarray]] = []
     cell_size: list[int] = []
+    raw_tags: list[list[str] | None] = []
     split: list[str | None] = []
     seen: set[int] = set()
     unmatched = 0
@@ -88,9 +113,10 @@ def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None
         seen.add(i)
         index.append(i)
         raw.append(str(row["label"]))
-        grid, size = _cells(row, path, number)
-        cells.append(grid)
+        grids, size = _cell_maps(row, path, number)
+        maps.append(grids)
         cell_size.append(size)
+        raw_tags.append(_tags(row, path, number))
         if row.get("split") not in (None, "train", "val", "test"):
             raise _line_error(path, number, f"split must be train, val or test, got {row['split']!r}")
         split.append(row.get("split"))
@@ -103,30 +129,69 @@ def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None
         raise UserError(f"--labels {path}: some lines give a split and others do not; give it on every line or none")
     classes = sorted(set(raw))
     ids = {c: k for k, c in enumerate(classes)}
+    names = sorted({m for grids in maps for m in grids}, key=lambda k: (k != CELLS, k))
+    tag_names, tag_matrix = _tag_matrix(raw_tags)
     return Labels(
         np.array(index, dtype=np.int64),
         classes,
         np.array([ids[r] for r in raw], dtype=np.int64),
-        cells,
+        {name: [grids.get(name) for grids in maps] for name in names},
         cell_size,
         [str(s) for s in split] if split and split[0] is not None else None,
         unmatched,
+        tag_names,
+        tag_matrix,
+        np.array([t is not None for t in raw_tags], dtype=bool),
     )
 
 
-def _cells(row: dict, path: Path, number: int) -> tuple[np.ndarray | None, int]:
-    if "cells" not in row:
-        return None, 0
+def _grid(value: object, what: str, path: Path, number: int) -> np.ndarray:
     try:
-        grid = np.array(row["cells"], dtype=np.int64)
-    except (TypeError, ValueError):
+        grid = np.array(value, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
         grid = np.empty(0, dtype=np.int64)
     if grid.ndim != 2 or grid.size == 0:
-        raise _line_error(path, number, "cells must be a non-empty list of equal-length rows of integers")
+        raise _line_error(path, number, f"{what} must be a non-empty list of equal-length rows of integers")
+    return grid
+
+
+def _cell_maps(row: dict, path: Path, number: int) -> tuple[dict[str, np.ndarray], int]:
+    """The line's per-cell maps by name ("cells" and those under "cell_maps") and their cell size (0 without)."""
+    named = row.get("cell_maps", {})
+    if not isinstance(named, dict):
+        raise _line_error(path, number, 'cell_maps must be an object {"name": [[...], ...], ...}')
+    grids: dict[str, np.ndarray] = {}
+    if CELLS in row:
+        grids[CELLS] = _grid(row[CELLS], CELLS, path, number)
+    for name, value in named.items():
+        if name == CELLS or not _MAP_NAME.fullmatch(name):
+            raise _line_error(path, number, f"cell_maps name {name!r}: use lower-case letters, digits and _, not cells")
+        grids[name] = _grid(value, f"cell_maps.{name}", path, number)
+    if not grids:
+        return grids, 0
     size = row.get("cell_size")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         raise _line_error(path, number, f"cells need a positive integer cell_size (pixels), got {size!r}")
-    return grid, size
+    return grids, size
+
+
+def _tags(row: dict, path: Path, number: int) -> list[str] | None:
+    if "tags" not in row:
+        return None
+    tags = row["tags"]
+    if not isinstance(tags, list) or any(not isinstance(t, (str, int)) or isinstance(t, bool) for t in tags):
+        raise _line_error(path, number, f"tags must be a list of strings or integers, got {tags!r}")
+    return [str(t) for t in tags]
+
+
+def _tag_matrix(raw: list[list[str] | None]) -> tuple[list[str], np.ndarray]:
+    """(the sorted tag vocabulary, bool [m, tags] of each line's tags; all False where a line has none)."""
+    names = sorted({t for tags in raw if tags for t in tags})
+    ids = {t: k for k, t in enumerate(names)}
+    out = np.zeros((len(raw), len(names)), dtype=bool)
+    for row, tags in enumerate(raw):
+        out[row, [ids[t] for t in tags or []]] = True
+    return names, out
 
 
 def patch_labels(
@@ -194,8 +259,11 @@ def folder_labels(train: Path, val: Path) -> tuple[list[ImageRef], Labels]:
         np.arange(len(refs), dtype=np.int64),
         classes,
         np.array(label, dtype=np.int64),
-        [None] * len(refs),
+        {},
         [0] * len(refs),
         split,
         unmatched,
+        [],
+        np.zeros((len(refs), 0), dtype=bool),
+        np.zeros(len(refs), dtype=bool),
     )

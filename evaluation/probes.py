@@ -1,4 +1,4 @@
-"""Frozen-feature probes: linear, k-NN, dense (per patch) and attentive.
+"""Frozen-feature probes: linear, k-NN, dense (per patch), multi-label and attentive.
 
 Every probe picks its hyper-parameters on a validation split (a held-out part of the training images), then
 scores the test split once (with class folders: `--val`).
@@ -9,6 +9,9 @@ scores the test split once (with class folders: `--val`).
 - k-NN: DINO's weighted vote: the k = 20 nearest train + validation images by cosine similarity each vote for
   their class with weight exp(cos / T), T = 0.07.
 - dense: the linear probe per patch on patch features (mIoU and patch accuracy).
+- multilabel: which of a set of labels an image has: one logistic regression per label on standardised pooled
+  features, trained and swept as the linear probe (binary cross-entropy summed over labels); the candidate with
+  the best validation mean average precision is refitted on train + validation; test mAP.
 - attentive: one learnable query cross-attending to the patch tokens, then an MLP and a linear head, trained
   with AdamW; the learning rate with the best validation accuracy is kept.
 """
@@ -115,7 +118,10 @@ def fit_linear(
 ) -> LinearHeads:
     """Train one linear head per (lr, weight decay) on (`x`, `y`) (on their device): SGD with momentum 0.9 and
     a cosine schedule, `LINEAR_EPOCHS` passes in batches of `LINEAR_BATCH` (at least `LINEAR_MIN_STEPS` steps);
-    weight decay is the L2 penalty of the weights (not the biases)."""
+    weight decay is the L2 penalty of the weights (not the biases).
+
+    `y` int `[n]`: one class per row (softmax cross-entropy); float `[n, classes]`: a 0/1 target per label
+    (multi-label: binary cross-entropy, summed over labels, one logistic regression per label)."""
     model = LinearHeads(x, classes, candidates)
     groups = []
     for weight, bias, (lr, wd) in zip(model.weights, model.biases, candidates):
@@ -131,8 +137,12 @@ def fit_linear(
             order = torch.cat([order, torch.randperm(len(x), generator=gen)])
         rows, order = order[:batch].to(x.device), order[batch:]
         logits = model(x[rows]).flatten(0, 1)  # [batch * heads, classes]
-        # the mean over heads of each head's cross-entropy, times the number of heads: each head gets its own gradient
-        loss = F.cross_entropy(logits, y[rows].repeat_interleave(len(candidates))) * len(candidates)
+        target = y[rows].repeat_interleave(len(candidates), dim=0)
+        # the sum over heads of each head's mean loss over the batch: each head gets its own gradient
+        if target.ndim == 1:
+            loss = F.cross_entropy(logits, target) * len(candidates)
+        else:
+            loss = F.binary_cross_entropy_with_logits(logits, target, reduction="sum") / len(rows)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -255,9 +265,11 @@ def dense_probe(
     seed: int,
     device: torch.device = _CPU,
     max_patches: int = DENSE_MAX_PATCHES,
+    name: str = "dense",
 ) -> ProbeResult:
     """The linear probe per patch (`patches` `[m, L, D]`, `labels` `[m, L]`, -1 = unlabelled): sweep on the
-    validation images' patches, refit on train + validation; test patch accuracy and mIoU."""
+    validation images' patches, refit on train + validation; test patch accuracy and mIoU. `name` is the
+    report's name of the probe (which per-cell map it reads)."""
     rng = np.random.default_rng([seed, _SPLIT_STREAM, 1])
     x_train, y_train = _patch_rows(patches, labels, split.train, max_patches, rng)
     x_val, y_val = _patch_rows(patches, labels, split.val, max_patches, rng)
@@ -273,7 +285,73 @@ def dense_probe(
     pred = predict_linear(model, _tensor(x_test, device)).argmax(1).cpu().numpy()
     metrics = {"patch_accuracy": float((pred == y_test).mean()), "miou": mean_iou(pred, y_test, classes)}
     sizes = {**split.sizes(), "train_patches": len(y_train), "val_patches": len(y_val), "test_patches": len(y_test)}
-    return ProbeResult("dense", metrics, sizes, {"lr": lr, "weight_decay": wd}, sweep)
+    return ProbeResult(name, metrics, sizes, {"lr": lr, "weight_decay": wd}, sweep)
+
+
+def average_precision(scores: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """float64 `[labels]`: each column's average precision, NaN where the column has no positive.
+
+    AP = Σ_k (R_k − R_{k−1}) P_k over the distinct scores as thresholds, high to low (no interpolation; rows with
+    tied scores pass a threshold together), as scikit-learn's `average_precision_score` defines it: each positive
+    adds the precision at its score's threshold, and the sum is divided by the number of positives.
+    """
+    scores = np.asarray(scores, dtype=np.float64).reshape(len(scores), -1)
+    truth = np.asarray(truth, dtype=bool).reshape(len(scores), -1)
+    n = len(scores)
+    order = np.argsort(-scores, axis=0, kind="stable")
+    ranked = np.take_along_axis(scores, order, 0)
+    hits = np.take_along_axis(truth, order, 0).astype(np.float64)
+    true_positives = hits.cumsum(0)
+    # the last row of each run of tied scores, for every row of the run: precision is taken there
+    last = np.ones_like(ranked, dtype=bool)
+    last[:-1] = ranked[:-1] != ranked[1:]
+    ends = np.where(last, np.arange(n)[:, None], n)
+    ends = np.minimum.accumulate(ends[::-1], axis=0)[::-1]
+    precision = np.take_along_axis(true_positives, ends, 0) / (ends + 1)
+    positives = hits.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(positives > 0, (hits * precision).sum(0) / positives, np.nan)
+
+
+def mean_average_precision(scores: np.ndarray, truth: np.ndarray) -> tuple[float, int]:
+    """(mean AP over the labels with a positive among the rows, how many such labels); NaN when none has one."""
+    ap = average_precision(scores, truth)
+    scored = ~np.isnan(ap)
+    return (float(ap[scored].mean()) if scored.any() else math.nan), int(scored.sum())
+
+
+def _multilabel_scores(model: LinearHeads, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[float]]:
+    """(mean AP, mean binary cross-entropy summed over labels) of each head on (`x`, `y`)."""
+    with torch.no_grad():
+        logits = torch.cat([model(x[lo : lo + 8192]) for lo in range(0, len(x), 8192)])  # [n, heads, labels]
+        target = y[:, None].expand_as(logits)
+        loss = F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean(0)
+    scores, truth = logits.cpu().numpy(), y.cpu().numpy() > 0.5
+    maps = [mean_average_precision(scores[:, h], truth)[0] for h in range(logits.shape[1])]
+    return [-1.0 if math.isnan(m) else m for m in maps], loss.nan_to_num(nan=math.inf).cpu().tolist()
+
+
+def multilabel_probe(x: np.ndarray, y: np.ndarray, split: Split, seed: int, device: torch.device = _CPU) -> ProbeResult:
+    """Which labels each image has (`y` bool `[n, labels]`) from pooled features `x` `[n, D]`: one logistic
+    regression per label, (lr, weight decay) swept on validation mAP (ties: lowest loss), refitted on train +
+    validation; test mean average precision over the labels that have a positive among the test images."""
+    if y.shape[1] == 0:
+        raise ValueError("the multi-label probe needs at least one tag")
+    labels = y.shape[1]
+    xs, ys = _tensor(np.asarray(x, dtype=np.float32), device), _tensor(y.astype(np.float32), device)
+    train, val, test = (_tensor(rows, device) for rows in (split.train, split.val, split.test))
+    candidates = [(lr, wd) for lr in LINEAR_LRS for wd in LINEAR_WDS]
+    val_map, val_loss = _multilabel_scores(fit_linear(xs[train], ys[train], labels, candidates, seed), xs[val], ys[val])
+    best = max(range(len(candidates)), key=lambda i: (val_map[i], -val_loss[i]))
+    lr, wd = candidates[best]
+    trainval = torch.cat([train, val])
+    model = fit_linear(xs[trainval], ys[trainval], labels, [(lr, wd)], seed)
+    score, scored = mean_average_precision(predict_linear(model, xs[test]).cpu().numpy(), y[split.test])
+    if math.isnan(score):
+        raise ValueError("the multi-label probe needs test images with at least one tag")
+    sweep = {f"lr={lr:g},wd={wd:g}": m for (lr, wd), m in zip(candidates, val_map)}
+    sizes = {**split.sizes(), "labels": labels, "scored_labels": scored}
+    return ProbeResult("multilabel", {"map": score}, sizes, {"lr": lr, "weight_decay": wd}, sweep)
 
 
 class AttentiveProbe(nn.Module):

@@ -18,6 +18,12 @@ ATTENTIVE_LRS = (1e-3, 3e-3, 1e-2)
 ATTENTIVE_EPOCHS = 40
 ATTENTIVE_MIN_STEPS = 300
 ATTENTIVE_BATCH = 128
+# Every report holds the encoder's probes and, beside them, the same probes on each floor.
+FLOORS = {
+    "baseline": "the same probes on a randomly initialised encoder of the run's architecture (seeded with --seed)",
+    "pixels": "the same probes on raw pixels: the mean normalised colour of each patch (pooled: all of them, "
+    "the image downsampled to the patch grid)",
+}
 
 
 def _grid(values: tuple[float, ...]) -> str:
@@ -32,7 +38,8 @@ HELP = (
     f"{LINEAR_BATCH}) on standardised mean-pooled features, lr {_grid(LINEAR_LRS)} x weight decay "
     f"{_grid(LINEAR_WDS)}, the best refitted on train + validation. "
     f"knn: k = {KNN_K}, DINO's weighted vote exp(cos/T), T = {KNN_T}. "
-    f"dense: the linear probe per patch (mIoU). "
+    f"dense: the linear probe per patch (mIoU), one per per-cell map. "
+    f"multilabel: one logistic regression per tag on pooled features, swept as linear on validation mAP (test mAP). "
     f"attentive: a cross-attention query, AdamW, lr {_grid(ATTENTIVE_LRS)}. "
     f"Every report also holds two floors, the same probes on a seeded random encoder of the same architecture "
     f"(`baseline`) and on raw pixels, the mean colour of each patch (`pixels`)."
@@ -52,6 +59,11 @@ def describe() -> dict[str, Any]:
             "batch": LINEAR_BATCH,
         },
         "knn": {"k": KNN_K, "T": KNN_T, "vote": "sum of exp(cos / T) over the k nearest"},
-        "dense": {"probe": "linear, per patch", "max_patches": DENSE_MAX_PATCHES},
+        "dense": {"probe": "linear, per patch, one per per-cell map", "max_patches": DENSE_MAX_PATCHES},
+        "multilabel": {
+            "probe": "one logistic regression per tag, binary cross-entropy summed over tags, swept as linear",
+            "selection": "validation mean average precision",
+            "metric": "mean average precision over the tags with a positive among the test images",
+        },
         "attentive": {"lr": list(ATTENTIVE_LRS), "epochs": ATTENTIVE_EPOCHS, "min_steps": ATTENTIVE_MIN_STEPS},
     }

@@ -692,8 +692,8 @@ def eval_(
     labels: Annotated[
         Path | None,
         typer.Option(
-            help='JSONL lines {"image": ..., "label": ...}; optional "cells" + "cell_size" (dense probe) and "split" '
-            "(train/val/test)."
+            help='JSONL lines {"image": ..., "label": ...}; optional "cells" and named "cell_maps" + "cell_size" '
+            '(dense probes), "tags" (multilabel probe) and "split" (train/val/test).'
         ),
     ] = None,
     train: Annotated[
@@ -709,7 +709,10 @@ def eval_(
     ] = None,
     probe: Annotated[
         list[str] | None,
-        typer.Option(help="linear, knn, dense or attentive (repeatable). Default: all that the labels allow."),
+        typer.Option(
+            help="linear, knn, dense (one per per-cell map), multilabel or attentive (repeatable). Default: all that "
+            "the labels allow."
+        ),
     ] = None,
     image_root: Annotated[
         Path | None,

@@ -84,6 +84,13 @@ def tcjepa(*args: object, check: bool = True, timeout: float = 600, **kwargs: An
     return run_command(cli(*args), check=check, timeout=timeout, **kwargs)
 
 
+def python_module(
+    module: str, *args: object, check: bool = True, timeout: float = 600, **kwargs: Any
+) -> subprocess.CompletedProcess:
+    """Run `python -m MODULE ARGS` (a benchmark, say) in the repository, as `tcjepa` runs the CLI."""
+    return run_command([sys.executable, "-m", module, *map(str, args)], check=check, timeout=timeout, **kwargs)
+
+
 def start(command: list[str], quiet: bool = False, **kwargs: Any) -> subprocess.Popen:
     """Start `command` in the repository in a session of its own (so `kill_tree` can end it and its children);
     text pipes for its output, or none when `quiet`."""

@@ -12,16 +12,19 @@ import torch
 
 from evaluation.export import load_exported
 from evaluation.features import extract_features, load_run, load_trained_encoder, pixel_patches, random_encoder
-from evaluation.labels import patch_labels, read_labels
+from evaluation.labels import dense_probe_name, patch_labels, read_labels
 from evaluation.preprocess import CentreCrop, centre_crop, resize_and_crop
 from evaluation.probes import (
     Split,
     attentive_probe,
+    average_precision,
     dense_probe,
     knn_probe,
     knn_scores,
     linear_probe,
+    mean_average_precision,
     mean_iou,
+    multilabel_probe,
     random_split,
 )
 from evaluation.protocol import LINEAR_LRS, LINEAR_WDS
@@ -117,6 +120,49 @@ def test_dense_probe_reads_per_patch_classes_and_skips_unlabelled_patches():
     assert dense_probe(patches, shuffled, split, seed=0).metrics["patch_accuracy"] < 0.6
 
 
+def test_average_precision_by_hand_with_ties():
+    """Scores 0.9, 0.8, 0.8, 0.4, 0.4, 0.4, 0.1 with positives at 0.9, one 0.8, one 0.4 and 0.1 (4 positives).
+    Thresholds high to low: precision 1/1, 2/3 (the tied 0.8s pass together), 3/6, 4/7, each gaining a quarter of
+    the recall: AP = (1 + 2/3 + 1/2 + 4/7) / 4 = 0.68452 (scikit-learn's average_precision_score gives the same)."""
+    scores = np.array([0.9, 0.8, 0.8, 0.4, 0.4, 0.4, 0.1])
+    truth = np.array([1, 0, 1, 1, 0, 0, 1], dtype=bool)
+    assert average_precision(scores, truth)[0] == pytest.approx((1 + 2 / 3 + 1 / 2 + 4 / 7) / 4)
+    # the tie matters: with the positive 0.8 ranked first of its pair, AP would be (1 + 1 + 1/2 + 4/7) / 4
+    assert average_precision(scores + [0, 0, 1e-9, 0, 0, 0, 0], truth)[0] == pytest.approx((1 + 1 + 1 / 2 + 4 / 7) / 4)
+    columns = np.stack([scores, -scores, scores], axis=1)
+    truths = np.stack([scores > 0.5, scores > 0.5, np.zeros(7, dtype=bool)], axis=1)
+    ap = average_precision(columns, truths)
+    assert ap[0] == 1.0 and ap[1] == pytest.approx((2 * 2 / 6 + 3 / 7) / 3) and np.isnan(ap[2])
+    assert mean_average_precision(columns, truths) == (pytest.approx((ap[0] + ap[1]) / 2), 2)
+
+
+def _tag_scenes(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tags [n, 12] of 4 colours × 3 shapes, 1–3 objects per scene; features that say which pairs are present;
+    features that say only which colours and which shapes are: no binding)."""
+    rng = np.random.default_rng(seed)
+    tags = np.zeros((n, 12), dtype=bool)
+    for row in range(n):
+        tags[row, rng.choice(12, int(rng.integers(1, 4)), replace=False)] = True
+    pairs = tags.reshape(n, 4, 3)
+    bound = tags + 0.1 * rng.normal(size=(n, 12))
+    bag = np.concatenate([pairs.any(2), pairs.any(1)], axis=1) + 0.1 * rng.normal(size=(n, 7))
+    return tags, bound.astype(np.float32), bag.astype(np.float32)
+
+
+def test_multilabel_probe_reads_present_pairs_and_needs_binding():
+    tags, bound, bag = _tag_scenes(400, seed=0)
+    split = random_split(len(tags), 0.25, 0.2, seed=0)
+    result = multilabel_probe(bound, tags, split, seed=0)
+    assert result.metrics["map"] > 0.99 and result.split["labels"] == 12 and result.split["scored_labels"] == 12
+    assert set(result.validation) == {f"lr={lr:g},wd={wd:g}" for lr in LINEAR_LRS for wd in LINEAR_WDS}
+    noise = np.random.default_rng(1).normal(size=bound.shape).astype(np.float32)
+    prevalence = tags[split.test].mean()  # a ranking that knows nothing scores about the share of positives
+    assert multilabel_probe(noise, tags, split, seed=0).metrics["map"] < prevalence + 0.15
+    # colours and shapes without their binding leave pairs ambiguous in scenes with several objects
+    unbound = multilabel_probe(bag, tags, split, seed=0).metrics["map"]
+    assert prevalence + 0.15 < unbound < result.metrics["map"] - 0.1
+
+
 def test_attentive_probe_finds_the_one_token_that_matters():
     """The class is written in one random token among noise: pooling blurs it, attention can pick it."""
     rng = np.random.default_rng(0)
@@ -190,6 +236,44 @@ def test_labels_match_by_path_or_source_id_and_refuse_bad_lines(tmp_path, synth_
         read_labels(tmp_path / "bad.jsonl", refs, image_root=synth_dir)
 
 
+def test_labels_carry_named_cell_maps_and_tags(tmp_path, synth_dir):
+    refs = list_images([synth_dir / "images"])
+    lines = [
+        {
+            "image": "images/000001.png",
+            "label": "a",
+            "cells": [[1, 2]],
+            "cell_size": 16,
+            "cell_maps": {"shape": [[0, 3]]},
+            "tags": ["red circle", "blue cross"],
+        },
+        {"image": "images/000002.png", "label": "b", "cell_size": 8, "cell_maps": {"size": [[2]], "shape": [[1]]}},
+        {"image": "images/000003.png", "label": "b", "tags": []},
+    ]
+    (tmp_path / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    labels = read_labels(tmp_path / "labels.jsonl", refs, image_root=synth_dir)
+    assert labels.map_names == ["cells", "shape", "size"]
+    assert [dense_probe_name(m) for m in labels.map_names] == ["dense", "dense_shape", "dense_size"]
+    assert labels.cell_maps["cells"][1] is None and labels.cell_maps["shape"][1].tolist() == [[1]]
+    assert labels.cell_maps["size"][0] is None and labels.cell_size == [16, 8, 0]
+    assert labels.tag_names == ["blue cross", "red circle"]
+    assert labels.tags.tolist() == [[True, True], [False, False], [False, False]]
+    assert labels.tagged.tolist() == [True, False, True] and labels.has_tags
+    line = '{"image": "images/000001.png", "label": 1, '
+    for bad, message in [
+        (line + '"cell_maps": [[1]], "cell_size": 16}', "cell_maps must be an object"),
+        (line + '"cell_maps": {"Shape": [[1]]}, "cell_size": 16}', "cell_maps name 'Shape'"),
+        (line + '"cell_maps": {"cells": [[1]]}, "cell_size": 16}', "cell_maps name 'cells'"),
+        (line + '"cell_maps": {"shape": [1, 2]}, "cell_size": 16}', "cell_maps.shape must be"),
+        (line + '"cell_maps": {"shape": [[1]]}}', "cell_size"),
+        (line + '"tags": "red"}', "tags must be a list"),
+        (line + '"tags": [true]}', "tags must be a list"),
+    ]:
+        (tmp_path / "bad.jsonl").write_text(bad + "\n")
+        with pytest.raises(Exception, match=message):
+            read_labels(tmp_path / "bad.jsonl", refs, image_root=synth_dir)
+
+
 # --- the commands on a trained run -------------------------------------------------------
 
 
@@ -210,7 +294,7 @@ def test_eval_reports_every_probe_with_its_floors_and_caches_features(cross_run,
     assert report["protocol"]["knn"] == {"k": 20, "T": 0.07, "vote": "sum of exp(cos / T) over the k nearest"}
     assert report["protocol"]["preprocessing"]["resize_shorter_side"] == 73
     for part in (report, report["baseline"], report["pixels"]):
-        assert set(part["probes"]) == {"linear", "knn", "dense", "attentive"}
+        assert set(part["probes"]) == {"linear", "knn", "dense", "dense_shape", "multilabel", "attentive"}
         for result in part["probes"].values():
             assert all(0 <= v <= 1 for v in result["metrics"].values())
     (cached,) = sorted((cross_run / "features").iterdir())
@@ -345,8 +429,31 @@ def test_dense_probe_without_cell_maps_is_refused_and_dropped_by_default(tmp_pat
     plain = [synth_dir / "images", "--labels", tmp_path / "plain.jsonl", "--image-root", synth_dir]
     refused = tcjepa("eval", cross_run, *plain, "--probe", "dense", check=False)
     assert refused.returncode == 2 and "per-cell labels" in refused.stderr
+    refused = tcjepa("eval", cross_run, *plain, "--probe", "multilabel", check=False)
+    assert refused.returncode == 2 and '"tags"' in refused.stderr
     _eval(cross_run, *plain, "--probe", "linear", "--report", tmp_path / "r.json")
     assert set(json.loads((tmp_path / "r.json").read_text())["probes"]) == {"linear"}
+
+
+def test_eval_runs_a_dense_probe_per_cell_map_and_the_multilabel_probe_beside_both_floors(
+    tmp_path, cross_run, synth_dir
+):
+    labels = ["--labels", synth_dir / "labels.jsonl", "--report", tmp_path / "r.json"]
+    done = _eval(cross_run, synth_dir / "images", *labels, "--probe", "dense", "--probe", "multilabel")
+    line = done.stdout.strip().splitlines()[-1]
+    assert "| dense_shape patch_accuracy" in line and "| multilabel map" in line and ", pixels " in line
+    report = json.loads((tmp_path / "r.json").read_text())
+    for part in (report, report["baseline"], report["pixels"]):
+        probes = part["probes"]
+        assert list(probes) == ["dense", "dense_shape", "multilabel"]
+        assert probes["dense_shape"]["probe"] == "dense_shape" and set(probes["dense_shape"]["metrics"]) == {
+            "patch_accuracy",
+            "miou",
+        }
+        assert probes["multilabel"]["split"]["labels"] <= 40 and probes["multilabel"]["split"]["scored_labels"] > 0
+        assert all(0 <= v <= 1 for result in probes.values() for v in result["metrics"].values())
+    # every patch of the 8×8 grid is labelled in both maps: the shape map has 6 classes, the class map 41
+    assert report["probes"]["dense_shape"]["split"]["test_patches"] == report["split"]["test"] * 64
 
 
 def test_labels_file_split_is_used(tmp_path, cross_run, synth_dir):

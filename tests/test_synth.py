@@ -33,6 +33,18 @@ def test_synth_files_labels_and_captions(synth_dir):
         assert lab["label"] in meta["image_labels"]
 
 
+def test_synth_labels_carry_the_shape_map_and_the_pairs_present(synth_dir):
+    meta = json.loads((synth_dir / "classes.json").read_text())
+    names, shapes = meta["cell_classes"], meta["cell_maps"]["shape"]
+    assert shapes == ["empty", *synth.SHAPES] and meta["tags"] == names[1:] and len(meta["tags"]) == 40
+    for line in (synth_dir / "labels.jsonl").read_text().splitlines():
+        lab = json.loads(line)
+        classes = [c for row in lab["cells"] for c in row]
+        shape_ids = [s for row in lab["cell_maps"]["shape"] for s in row]
+        assert [shapes[s] for s in shape_ids] == ["empty" if c == 0 else names[c].split(" ")[1] for c in classes]
+        assert lab["tags"] == [names[c] for c in sorted(set(classes) - {0})]
+
+
 def test_synth_deterministic_and_prefix_stable(tmp_path):
     tcjepa("synth", "--out", tmp_path / "a", "--n-images", 5, "--seed", 1)
     tcjepa("synth", "--out", tmp_path / "b", "--n-images", 8, "--seed", 1)

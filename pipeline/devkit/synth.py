@@ -7,8 +7,11 @@ predictor that reads them can tell what sits in a hidden cell, and one that does
 not cannot; ``partial`` ones name a few objects, some loosely, as real captions do.
 
 Outputs under DIR: ``images/NNNNNN.png``, ``captions.jsonl`` (``{"image",
-"captions"}``), ``labels.jsonl`` (image label and per-cell class map with the
-cell size in pixels) and ``classes.json`` (the label vocabularies).
+"captions"}``), ``labels.jsonl`` and ``classes.json`` (the label vocabularies).
+A labels line holds the image label (the most common colour), the per-cell class
+map ``cells`` (colour × shape) with ``cell_size`` in pixels, a second per-cell map
+``cell_maps.shape`` (the shape alone), and ``tags``: the (colour, shape) pairs the
+scene holds, for the multi-label probe.
 Image i depends only on (seed, i): a larger --n extends a smaller one.
 """
 
@@ -63,6 +66,38 @@ def cell_class(obj: Obj | None) -> int:
 
 def class_names() -> list[str]:
     return ["empty"] + [f"{c} {s}" for c in COLOURS for s in SHAPES]
+
+
+def shape_class(obj: Obj | None) -> int:
+    """Per-cell shape class: 0 empty, else 1 + shape (the colour left out)."""
+    return 0 if obj is None else 1 + SHAPES.index(obj.shape)
+
+
+def shape_names() -> list[str]:
+    return ["empty", *SHAPES]
+
+
+def tags(objs: list[Obj]) -> list[str]:
+    """The scene's (colour, shape) pairs, each once, in class order: the multi-label probe's labels."""
+    present = {cell_class(o) for o in objs}
+    return [name for k, name in enumerate(class_names()) if k in present]
+
+
+def label_line(name: str, objs: list[Obj], grid: int, cell: int) -> dict:
+    """One labels.jsonl line: image label, per-cell class and shape maps, the pairs present."""
+    cells = [[0] * grid for _ in range(grid)]
+    shapes = [[0] * grid for _ in range(grid)]
+    for o in objs:
+        cells[o.row][o.col] = cell_class(o)
+        shapes[o.row][o.col] = shape_class(o)
+    return {
+        "image": name,
+        "label": image_label(objs),
+        "cells": cells,
+        "cell_size": cell,
+        "cell_maps": {"shape": shapes},
+        "tags": tags(objs),
+    }
 
 
 def draw_scene(rng: np.random.Generator, grid: int) -> list[Obj]:
@@ -288,15 +323,12 @@ def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int =
             name = f"images/{i:06d}.png"
             Image.fromarray(render(objs, grid, image_size, rng)).save(out / name, optimize=False)
             caps.write(json.dumps({"image": name, "captions": captions_for(objs, grid, rng, captions)}) + "\n")
-            cells = [[0] * grid for _ in range(grid)]
-            for o in objs:
-                cells[o.row][o.col] = cell_class(o)
-            labels.write(
-                json.dumps({"image": name, "label": image_label(objs), "cells": cells, "cell_size": cell}) + "\n"
-            )
+            labels.write(json.dumps(label_line(name, objs, grid, cell)) + "\n")
     meta = {
         "image_labels": ["none", *COLOURS],
         "cell_classes": class_names(),
+        "cell_maps": {"shape": shape_names()},
+        "tags": class_names()[1:],
         "grid": grid,
         "image_size": image_size,
         "seed": seed,
