@@ -25,10 +25,11 @@ $(STAMP): pyproject.toml .ci/constraints-cpu.txt .ci/cpu_env_fix.py
 	$(PY) -c "import torch, torchvision, vllm, zarr, transformers; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__)"
 	touch $(STAMP)
 
-# Static checks, before any test runs. (The type checker of the source packages joins them here.)
+# Static checks, before any test runs: ruff (lint and format) and mypy over the source packages ([tool.mypy]).
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Everything (what CI runs): lint, then every tier.
 test: lint

@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ def save_checkpoint(run: Path, state: dict[str, Any]) -> Path:
         with open(tmp, "wb") as f:
             writer = _WriteErrorKeeper(f)
             try:
-                torch.save(state, writer)
+                torch.save(state, cast("IO[bytes]", writer))  # torch.save only writes and flushes
             except RuntimeError:
                 if writer.error is not None:
                     raise writer.error from None

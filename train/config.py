@@ -160,6 +160,20 @@ class TrainConfig:
     val_every: int = setting(100, "steps between validation passes")
     checkpoint_every: int = setting(200, "steps between checkpoints")
 
+    @property
+    def text_cache(self) -> str:
+        """The caption cache of a run that reads text (`validate` refuses such a run without one)."""
+        if self.cache is None:
+            raise UserError(f"conditioning {self.conditioning} needs --cache")
+        return self.cache
+
+    @property
+    def text_store(self) -> str:
+        """The embedding store of a run that reads text (`validate` refuses such a run without one)."""
+        if self.store is None:
+            raise UserError(f"conditioning {self.conditioning} needs --store")
+        return self.store
+
 
 # Options that change neither the data nor the maths: a resumed run may change them.
 RUNTIME_ONLY = {

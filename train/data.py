@@ -15,9 +15,9 @@ lazily in each worker (a memory map must not be pickled).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -101,8 +101,16 @@ class Batch:
 
     def pin_memory(self) -> Batch:
         """Page-locked copies, for asynchronous host-to-device copies (the DataLoader calls this on CUDA)."""
-        values = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return Batch(*(v.pin_memory() if isinstance(v, torch.Tensor) else v for v in values))
+        tokens, lengths = self.tokens, self.lengths
+        return Batch(
+            self.images.pin_memory(),
+            self.context.pin_memory(),
+            self.context_lengths.pin_memory(),
+            self.targets.pin_memory(),
+            None if tokens is None else tokens.pin_memory(),
+            None if lengths is None else lengths.pin_memory(),
+            self.replaced,
+        )
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -111,14 +119,14 @@ class Batch:
         """Rows `start:stop` (a micro-batch), the context cut to their longest: only padding is dropped."""
         lengths = self.context_lengths[start:stop]
         longest = int(lengths.max())
-        text = self.tokens is not None and self.lengths is not None
+        tokens, caption_lengths = self.tokens, self.lengths
         return Batch(
             self.images[start:stop],
             self.context[start:stop, :longest],
             lengths,
             self.targets[start:stop],
-            self.tokens[start:stop] if text else None,
-            self.lengths[start:stop] if text else None,
+            None if tokens is None else tokens[start:stop],
+            None if caption_lengths is None else caption_lengths[start:stop],
             0,
         )
 
@@ -138,6 +146,9 @@ class Normalise(torch.nn.Module):
     The constants are buffers, moved to the device once: made afresh they would be a host-to-device copy, and a
     wait for it, every step.
     """
+
+    mean: torch.Tensor
+    std: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -183,7 +194,7 @@ class StepBatches(torch.utils.data.Dataset):
 
     def _locate_captions(self) -> np.ndarray:
         """Store row of every caption key in the index (resolved once; keys, not rows, are what the index keeps)."""
-        rows = EmbeddingReader(self.cfg.store).locate(self.index.caption_keys)
+        rows = EmbeddingReader(self.cfg.text_store).locate(self.index.caption_keys)
         if (rows < 0).any():
             raise ValueError(
                 f"{int((rows < 0).sum())} captions of the index are missing from {self.cfg.store}; rebuild the index"
@@ -226,7 +237,7 @@ class StepBatches(torch.utils.data.Dataset):
         return self.make_batch(ids, [None] * len(ids), masks, np.unique(ids))
 
     def make_batch(
-        self, ids: np.ndarray, rngs: list[np.random.Generator | None], masks: Masks, pool: np.ndarray
+        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None], masks: Masks, pool: np.ndarray
     ) -> Batch:
         """Images `ids` (each replaced, when unusable, by the next usable image of `pool`), their captions, `masks`.
 
@@ -284,11 +295,14 @@ class StepBatches(torch.utils.data.Dataset):
                 out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return np.asarray(out, dtype=np.uint8).transpose(2, 0, 1)
 
-    def _captions(self, ids: np.ndarray, rngs: list[np.random.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _captions(
+        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to N caption token arrays per image (a random N when there are more), zero-padded to the batch's
         longest."""
         if self._store is None:
-            self._store = EmbeddingReader(self.cfg.store)
+            self._store = EmbeddingReader(self.cfg.text_store)
+        assert self.caption_rows is not None, "captions are read only by a run that reads text"
         n = self.cfg.captions_per_image
         offsets = self.index.caption_offsets
         chosen = np.full((len(ids), n), -1, dtype=np.int64)

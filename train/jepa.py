@@ -65,7 +65,7 @@ def build_models(cfg: TrainConfig, text_dim: int | None) -> tuple[JEPA, VisionTr
 @torch.no_grad()
 def ema_update(target: nn.Module, online: nn.Module, momentum: float) -> None:
     """target ← m·target + (1 − m)·online, parameter by parameter."""
-    t_params = list(target.parameters())
+    t_params: list[torch.Tensor] = list(target.parameters())
     o_params = [p.detach() for p in online.parameters()]
     torch._foreach_lerp_(t_params, o_params, 1.0 - momentum)
 
@@ -110,7 +110,7 @@ def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
             if isinstance(arg, TextBatch):
                 maybe_mark_dynamic(arg.tokens, 0)
                 maybe_mark_dynamic(arg.lengths, 0)
-        with shape_config.patch(use_duck_shape=False):
+        with shape_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set by install_config_module
             return compiled(x, key_mask, *rest)
 
     return forward
@@ -131,7 +131,7 @@ def compile_blocks(*stacks: nn.ModuleList) -> None:
     """
     for blocks in stacks:
         for block in blocks:
-            block.forward = _mark_lengths_dynamic(torch.compile(block.forward, fullgraph=True))  # type: ignore[method-assign]
+            block.forward = _mark_lengths_dynamic(torch.compile(block.forward, fullgraph=True))
 
 
 def checkpoint_blocks(*stacks: nn.ModuleList) -> None:

@@ -212,11 +212,17 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
         return for_index
     mirror = Path(cfg.mirror) if cfg.mirror else None
     segments = [
-        agreed(rt, lambda: StoreKeys(EmbeddingStore(for_index.store)).segments_holding(index.caption_keys), on=rt.main)
+        agreed(
+            rt, lambda: StoreKeys(EmbeddingStore(for_index.text_store)).segments_holding(index.caption_keys), on=rt.main
+        )
     ]
     if rt.world > 1:
         dist.broadcast_object_list(segments, src=0)
-    agreed(rt, lambda: local_store(cfg.store, mirror, only=segments[0]), on=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    agreed(
+        rt,
+        lambda: local_store(cfg.text_store, mirror, only=segments[0]),
+        on=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+    )
     return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
 
 
@@ -225,8 +231,8 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
     path = run / INDEX
 
     def build() -> None:
-        cache = Path(cfg.cache) if cfg.conditioning != "none" else None
-        store = Path(cfg.store) if cfg.conditioning != "none" else None
+        cache = Path(cfg.text_cache) if cfg.conditioning != "none" else None
+        store = Path(cfg.text_store) if cfg.conditioning != "none" else None
         images = [Path(p) for p in cfg.images]
         index = build_index(images, cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column, split=cfg.split)
         print(index.coverage_line(), file=sys.stderr)
@@ -241,7 +247,7 @@ def text_width(cfg: TrainConfig) -> int | None:
         return None
     from embedding_cache.store import EmbeddingStore
 
-    return EmbeddingStore(cfg.store).width
+    return EmbeddingStore(cfg.text_store).width
 
 
 class Trainer:
@@ -259,7 +265,9 @@ class Trainer:
                 f"divisible by accum_steps {cfg.accum_steps}"
             )
         for_index = inputs_for_index(cfg, self.rt)
-        self.run_lock = prepare_run(cfg, run, self.rt, Path(for_index.store) if cfg.conditioning != "none" else None)
+        self.run_lock = prepare_run(
+            cfg, run, self.rt, Path(for_index.text_store) if cfg.conditioning != "none" else None
+        )
         self.index = load_or_build_index(for_index, run, self.rt)
         self.cfg = cfg = inputs_for_training(cfg, for_index, self.index, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
@@ -479,7 +487,7 @@ def wrap_models(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device
     )
 
 
-def _no_buffer_sync() -> dict[str, bool]:
+def _no_buffer_sync() -> dict[str, Any]:
     """No buffer broadcast before each forward (the only buffers are fixed position embeddings and normalisation
     constants): `forward_sync_buffers=False` where torch has it (2.13), `broadcast_buffers=False` before."""
     import inspect

@@ -56,16 +56,16 @@ class DeviceBatch:
 def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
     """`batch` copied to `device` as it is (asynchronous when it is pinned, the DataLoader's doing on CUDA)."""
 
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
 
     return DeviceBatch(
         move(batch.images),
         move(batch.context),
         move(batch.context_lengths),
         move(batch.targets),
-        move(batch.tokens),
-        move(batch.lengths),
+        None if batch.tokens is None else move(batch.tokens),
+        None if batch.lengths is None else move(batch.lengths),
         batch.images_with_text(),
     )
 

@@ -101,8 +101,10 @@ def scale_residual_outputs(blocks: nn.ModuleList) -> None:
     Every residual branch counts: self-attention, the MLP and, in the predictor, the text cross-attention.
     """
     for layer, block in enumerate(blocks, start=1):
-        outputs = [block.attn.proj, block.mlp.fc2, *([block.cross.proj] if getattr(block, "cross", None) else [])]
-        for linear in outputs:
+        outputs = ["attn.proj", "mlp.fc2", *(["cross.proj"] if getattr(block, "cross", None) else [])]
+        for name in outputs:
+            linear = block.get_submodule(name)
+            assert isinstance(linear, nn.Linear), name
             linear.weight.data.div_(math.sqrt(2.0 * layer))
 
 

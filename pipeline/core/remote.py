@@ -30,7 +30,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 from filelock import FileLock
 
@@ -49,7 +49,7 @@ class RemoteFileMissing(DataProblem):
     """A file that a listing or a log entry named is gone (deleted since, e.g. by a compaction: look again)."""
 
 
-def is_remote(location: str | Path | None) -> bool:
+def is_remote(location: str | Path | None) -> TypeGuard[str]:
     """A URL (scheme://...); plain paths are local."""
     return isinstance(location, str) and "://" in location
 
