@@ -27,11 +27,12 @@ probe reports are kept and skipped, so an interrupted invocation resumes where i
 
 Prints three Markdown tables: probes (mean ± standard deviation over seeds, each beside its floors), training
 figures, and the paired-by-seed differences cross − none with their standard deviation (bold where |mean| > 2 ×
-std); then one final JSON line with every figure. `--readme README.md` rewrites them between
-`<!-- SECTION:begin -->` and `<!-- SECTION:end -->` (`--section`, default the experiment's); never typed by hand.
+std); then one final JSON line with every figure. `--readme docs/experiments.md` rewrites them between
+`<!-- SECTION:begin -->` and `<!-- SECTION:end -->` in that file (`--section`, default the experiment's: the
+markers of `ablations` and `text-experiment` are in docs/experiments.md); never typed by hand.
 
   python -m benchmarks.ablations --experiment text --work /tmp/text-experiment --seeds 0 1 2 \\
-      --readme README.md --section text-experiment
+      --readme docs/experiments.md --section text-experiment
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Experiment:
     training: dict[str, Any]
     variants: tuple[str, ...]
     masks: tuple[str, ...]
-    section: str  # the README's markers
+    section: str  # the name in the markers of the --readme file (docs/experiments.md)
     what: str  # the tables' first words
 
 
@@ -444,7 +445,10 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--attentive", action="store_true", help="Also run the attentive probe (slower).")
     parser.add_argument(
-        "--readme", type=Path, default=None, help="Rewrite the tables between the markers in this file."
+        "--readme",
+        type=Path,
+        default=None,
+        help="Rewrite the tables between the markers in this file (docs/experiments.md holds the experiments').",
     )
     parser.add_argument(
         "--section",

@@ -55,3 +55,15 @@ def test_pointers_into_the_readme_name_its_sections():
     for path in [REPO / "Makefile", *sorted((REPO / ".ci").iterdir())]:
         pointers += [(path.name, name) for name in re.findall(r'README, "([^"]+)"', path.read_text())]
     assert pointers and all(name in headings for _, name in pointers), pointers
+
+
+def test_the_python_api_example_runs(tmp_path, monkeypatch):
+    """The README's "a store from your own vectors" example runs as printed, in a fresh directory."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Python API: a store from your own vectors")[1]
+    code = section.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["tokens"].shape == (14, 512) and namespace["offsets"].tolist() == [0, 7, 14]
+    assert (tmp_path / "my-store" / "zarr.json").is_file()
