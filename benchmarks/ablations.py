@@ -15,6 +15,8 @@ Variants:
   no_reg      cross with λ = β = 0 (no sparsity / consistency regularisers)
   n1, n8      cross with N = 1 or 8 captions per image
   sequence    the captions' words appended to the predictor's sequence instead
+  int8        cross reading an int8 store of the same captions from the same T5 (`embed --store-dtype int8`)
+  pca_half    cross reading a store projected to half the T5's width (`embed --project-dim`)
 
 Probes: linear and k-NN on the image label (the most common colour), dense per patch on the colour × shape class
 and on the shape alone, and the multi-label probe (which colour-shape pairs are present, mAP); `--attentive` adds
@@ -49,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import print_result, tcjepa  # first: sets the offline environment
+from embedding_cache.store import EmbeddingStore
 from evaluation.summary import floor_figures, run_figures
 from pipeline.devkit.scenes import (
     SCENE_CAPTIONS,
@@ -66,6 +69,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "n1": {"conditioning": "cross", "captions_per_image": 1},
     "n8": {"conditioning": "cross", "captions_per_image": 8},
     "sequence": {"conditioning": "sequence"},
+    "int8": {"conditioning": "cross"},
+    "pca_half": {"conditioning": "cross"},
+}
+# Variants that read another store of the same captions from the same T5: its codec or projection is the variant
+# (`tcjepa embed` flags; {half} is half the T5's width). The others read the float16 store.
+STORE_VARIANTS: dict[str, list[str]] = {
+    "int8": ["--store-dtype", "int8"],
+    "pca_half": ["--project-dim", "{half}"],
 }
 MASKS: dict[str, dict[str, Any]] = {
     # I-JEPA's: the context block shows most of the image
@@ -220,6 +231,32 @@ def runs_directory(work: Path, experiment: str, settings: dict[str, Any]) -> Pat
     return folder
 
 
+def store_for(work: Path, variant: str) -> Path:
+    """The store `variant` reads: the scenes' float16 store, or one embedded from the same cache by the same T5 with
+    the variant's codec or projection (a finished embed is a no-op, so this resumes too)."""
+    if variant not in STORE_VARIANTS:
+        return work / "store"
+    store = work / f"store-{variant}"
+    half = EmbeddingStore(work / "store").width // 2
+    flags = [flag.format(half=half) for flag in STORE_VARIANTS[variant]]
+    tcjepa(
+        "embed",
+        "--cache",
+        work / "cache",
+        "--store",
+        store,
+        "--model",
+        work / "models" / "t5",
+        "--recipe",
+        SCENE_RECIPE,
+        "--device",
+        "cpu",
+        "--no-progress",
+        *flags,
+    )
+    return store
+
+
 def run_one(
     runs: Path, work: Path, settings: dict[str, Any], variant: str, masks: str, seed: int, probes: list[str]
 ) -> dict[str, Any]:
@@ -234,7 +271,7 @@ def run_one(
         config = run.with_name(f"{run.name}.yaml")
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(json.dumps({**settings, "seed": seed}))  # JSON is YAML
-        text = [] if variant == "none" else ["--cache", work / "cache", "--store", work / "store"]
+        text = [] if variant == "none" else ["--cache", work / "cache", "--store", store_for(work, variant)]
         text += [] if variant == "none" else ["--recipe", SCENE_RECIPE]
         t0 = time.perf_counter()
         tcjepa("train", work / "data" / "images", *text, "--out", run, "--config", config, "--no-progress")
