@@ -11,14 +11,11 @@ import pytest
 import torch
 
 from tests.conftest import (
-    EXACT_STEPS,
     LOSS_KEYS,
     REFERENCE_STEPS,
-    assert_close_runs,
     kill_tree,
     metrics,
     run_command,
-    start,
     start_tcjepa,
     tcjepa,
     torchrun,
@@ -75,35 +72,6 @@ def test_resume_after_kill_equals_uninterrupted_run(
     for a, b in zip(got, want):
         for key in (*LOSS_KEYS, "lr", "wd", "ema", "val_loss_predict", "val_loss_predict_shuffled", "val_rankme"):
             assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_torchrun_two_processes_match_one(tmp_path, synth_dir, annotated_cache, annotated_store, exact_run, sharding):
-    double = tmp_path / "double"
-    args = train_args(
-        synth_dir / "images",
-        annotated_cache,
-        annotated_store,
-        double,
-        *EXACT_STEPS,
-        "--set",
-        f"fsdp={str(sharding == 'fsdp').lower()}",
-    )
-    run_command(torchrun(*args))
-    assert_close_runs(metrics(exact_run), metrics(double))
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_fsdp_checkpoint_resumes_on_one_process(tmp_path, synth_dir, annotated_cache, annotated_store, exact_run):
-    """A run killed under torchrun (2 processes, FSDP) continues on 1 process as if it had never stopped."""
-    moved = tmp_path / "moved"
-    args = train_args(synth_dir / "images", annotated_cache, annotated_store, moved, *EXACT_STEPS, "--set", "fsdp=true")
-    assert _wait_for_checkpoint(start(torchrun(*args), quiet=True), moved) < 8
-    tcjepa(*args)
-    assert_close_runs(metrics(exact_run), metrics(moved))
 
 
 @pytest.mark.slow
