@@ -107,14 +107,23 @@ class Batch:
     scales: torch.Tensor | None = None  # float32 [sum of lengths]: int8 tokens' per-token scales
     channel_scales: torch.Tensor | None = None  # float32 [d_text]: an int8 store's per-channel pre-scaling
     encoded: EncodedImages | None = None  # `--decode gpu`: JPEGs decoded, cropped and resized on the device
+    lease: torch.Tensor | None = None  # int64 [1] in shared memory: set while `tokens` and `scales` are in use
+
+    def release(self) -> None:
+        """Hand the memory of `tokens` and `scales` back to the worker that filled it (it refills it for a later
+        batch): called once they have been copied on, to pinned memory or to the device."""
+        if self.lease is not None:
+            self.lease.zero_()
+            self.lease = None
 
     def pin_memory(self) -> Batch:
-        """Page-locked copies, for asynchronous host-to-device copies (the DataLoader calls this on CUDA)."""
+        """Page-locked copies, for asynchronous host-to-device copies (the DataLoader calls this on CUDA); the
+        worker's caption buffer is released once copied."""
 
         def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
 
-        return Batch(
+        pinned = Batch(
             self.images.pin_memory(),
             self.context.pin_memory(),
             self.context_lengths.pin_memory(),
@@ -126,6 +135,8 @@ class Batch:
             pin(self.channel_scales),
             self.encoded,
         )
+        self.release()
+        return pinned
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -160,7 +171,7 @@ class Batch:
             scales,
             self.channel_scales,
             None if self.encoded is None else self.encoded.select(start, stop),
-        )
+        )  # no lease: the whole batch releases its buffer
 
     def images_with_text(self) -> int:
         """Images with at least one caption: the regularisers' denominator (they average over such images)."""
@@ -174,6 +185,44 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
+LEASE_BYTES = 64  # a buffer's lease word, padded so that what follows stays aligned
+
+
+class TextBuffers:
+    """A worker's shared-memory buffers for packed captions, reused once the main process lets go of them.
+
+    Fresh shared memory costs its page faults on every batch, more than copying the tokens into it at t5-large width.
+    Each buffer starts with a lease word: set when the buffer leaves in a batch, cleared by `Batch.release`. At most
+    `keep` buffers are kept; when all are out, a batch gets a fresh one that is not kept.
+    """
+
+    def __init__(self, capacity: int, keep: int = 6) -> None:
+        self.capacity = capacity
+        self.keep = keep
+        self.pool: list[torch.Tensor] = []  # uint8 [LEASE_BYTES + capacity], shared
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a free buffer's `capacity` bytes, its lease word, now set)."""
+        for buffer in self.pool:
+            lease = buffer[:8].view(torch.int64)
+            if int(lease[0]) == 0:
+                break
+        else:
+            buffer = shared_empty((LEASE_BYTES + self.capacity,), torch.uint8)
+            if len(self.pool) < self.keep:
+                self.pool.append(buffer)
+            lease = buffer[:8].view(torch.int64)
+        lease.fill_(1)
+        return buffer[LEASE_BYTES:], lease
+
+
+def carve(space: torch.Tensor, at: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """A `shape` tensor of `dtype` over bytes `at`... of `space` (uint8), and the next aligned free byte."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    view = space[at : at + nbytes].view(dtype).view(shape)
+    return view, at + -(-nbytes // LEASE_BYTES) * LEASE_BYTES
 
 
 def device_decoding(cfg: TrainConfig, device: torch.device) -> bool:
@@ -243,6 +292,7 @@ class StepBatches(torch.utils.data.Dataset):
         self._train_pool = np.unique(self.image_ids)
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None
+        self._text_buffers: TextBuffers | None = None
 
     def _locate_captions(self) -> np.ndarray:
         """Store row of every caption key in the index (resolved once; keys, not rows, are what the index keeps)."""
@@ -255,7 +305,7 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_images"] = state["_store"] = None
+        state["_images"] = state["_store"] = state["_text_buffers"] = None
         return state
 
     def __len__(self) -> int:
@@ -313,7 +363,7 @@ class StepBatches(torch.utils.data.Dataset):
             encoded=encoded if encoded.rows else None,
         )
         if self.text:
-            batch.tokens, batch.scales, batch.lengths = self._captions(used, rngs)
+            batch.tokens, batch.scales, batch.lengths, batch.lease = self._captions(used, rngs)
             store = self._store
             assert store is not None
             if store.channel_scales is not None:
@@ -370,10 +420,11 @@ class StepBatches(torch.utils.data.Dataset):
 
     def _captions(
         self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Up to N captions per image (a random N when there are more), packed as stored: tokens `[sum of lengths,
-        d]` (float16, or int8), their scales (int8 stores) and lengths `[b, N]` (0: no caption in that slot), each
-        caption cut to `max_words`. The tokens are gathered once, straight into shared memory."""
+        d]` (float16, or int8), their scales (int8 stores), lengths `[b, N]` (0: no caption in that slot), each
+        caption cut to `max_words`, and the lease of the buffer they are in. In a DataLoader worker the tokens are
+        gathered once, straight into a reused shared-memory buffer (`TextBuffers`)."""
         if self._store is None:
             self._store = EmbeddingReader(self.cfg.text_store)
         store = self._store
@@ -392,15 +443,25 @@ class StepBatches(torch.utils.data.Dataset):
         lengths[flat >= 0] = np.minimum(store.lengths(present), self.cfg.max_words)
         total = int(lengths.sum())
         dtype = torch.from_numpy(np.empty(0, dtype=store.token_dtype)).dtype
-        tokens = shared_empty((total, store.width), dtype)
-        scales = shared_empty((total,), torch.float32) if store.codec == "int8" else None
+        int8 = store.codec == "int8"
+        lease = None
+        if torch.utils.data.get_worker_info() is None:
+            tokens = torch.empty((total, store.width), dtype=dtype)
+            scales = torch.empty(total, dtype=torch.float32) if int8 else None
+        else:
+            if self._text_buffers is None:
+                most = len(ids) * n * self.cfg.max_words
+                self._text_buffers = TextBuffers(2 * LEASE_BYTES + most * (store.width * dtype.itemsize + 4 * int8))
+            space, lease = self._text_buffers.take()
+            tokens, at = carve(space, 0, (total, store.width), dtype)
+            scales = carve(space, at, (total,), torch.float32)[0] if int8 else None
         store.gather_packed_raw(
             present,
             max_len=self.cfg.max_words,
             out_tokens=tokens.numpy(),
             out_scales=None if scales is None else scales.numpy(),
         )
-        return tokens, scales, torch.from_numpy(lengths).view(len(ids), n)
+        return tokens, scales, torch.from_numpy(lengths).view(len(ids), n), lease
 
 
 _told_not_jpeg = False

@@ -138,12 +138,17 @@ def on_device(batches: Iterable[Batch], device: torch.device, k: int) -> Iterato
 def _copy(
     batch: Batch, device: torch.device, k: int, stream: torch.cuda.Stream | None
 ) -> tuple[Batch, list[DeviceBatch], torch.cuda.Event | None]:
+    """The micro-batches on the device; the worker's caption buffer is then released (the captions were padded into
+    new memory on the CPU; on CUDA they come from pinned copies, or a pageable buffer is read before `to` returns)."""
     if stream is None:
-        return batch, [to_device(mb, device) for mb in micro_batches(batch, k)], None
+        micro = [to_device(mb, device) for mb in micro_batches(batch, k)]
+        batch.release()
+        return batch, micro, None
     with torch.cuda.stream(stream):
         micro = [to_device(mb, device) for mb in micro_batches(batch, k)]
         done = torch.cuda.Event()
         done.record(stream)
+    batch.release()
     return batch, micro, done
 
 

@@ -100,7 +100,7 @@ def load_rgb(im: Image.Image, reduce: int = 1) -> tuple[Image.Image | None, str 
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             if reduce > 1:
                 width, height = im.size
-                im.draft(None, (math.ceil(width / reduce), math.ceil(height / reduce)))
+                im.draft(None, (max(width // reduce, 1), max(height // reduce, 1)))
             im = ImageOps.exif_transpose(im)
             im.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
