@@ -20,9 +20,7 @@ from embedding_cache.transform import fit_transform
 from pipeline.core.images import load_rgb, open_image, oriented_size
 from pipeline.core.recipes import text_key
 from tests.conftest import assert_close_runs, metrics, tcjepa, train_args
-from train.config import TrainConfig
-from train.data import Batch, StepBatches, TextBuffers
-from train.data_index import build_index
+from train.data import Batch, BatchBuffers
 from train.images import crop_resize, draft_reduction
 from train.step import to_device
 
@@ -97,57 +95,6 @@ def test_an_exif_rotated_jpeg_is_cropped_upright():
 # --- captions: packed, in reused shared buffers, padded on the device ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def text_setup(synth_dir, annotated_cache, vector_store):
-    index = build_index([synth_dir / "images"], annotated_cache, vector_store, [], progress=False)
-    cfg = TrainConfig(
-        images=[str(synth_dir / "images")],
-        cache=str(annotated_cache),
-        store=str(vector_store),
-        model="vit_tiny",
-        patch_size=8,
-        image_size=64,
-        batch_size=6,
-        steps=100,
-        captions_per_image=3,
-        max_words=90,  # some captions are cut, some shorter
-        min_context=4,
-        seed=2,
-    )
-    return index, cfg
-
-
-def _chosen_rows(batch: Batch, reader: EmbeddingReader, index, ids: np.ndarray) -> np.ndarray:
-    """Store rows of the captions in each slot (-1: none), found by matching the packed tokens to the image's own."""
-    rows = np.full(batch.lengths.shape, -1, dtype=np.int64)
-    start = 0
-    for k, i in enumerate(ids.tolist()):
-        own = reader.locate(index.captions_of(i))
-        for n in range(batch.lengths.shape[1]):
-            length = int(batch.lengths[k, n])
-            words = batch.tokens[start : start + length].numpy()
-            start += length
-            if length:
-                rows[k, n] = next(r for r in own.tolist() if np.array_equal(reader.get(r)[:length], words))
-    return rows
-
-
-def test_packed_captions_padded_on_the_device_equal_the_old_padded_batch(text_setup):
-    index, cfg = text_setup
-    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
-    reader = EmbeddingReader(cfg.store)
-    for step in (0, 5):
-        batch = data[step]
-        assert batch.tokens is not None and batch.tokens.dim() == 2, "packed: [sum of lengths, d]"
-        assert len(batch.tokens) == int(batch.lengths.sum()) < batch.lengths.numel() * int(batch.lengths.max())
-        assert int(batch.lengths.max()) == cfg.max_words
-        rows = _chosen_rows(batch, reader, index, data.images_of_step(step))
-        old, old_lengths = reader.gather_padded(rows.reshape(-1), max_len=cfg.max_words)
-        moved = to_device(batch, torch.device("cpu"))
-        assert torch.equal(moved.lengths, torch.from_numpy(old_lengths).view(batch.lengths.shape))
-        assert torch.equal(moved.tokens, torch.from_numpy(old).view(moved.tokens.shape))
-
-
 def test_int8_captions_are_dequantized_and_padded_on_the_device_as_the_reader_pads_them(tmp_path):
     rng = np.random.default_rng(0)
     d, lengths = 256, [5, 0, 9, 3, 12, 7, 1, 4]
@@ -188,8 +135,8 @@ def test_int8_captions_are_dequantized_and_padded_on_the_device_as_the_reader_pa
     torch.testing.assert_close(moved.tokens, torch.from_numpy(old).view(4, 3, 10, d), rtol=1e-3, atol=1e-3)
 
 
-def test_text_buffers_are_reused_once_released_and_never_while_out():
-    buffers = TextBuffers(capacity=256, keep=2)
+def test_batch_buffers_are_reused_once_released_and_never_while_out():
+    buffers = BatchBuffers(capacity=256, keep=2)
     a, lease_a = buffers.take()
     b, lease_b = buffers.take()
     assert a.data_ptr() != b.data_ptr() and int(lease_a[0]) == int(lease_b[0]) == 1
@@ -198,23 +145,6 @@ def test_text_buffers_are_reused_once_released_and_never_while_out():
     lease_b.zero_()  # what Batch.release does
     again, lease = buffers.take()
     assert again.data_ptr() == b.data_ptr() and int(lease[0]) == 1
-
-
-def test_batches_from_a_worker_reuse_released_buffers_and_match_batches_made_in_process(text_setup):
-    index, cfg = text_setup
-    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
-    loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=range(8), num_workers=1, prefetch_factor=2)
-    buffers = set()
-    for step, batch in enumerate(loader):
-        assert batch.lease is not None and batch.tokens.is_shared()
-        buffers.add(batch.tokens.untyped_storage().data_ptr())
-        moved = to_device(batch, torch.device("cpu"))
-        batch.release()  # as `on_device` does: the worker may now refill the buffer
-        here = to_device(data[step], torch.device("cpu"))
-        assert torch.equal(moved.tokens, here.tokens) and torch.equal(moved.lengths, here.lengths)
-        assert torch.equal(moved.images, here.images)
-    # Two batches in flight at most (prefetch 2) plus the one being read: the worker keeps cycling a few buffers.
-    assert len(buffers) <= 8
 
 
 # --- --verify-images and --decode gpu, through the CLI ----------------------------------------------------------
@@ -226,7 +156,7 @@ def test_verify_images_refuses_a_changed_image_in_one_line_while_training_reads_
     shutil.copytree(synth_dir / "images", images)
     none = ["--conditioning", "none", "--steps", "2"]
     first = tmp_path / "first"
-    tcjepa(*train_args(images, None, None, first, *none, "--verify-images"))  # builds the index; nothing changed
+    tcjepa(*train_args(images, None, None, first, *none))  # builds the index (hashing every image once)
     again = tmp_path / "again"  # a run that starts from the same index
     again.mkdir()
     for name in ("config.yaml", "index.parquet"):

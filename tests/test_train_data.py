@@ -14,7 +14,7 @@ from embedding_cache.reader import EmbeddingReader
 from pipeline.core.errors import DataProblem
 from pipeline.core.sources import ImageRef
 from train.config import TrainConfig
-from train.data import StepBatches, crop_box, split_images
+from train.data import Batch, StepBatches, crop_box, split_images
 from train.data_index import TrainIndex, build_index, verify_images
 from train.jepa import build_models, ema_update, param_groups
 from train.schedules import Cosine, Linear, WarmupCosine
@@ -211,6 +211,61 @@ def test_an_image_gone_since_the_index_was_built_is_replaced_with_its_captions(s
     pair, alone = data.validation_batch(np.array([1, 2])), data.validation_batch(np.array([2]))
     assert pair.replaced == 1 and torch.equal(pair.images[0], alone.images[0])
     assert torch.equal(_padded(pair)[0], _padded(pair)[1])
+
+
+# --- captions: packed, in reused shared buffers, padded on the device ------------------------------------------
+
+
+def _chosen_rows(batch: Batch, reader: EmbeddingReader, index, ids: np.ndarray) -> np.ndarray:
+    """Store rows of the captions in each slot (-1: none), found by matching the packed tokens to the image's own."""
+    rows = np.full(batch.lengths.shape, -1, dtype=np.int64)
+    start = 0
+    for k, i in enumerate(ids.tolist()):
+        own = reader.locate(index.captions_of(i))
+        for n in range(batch.lengths.shape[1]):
+            length = int(batch.lengths[k, n])
+            words = batch.tokens[start : start + length].numpy()
+            start += length
+            if length:
+                rows[k, n] = next(r for r in own.tolist() if np.array_equal(reader.get(r)[:length], words))
+    return rows
+
+
+def test_packed_captions_padded_on_the_device_equal_the_old_padded_batch(setup):
+    index, cfg = setup
+    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
+    reader = EmbeddingReader(cfg.store)
+    for step in (0, 5):
+        batch = data[step]
+        assert batch.tokens is not None and batch.tokens.dim() == 2, "packed: [sum of lengths, d]"
+        assert len(batch.tokens) == int(batch.lengths.sum()) < batch.lengths.numel() * int(batch.lengths.max())
+        assert int(batch.lengths.max()) == cfg.max_words
+        rows = _chosen_rows(batch, reader, index, data.images_of_step(step))
+        old, old_lengths = reader.gather_padded(rows.reshape(-1), max_len=cfg.max_words)
+        moved = to_device(batch, torch.device("cpu"))
+        assert torch.equal(moved.lengths, torch.from_numpy(old_lengths).view(batch.lengths.shape))
+        assert torch.equal(moved.tokens, torch.from_numpy(old).view(moved.tokens.shape))
+
+
+def test_batches_from_a_worker_come_in_reused_shared_buffers_and_stay_intact_once_released(setup):
+    index, cfg = setup
+    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=range(10), num_workers=1, prefetch_factor=2)
+    moved = []
+    for batch in loader:
+        assert batch.lease is not None and int(batch.lease[0]) == 1
+        for t in (batch.images, batch.context, batch.targets, batch.tokens, batch.lengths):
+            assert t.is_shared() and t.untyped_storage().data_ptr() == batch.lease.untyped_storage().data_ptr()
+        moved.append(to_device(batch, torch.device("cpu")))
+        lease = batch.lease
+        batch.release()  # as `on_device` does: the worker refills the buffer for a later batch
+        assert int(lease[0]) == 0
+    # Every batch handed to the step is still the batch made for its step (as made in this process), although the
+    # worker has since refilled the buffers they came in.
+    for step, got in enumerate(moved):
+        here = to_device(data[step], torch.device("cpu"))
+        for name in ("images", "context", "context_lengths", "targets", "tokens", "lengths"):
+            assert torch.equal(getattr(got, name), getattr(here, name)), (step, name)
 
 
 # --- the step-batch sampler: which samples each rank takes at each step ---------------------------------------

@@ -107,18 +107,18 @@ class Batch:
     scales: torch.Tensor | None = None  # float32 [sum of lengths]: int8 tokens' per-token scales
     channel_scales: torch.Tensor | None = None  # float32 [d_text]: an int8 store's per-channel pre-scaling
     encoded: EncodedImages | None = None  # `--decode gpu`: JPEGs decoded, cropped and resized on the device
-    lease: torch.Tensor | None = None  # int64 [1] in shared memory: set while `tokens` and `scales` are in use
+    lease: torch.Tensor | None = None  # int64 [1] in shared memory: set while the worker's buffer is in use
 
     def release(self) -> None:
-        """Hand the memory of `tokens` and `scales` back to the worker that filled it (it refills it for a later
-        batch): called once they have been copied on, to pinned memory or to the device."""
+        """Hand the buffer the tensors are in back to the worker that filled it (it refills it for a later batch):
+        called once they have been copied on, to pinned memory or to the device."""
         if self.lease is not None:
             self.lease.zero_()
             self.lease = None
 
     def pin_memory(self) -> Batch:
         """Page-locked copies, for asynchronous host-to-device copies (the DataLoader calls this on CUDA); the
-        worker's caption buffer is released once copied."""
+        worker's buffer is released once copied."""
 
         def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
@@ -190,12 +190,13 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 LEASE_BYTES = 64  # a buffer's lease word, padded so that what follows stays aligned
 
 
-class TextBuffers:
-    """A worker's shared-memory buffers for packed captions, reused once the main process lets go of them.
+class BatchBuffers:
+    """A worker's shared-memory buffers, one per batch in flight, reused once the main process lets go of them.
 
-    Fresh shared memory costs its page faults on every batch, more than copying the tokens into it at t5-large width.
-    Each buffer starts with a lease word: set when the buffer leaves in a batch, cleared by `Batch.release`. At most
-    `keep` buffers are kept; when all are out, a batch gets a fresh one that is not kept.
+    Fresh shared memory costs, on every batch, its page faults and one file descriptor per tensor passed to the main
+    process: at t5-large width more than copying the tokens themselves. Each buffer starts with a lease word, set
+    when the buffer leaves in a batch and cleared by `Batch.release`. At most `keep` buffers are kept; when all are
+    out, a batch gets a fresh one that is not kept.
     """
 
     def __init__(self, capacity: int, keep: int = 6) -> None:
@@ -218,11 +219,31 @@ class TextBuffers:
         return buffer[LEASE_BYTES:], lease
 
 
-def carve(space: torch.Tensor, at: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """A `shape` tensor of `dtype` over bytes `at`... of `space` (uint8), and the next aligned free byte."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    view = space[at : at + nbytes].view(dtype).view(shape)
-    return view, at + -(-nbytes // LEASE_BYTES) * LEASE_BYTES
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // LEASE_BYTES) * LEASE_BYTES
+
+
+class Arena:
+    """A batch's tensors, carved one after another out of `space` (a leased buffer's bytes), or, without one,
+    allocated as usual."""
+
+    def __init__(self, space: torch.Tensor | None) -> None:
+        self.space = space
+        self.at = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.space is None:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.at + nbytes > len(self.space):
+            raise RuntimeError(f"a batch needs more than its buffer's {len(self.space)} bytes")
+        view = self.space[self.at : self.at + nbytes].view(dtype).view(shape)
+        self.at += aligned(nbytes)
+        return view
+
+    def copy(self, array: np.ndarray) -> torch.Tensor:
+        source = torch.from_numpy(np.ascontiguousarray(array))
+        return self.empty(tuple(source.shape), source.dtype).copy_(source)
 
 
 def device_decoding(cfg: TrainConfig, device: torch.device) -> bool:
@@ -292,7 +313,7 @@ class StepBatches(torch.utils.data.Dataset):
         self._train_pool = np.unique(self.image_ids)
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None
-        self._text_buffers: TextBuffers | None = None
+        self._buffers: BatchBuffers | None = None
 
     def _locate_captions(self) -> np.ndarray:
         """Store row of every caption key in the index (resolved once; keys, not rows, are what the index keeps)."""
@@ -305,7 +326,7 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_images"] = state["_store"] = state["_text_buffers"] = None
+        state["_images"] = state["_store"] = state["_buffers"] = None
         return state
 
     def __len__(self) -> int:
@@ -346,7 +367,15 @@ class StepBatches(torch.utils.data.Dataset):
         A replaced image brings its own captions: pixels and text always belong to the same image.
         """
         size = self.cfg.image_size
-        images = shared_empty((len(ids), 3, size, size), torch.uint8)
+        if self.text and self._store is None:
+            self._store = EmbeddingReader(self.cfg.text_store)
+        space = lease = None
+        if torch.utils.data.get_worker_info() is not None:  # in a DataLoader worker: one reused shared buffer
+            if self._buffers is None:
+                self._buffers = BatchBuffers(self._most_bytes(len(ids)))
+            space, lease = self._buffers.take()
+        arena = Arena(space)
+        images = arena.empty((len(ids), 3, size, size), torch.uint8)
         encoded = EncodedImages([], [], [], [])
         used = np.empty(len(ids), dtype=np.int64)
         for k, (i, rng) in enumerate(zip(ids.tolist(), rngs)):
@@ -354,21 +383,31 @@ class StepBatches(torch.utils.data.Dataset):
         replaced = int((used != ids).sum())
         batch = Batch(
             images,
-            torch.from_numpy(masks.context),
-            torch.from_numpy(masks.context_lengths),
-            torch.from_numpy(masks.targets),
+            arena.copy(masks.context),
+            arena.copy(masks.context_lengths),
+            arena.copy(masks.targets),
             None,
             None,
             replaced,
-            encoded=encoded if encoded.rows else None,
+            encoded=encoded.packed() if encoded.rows else None,
+            lease=lease,
         )
         if self.text:
-            batch.tokens, batch.scales, batch.lengths, batch.lease = self._captions(used, rngs)
+            batch.tokens, batch.scales, batch.lengths = self._captions(used, rngs, arena)
             store = self._store
             assert store is not None
             if store.channel_scales is not None:
                 batch.channel_scales = torch.from_numpy(store.channel_scales)
         return batch
+
+    def _most_bytes(self, b: int) -> int:
+        """The largest buffer a batch of `b` images can fill: pixels, masks, and each caption at `max_words`."""
+        size, patches, n = self.cfg.image_size, self.grid[0] * self.grid[1], self.cfg.captions_per_image
+        parts = [b * 3 * size * size, b * patches * 8, b * 8, b * self.cfg.num_targets * patches * 8, b * n * 8]
+        if self._store is not None:
+            tokens = b * n * self.cfg.max_words
+            parts += [tokens * self._store.width * self._store.token_dtype.itemsize, tokens * 4]
+        return sum(aligned(p) for p in parts)
 
     def _image(
         self,
@@ -419,15 +458,14 @@ class StepBatches(torch.utils.data.Dataset):
         raise RuntimeError("no image of the training set can be read and decoded")
 
     def _captions(
-        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None], arena: Arena
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Up to N captions per image (a random N when there are more), packed as stored: tokens `[sum of lengths,
         d]` (float16, or int8), their scales (int8 stores), lengths `[b, N]` (0: no caption in that slot), each
-        caption cut to `max_words`, and the lease of the buffer they are in. In a DataLoader worker the tokens are
-        gathered once, straight into a reused shared-memory buffer (`TextBuffers`)."""
-        if self._store is None:
-            self._store = EmbeddingReader(self.cfg.text_store)
+        caption cut to `max_words`. The tokens are gathered once, straight into the batch's `arena` (in a DataLoader
+        worker, a reused shared-memory buffer)."""
         store = self._store
+        assert store is not None
         assert self.caption_rows is not None, "captions are read only by a run that reads text"
         n = self.cfg.captions_per_image
         offsets = self.index.caption_offsets
@@ -443,25 +481,15 @@ class StepBatches(torch.utils.data.Dataset):
         lengths[flat >= 0] = np.minimum(store.lengths(present), self.cfg.max_words)
         total = int(lengths.sum())
         dtype = torch.from_numpy(np.empty(0, dtype=store.token_dtype)).dtype
-        int8 = store.codec == "int8"
-        lease = None
-        if torch.utils.data.get_worker_info() is None:
-            tokens = torch.empty((total, store.width), dtype=dtype)
-            scales = torch.empty(total, dtype=torch.float32) if int8 else None
-        else:
-            if self._text_buffers is None:
-                most = len(ids) * n * self.cfg.max_words
-                self._text_buffers = TextBuffers(2 * LEASE_BYTES + most * (store.width * dtype.itemsize + 4 * int8))
-            space, lease = self._text_buffers.take()
-            tokens, at = carve(space, 0, (total, store.width), dtype)
-            scales = carve(space, at, (total,), torch.float32)[0] if int8 else None
+        tokens = arena.empty((total, store.width), dtype)
+        scales = arena.empty((total,), torch.float32) if store.codec == "int8" else None
         store.gather_packed_raw(
             present,
             max_len=self.cfg.max_words,
             out_tokens=tokens.numpy(),
             out_scales=None if scales is None else scales.numpy(),
         )
-        return tokens, scales, torch.from_numpy(lengths).view(len(ids), n), lease
+        return tokens, scales, arena.copy(lengths.reshape(len(ids), n))
 
 
 _told_not_jpeg = False

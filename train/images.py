@@ -62,6 +62,12 @@ class EncodedImages:
     boxes: list[Box]
     flips: list[bool]
 
+    def packed(self) -> EncodedImages:
+        """The same images with their bytes back to back in one tensor (the items are views of it): a batch handed to
+        the main process then passes one shared-memory block for them, not one per image."""
+        blob = torch.cat(self.data)
+        return EncodedImages(self.rows, list(blob.split([len(d) for d in self.data])), self.boxes, self.flips)
+
     def select(self, start: int, stop: int) -> EncodedImages | None:
         """The rows in `start:stop`, renumbered from `start`; None when there are none."""
         keep = [k for k, row in enumerate(self.rows) if start <= row < stop]

@@ -226,7 +226,7 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
 
 
-def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
+def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool = True) -> TrainIndex:
     """The image ↔ caption ↔ store join, built once by rank 0 and saved beside the run."""
     path = run / INDEX
 
@@ -241,7 +241,7 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
     agreed(rt, build, on=rt.main and not path.exists())
     index = TrainIndex.load(path)
     if cfg.verify_images:
-        agreed(rt, lambda: verify_images(index, progress=rt.main), on=rt.main)
+        agreed(rt, lambda: verify_images(index, progress=progress), on=rt.main)
     return index
 
 
@@ -271,7 +271,7 @@ class Trainer:
         self.run_lock = prepare_run(
             cfg, run, self.rt, Path(for_index.text_store) if cfg.conditioning != "none" else None
         )
-        self.index = load_or_build_index(for_index, run, self.rt)
+        self.index = load_or_build_index(for_index, run, self.rt, progress)
         self.cfg = cfg = inputs_for_training(cfg, for_index, self.index, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)

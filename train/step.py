@@ -61,7 +61,9 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
     captions padded there, and JPEGs it carries (`--decode gpu`) decoded there."""
 
     def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
+        moved = t.to(device, non_blocking=True)
+        # On the CPU `to` is no copy: what is in a worker's shared buffer is copied out, for the worker reuses it.
+        return moved.clone() if moved.data_ptr() == t.data_ptr() and t.is_shared() else moved
 
     images = move(batch.images)
     if batch.encoded is not None:
