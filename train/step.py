@@ -75,10 +75,10 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
         longest = max(int(batch.lengths.max()) if batch.lengths.numel() else 0, 1)  # read on the host: no sync
         scales, channel_scales = batch.scales, batch.channel_scales
         lengths = move(batch.lengths)
-        tokens = pad_packed(
-            move(batch.tokens),
-            None if scales is None else move(scales),
-            None if channel_scales is None else move(channel_scales),
+        tokens = pad_packed(  # read only to be padded into new memory: moved without `move`'s CPU copy
+            batch.tokens.to(device, non_blocking=True),
+            None if scales is None else scales.to(device, non_blocking=True),
+            None if channel_scales is None else channel_scales.to(device, non_blocking=True),
             lengths,
             longest,
         )
