@@ -21,7 +21,7 @@ from pipeline.core.images import load_rgb, open_image, oriented_size
 from pipeline.core.recipes import text_key
 from tests.conftest import assert_close_runs, metrics, tcjepa, train_args
 from train.data import Batch, BatchBuffers
-from train.images import crop_resize, draft_reduction
+from train.images import EncodedImages, crop_resize, device_decodable, draft_reduction
 from train.step import to_device
 
 
@@ -190,3 +190,24 @@ def test_decode_gpu_without_cuda_decodes_on_the_cpu_and_trains_the_same(
     assert fallback == ["--decode gpu: no CUDA device (cpu); decoding images on the CPU"]
     assert not any(line.startswith("--decode gpu") for line in stderr["cpu"].splitlines())
     assert_close_runs(metrics(runs["gpu"]), metrics(runs["cpu"]))
+
+
+def test_device_decoded_rows_pack_into_one_block_and_split_with_the_micro_batches():
+    jpegs = [torch.frombuffer(bytearray(scene_jpeg(40 + k, 30, seed=k)), dtype=torch.uint8) for k in range(4)]
+    boxes = [(0, 0, 40 + k, 30) for k in range(4)]
+    encoded = EncodedImages([0, 2, 3, 5], jpegs, boxes, [False, True, False, True]).packed()
+    assert len({d.untyped_storage().data_ptr() for d in encoded.data}) == 1, "one block for the batch"
+    assert all(torch.equal(a, b) for a, b in zip(encoded.data, jpegs))
+    second = encoded.select(2, 6)  # rows 2..5 of the batch: the images of rows 2, 3 and 5
+    assert second is not None and second.rows == [0, 1, 3] and second.flips == [True, False, True]
+    assert second.boxes == boxes[1:] and all(torch.equal(a, b) for a, b in zip(second.data, jpegs[1:]))
+    assert encoded.select(1, 2) is None
+    im = open_image(bytes(jpegs[0].numpy()))[0]
+    assert im is not None and device_decodable(im)
+    assert not device_decodable(open_image(_png(40, 30))[0])
+
+
+def _png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(out, format="PNG")
+    return out.getvalue()
