@@ -117,8 +117,8 @@ def synthetic_batch(
     cfg: TrainConfig, grid: tuple[int, int], step: int, text_dim: int | None, missing: float = 0.0
 ) -> Batch:
     """A host batch as the loader makes it for `step`: random pixels, the step's masks for the global batch, and
-    (with `text_dim`) N captions per image of random token vectors, float16, zero-padded to the batch's longest;
-    a `missing` share of the images has no caption, and others lack some."""
+    (with `text_dim`) N captions per image of random token vectors, float16, packed back to back; a `missing` share
+    of the images has no caption, and others lack some."""
     rng = np.random.default_rng([cfg.seed, step])
     b, n = cfg.batch_size, cfg.captions_per_image
     masks = sample_masks(mask_config(cfg), grid, cfg.seed, step, b)
@@ -128,10 +128,8 @@ def synthetic_batch(
         words = rng.integers(max(cfg.max_words // 2, 1), cfg.max_words + 1, (b, n))
         words[:, 1:][rng.random((b, n - 1)) < 0.25] = 0  # some images have fewer captions
         words[rng.random(b) < missing] = 0
-        longest = max(int(words.max()), 1)
-        padded = rng.standard_normal((b, n, longest, text_dim), dtype=np.float32)
-        padded *= (np.arange(longest) < words[..., None])[..., None]
-        tokens, lengths = torch.from_numpy(padded.astype(np.float16)), torch.from_numpy(words.astype(np.int64))
+        packed = rng.standard_normal((int(words.sum()), text_dim), dtype=np.float32)
+        tokens, lengths = torch.from_numpy(packed.astype(np.float16)), torch.from_numpy(words.astype(np.int64))
     return Batch(
         images,
         torch.from_numpy(masks.context),

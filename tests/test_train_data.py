@@ -8,14 +8,17 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageOps
 
 from embedding_cache.reader import EmbeddingReader
+from pipeline.core.errors import DataProblem
 from pipeline.core.sources import ImageRef
 from train.config import TrainConfig
-from train.data import StepBatches, crop_box, split_images
-from train.data_index import TrainIndex, build_index
+from train.data import Batch, StepBatches, crop_box, split_images
+from train.data_index import TrainIndex, build_index, verify_images
 from train.jepa import build_models, ema_update, param_groups
 from train.schedules import Cosine, Linear, WarmupCosine
+from train.step import to_device
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +41,13 @@ def setup(synth_dir, annotated_cache, vector_store):
 
 
 def _same(a, b):
-    for name in ("images", "context", "context_lengths", "targets", "lengths"):
+    for name in ("images", "context", "context_lengths", "targets", "lengths", "tokens"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    # Ranks pad captions to their own longest; compare the real words.
-    for i in range(a.lengths.shape[0]):
-        for n in range(a.lengths.shape[1]):
-            k = int(a.lengths[i, n])
-            assert torch.equal(a.tokens[i, n, :k], b.tokens[i, n, :k])
+
+
+def _padded(batch) -> torch.Tensor:
+    """The batch's captions `[b, N, S, d]` as the step gets them: packed tokens padded where they are moved to."""
+    return to_device(batch, torch.device("cpu")).tokens
 
 
 def test_a_step_is_the_same_on_one_or_two_processes(setup):
@@ -54,16 +57,8 @@ def test_a_step_is_the_same_on_one_or_two_processes(setup):
     halves = [StepBatches(index, ids, cfg, (8, 8), rank=r, world=2)[7] for r in (0, 1)]
     assert whole.context.shape[0] == 8 and halves[0].context.shape[0] == 4
     for r, half in enumerate(halves):
-        rows = slice(4 * r, 4 * r + 4)
-        sliced = type(whole)(
-            whole.images[rows],
-            whole.context[rows],
-            whole.context_lengths[rows],
-            whole.targets[rows],
-            whole.tokens[rows],
-            whole.lengths[rows],
-            0,
-        )
+        sliced = whole.rows(4 * r, 4 * r + 4)
+        sliced.context = whole.context[4 * r : 4 * r + 4]  # `rows` also cuts the context's padding; masks do not
         _same(half, sliced)
     again = StepBatches(index, ids, cfg, (8, 8))[7]
     _same(whole, again)
@@ -85,8 +80,9 @@ def test_captions_are_the_images_own_embeddings(setup):
 def _picked(batch, k, reader, own_keys):
     """Keys among the image's own captions whose embeddings equal the batch's caption slots, slot by slot."""
     picked = []
+    padded = _padded(batch)
     for n in range(batch.lengths.shape[1]):
-        words = batch.tokens[k, n, : int(batch.lengths[k, n])].numpy()
+        words = padded[k, n, : int(batch.lengths[k, n])].numpy()
         hits = [key for key in own_keys if np.array_equal(reader.get_key(key)[: len(words)], words)]
         assert hits, f"caption slot {n} of sample {k} is not one of the image's captions"
         picked.append(hits[0])
@@ -120,13 +116,20 @@ def _copied_images(cfg: TrainConfig, tmp_path):
     return folder, moved, TrainConfig(**{**cfg.__dict__, "batch_size": 1})
 
 
-def test_a_changed_image_is_caught(setup, tmp_path):
+def test_a_changed_image_is_read_unhashed_and_caught_by_verify_images(setup, tmp_path):
     folder, moved, one = _copied_images(setup[1], tmp_path)
-    victim = folder / moved.refs[0].source_id
-    victim.write_bytes(victim.read_bytes() + b"\0")
     data = StepBatches(moved, np.array([0]), one, (8, 8))
-    with pytest.raises(RuntimeError, match="changed since the training index was built"):
-        data[0]
+    before = data.validation_batch(np.array([0])).images
+    verify_images(moved, progress=False)  # nothing changed: passes
+    victim = folder / moved.refs[0].source_id
+    with Image.open(victim) as im:
+        fmt = im.format
+        ImageOps.invert(im.convert("RGB")).save(victim, format=fmt)  # still decodable, other bytes and pixels
+    # Training reads it as it is now: no hash on the read path, so no complaint, and the new pixels.
+    after = data.validation_batch(np.array([0]))
+    assert after.replaced == 0 and not torch.equal(after.images, before)
+    with pytest.raises(DataProblem, match=f"image {moved.refs[0].source_id} changed since the run's index was built"):
+        verify_images(moved, progress=False)
 
 
 def test_crop_box_stays_inside_and_respects_scale():
@@ -207,7 +210,62 @@ def test_an_image_gone_since_the_index_was_built_is_replaced_with_its_captions(s
     # Pixels too: in a validation batch (no random crop), image 1's slot shows image 2.
     pair, alone = data.validation_batch(np.array([1, 2])), data.validation_batch(np.array([2]))
     assert pair.replaced == 1 and torch.equal(pair.images[0], alone.images[0])
-    assert torch.equal(pair.tokens[0], pair.tokens[1])
+    assert torch.equal(_padded(pair)[0], _padded(pair)[1])
+
+
+# --- captions: packed, in reused shared buffers, padded on the device ------------------------------------------
+
+
+def _chosen_rows(batch: Batch, reader: EmbeddingReader, index, ids: np.ndarray) -> np.ndarray:
+    """Store rows of the captions in each slot (-1: none), found by matching the packed tokens to the image's own."""
+    rows = np.full(batch.lengths.shape, -1, dtype=np.int64)
+    start = 0
+    for k, i in enumerate(ids.tolist()):
+        own = reader.locate(index.captions_of(i))
+        for n in range(batch.lengths.shape[1]):
+            length = int(batch.lengths[k, n])
+            words = batch.tokens[start : start + length].numpy()
+            start += length
+            if length:
+                rows[k, n] = next(r for r in own.tolist() if np.array_equal(reader.get(r)[:length], words))
+    return rows
+
+
+def test_packed_captions_padded_on_the_device_equal_the_old_padded_batch(setup):
+    index, cfg = setup
+    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
+    reader = EmbeddingReader(cfg.store)
+    for step in (0, 5):
+        batch = data[step]
+        assert batch.tokens is not None and batch.tokens.dim() == 2, "packed: [sum of lengths, d]"
+        assert len(batch.tokens) == int(batch.lengths.sum()) < batch.lengths.numel() * int(batch.lengths.max())
+        assert int(batch.lengths.max()) == cfg.max_words
+        rows = _chosen_rows(batch, reader, index, data.images_of_step(step))
+        old, old_lengths = reader.gather_padded(rows.reshape(-1), max_len=cfg.max_words)
+        moved = to_device(batch, torch.device("cpu"))
+        assert torch.equal(moved.lengths, torch.from_numpy(old_lengths).view(batch.lengths.shape))
+        assert torch.equal(moved.tokens, torch.from_numpy(old).view(moved.tokens.shape))
+
+
+def test_batches_from_a_worker_come_in_reused_shared_buffers_and_stay_intact_once_released(setup):
+    index, cfg = setup
+    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=range(10), num_workers=1, prefetch_factor=2)
+    moved = []
+    for batch in loader:
+        assert batch.lease is not None and int(batch.lease[0]) == 1
+        for t in (batch.images, batch.context, batch.targets, batch.tokens, batch.lengths):
+            assert t.is_shared() and t.untyped_storage().data_ptr() == batch.lease.untyped_storage().data_ptr()
+        moved.append(to_device(batch, torch.device("cpu")))
+        lease = batch.lease
+        batch.release()  # as `on_device` does: the worker refills the buffer for a later batch
+        assert int(lease[0]) == 0
+    # Every batch handed to the step is still the batch made for its step (as made in this process), although the
+    # worker has since refilled the buffers they came in.
+    for step, got in enumerate(moved):
+        here = to_device(data[step], torch.device("cpu"))
+        for name in ("images", "context", "context_lengths", "targets", "tokens", "lengths"):
+            assert torch.equal(getattr(got, name), getattr(here, name)), (step, name)
 
 
 # --- the step-batch sampler: which samples each rank takes at each step ---------------------------------------

@@ -34,3 +34,5 @@ LOSSES = ("norm", "mse", "smooth_l1")
 # pad: every image keeps the context it sampled (rows padded, padding masked out of attention); cut: I-JEPA's cut of
 # every context to the batch's smallest (drops 36–45% of the context at global batch 128–2048).
 CONTEXT_EQUALISE = ("pad", "cut")
+# cpu: DataLoader workers decode, crop and resize; gpu: nvJPEG decodes each batch's JPEGs on the CUDA device.
+DECODERS = ("cpu", "gpu")

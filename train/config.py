@@ -21,7 +21,7 @@ import yaml
 from pipeline.core.devices import DEVICE_HELP
 from pipeline.core.errors import UserError
 from pipeline.core.keyvalues import parse_key_values
-from train.choices import CONDITIONING, CONTEXT_EQUALISE, LOSSES, MODELS, POOLING, VIT_SIZES
+from train.choices import CONDITIONING, CONTEXT_EQUALISE, DECODERS, LOSSES, MODELS, POOLING, VIT_SIZES
 from train.masks import MaskConfig
 
 # Values an older tcjepa wrote that mean something else now: (key, old value) -> (new value, why).
@@ -75,6 +75,16 @@ class TrainConfig:
     )
     hflip: bool = setting(False, "random horizontal flip (off: captions say left and right)")
     num_workers: int = setting(2, "DataLoader worker processes per rank")
+    decode: str = setting(
+        "cpu",
+        f"{' | '.join(DECODERS)}: where training images are decoded; gpu decodes each batch's JPEGs with nvJPEG on "
+        "the CUDA device and crops and resizes there (other images, and runs without CUDA, decode on the CPU)",
+    )
+    verify_images: bool = setting(
+        False,
+        "before training, check every image's sha256 against the run index (a file changed since the index was "
+        "built stops the run); otherwise images are hashed only when the index is built",
+    )
     # model
     model: str = setting("vit_base", f"encoder size: {', '.join(MODELS)}")
     width: int | None = setting(None, "override the encoder width (custom sizes)")
@@ -178,6 +188,8 @@ class TrainConfig:
 # Options that change neither the data nor the maths: a resumed run may change them.
 RUNTIME_ONLY = {
     "num_workers",
+    "decode",
+    "verify_images",
     "device",
     "compile",
     "checkpoint_activations",
@@ -301,6 +313,7 @@ CHOICES = {
     "loss": LOSSES,
     "model": MODELS,
     "context_equalise": CONTEXT_EQUALISE,
+    "decode": DECODERS,
 }
 POSITIVE = (
     "captions_per_image",

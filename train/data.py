@@ -6,30 +6,32 @@ and the masks (drawn for the whole global batch, see `train.masks`). A run is
 therefore reproducible, resumes at any step without replay, and gives every
 sample the same crop, captions and masks whatever the number of processes.
 
-Images are read through `pipeline.core.sources.ImageReader` and checked against the
-sha256 recorded in the index, so a source that changed since the join is caught
-instead of silently pairing images with another image's captions. Caption token
-embeddings come from the memory-mapped `EmbeddingReader`; the store is opened
-lazily in each worker (a memory map must not be pickled).
+Images are read through `pipeline.core.sources.ImageReader`; their sha256 is checked
+when the index is built (and, with `verify_images`, once more before training), not on
+every read. Caption token embeddings come from the memory-mapped `EmbeddingReader`; the
+store is opened lazily in each worker (a memory map must not be pickled). A batch's
+captions are packed (tokens back to back, as stored: float16, or int8 with scales) into
+tensors made in shared memory, so handing them to the main process copies nothing;
+`train.step.to_device` moves them packed and pads them on the device.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import torch
-from PIL import Image
 
 from embedding_cache.reader import EmbeddingReader
-from pipeline.core.images import ImagePolicy, decode
+from pipeline.core.images import MIN_SIDE, ImagePolicy, open_image, oriented_size
 from pipeline.core.sources import ImageReader
 from train.config import TrainConfig
 from train.data_index import TrainIndex
+from train.images import EncodedImages, crop_resize, device_decodable
 from train.masks import MaskConfig, Masks, sample_masks
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -91,48 +93,167 @@ def crop_box(
 
 @dataclass
 class Batch:
-    images: torch.Tensor  # uint8 [b, 3, H, W]
+    """A rank's share of a step, on the host. Captions are packed: `tokens` holds every caption's tokens back to back,
+    image by image and, within an image, slot by slot (`lengths`, row-major, says how many each; a slot of length 0
+    has no caption), as the store keeps them; `train.step.to_device` pads them on the device."""
+
+    images: torch.Tensor  # uint8 [b, 3, H, W] (rows listed in `encoded` are filled on the device)
     context: torch.Tensor  # int64 [b, Lc]: each row's context patches, then padding
     context_lengths: torch.Tensor  # int64 [b]: real context patches of each row
     targets: torch.Tensor  # int64 [b, M, Lt]
-    tokens: torch.Tensor | None  # float16 [b, N, S, d_text]
+    tokens: torch.Tensor | None  # float16 or int8 [sum of lengths, d_text]
     lengths: torch.Tensor | None  # int64 [b, N]; 0 = no caption
     replaced: int  # images that could not be read or decoded and were replaced by another
+    scales: torch.Tensor | None = None  # float32 [sum of lengths]: int8 tokens' per-token scales
+    channel_scales: torch.Tensor | None = None  # float32 [d_text]: an int8 store's per-channel pre-scaling
+    encoded: EncodedImages | None = None  # `--decode gpu`: JPEGs decoded, cropped and resized on the device
+    lease: torch.Tensor | None = None  # int64 [1] in shared memory: set while the worker's buffer is in use
+
+    def release(self) -> None:
+        """Hand the buffer the tensors are in back to the worker that filled it (it refills it for a later batch):
+        called once they have been copied on, to pinned memory or to the device."""
+        if self.lease is not None:
+            self.lease.zero_()
+            self.lease = None
 
     def pin_memory(self) -> Batch:
-        """Page-locked copies, for asynchronous host-to-device copies (the DataLoader calls this on CUDA)."""
-        tokens, lengths = self.tokens, self.lengths
-        return Batch(
+        """Page-locked copies, for asynchronous host-to-device copies (the DataLoader calls this on CUDA); the
+        worker's buffer is released once copied."""
+
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        pinned = Batch(
             self.images.pin_memory(),
             self.context.pin_memory(),
             self.context_lengths.pin_memory(),
             self.targets.pin_memory(),
-            None if tokens is None else tokens.pin_memory(),
-            None if lengths is None else lengths.pin_memory(),
+            pin(self.tokens),
+            pin(self.lengths),
             self.replaced,
+            pin(self.scales),
+            pin(self.channel_scales),
+            self.encoded,
         )
+        self.release()
+        return pinned
 
     def __len__(self) -> int:
         return self.images.shape[0]
+
+    def token_offsets(self) -> torch.Tensor:
+        """int64 `[b * N + 1]`: where each caption slot's tokens start in `tokens` (CSR offsets)."""
+        assert self.lengths is not None, "a batch without text has no token offsets"
+        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64)
+        torch.cumsum(self.lengths.reshape(-1), 0, out=offsets[1:])
+        return offsets
 
     def rows(self, start: int, stop: int) -> Batch:
         """Rows `start:stop` (a micro-batch), the context cut to their longest: only padding is dropped."""
         lengths = self.context_lengths[start:stop]
         longest = int(lengths.max())
-        tokens, caption_lengths = self.tokens, self.lengths
+        tokens, scales, caption_lengths = self.tokens, self.scales, self.lengths
+        if caption_lengths is not None and tokens is not None:
+            n = caption_lengths.shape[1]
+            offsets = self.token_offsets()
+            first, last = int(offsets[start * n]), int(offsets[stop * n])
+            tokens = tokens[first:last]
+            scales = None if scales is None else scales[first:last]
+            caption_lengths = caption_lengths[start:stop]
         return Batch(
             self.images[start:stop],
             self.context[start:stop, :longest],
             lengths,
             self.targets[start:stop],
-            None if tokens is None else tokens[start:stop],
-            None if caption_lengths is None else caption_lengths[start:stop],
+            tokens,
+            caption_lengths,
             0,
-        )
+            scales,
+            self.channel_scales,
+            None if self.encoded is None else self.encoded.select(start, stop),
+        )  # no lease: the whole batch releases its buffer
 
     def images_with_text(self) -> int:
         """Images with at least one caption: the regularisers' denominator (they average over such images)."""
         return 0 if self.lengths is None else int((self.lengths > 0).any(dim=1).sum())
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor, made in shared memory when in a DataLoader worker: the batch is filled in place and
+    handed to the main process as it is (a tensor in private memory would first be copied into shared memory)."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
+LEASE_BYTES = 64  # a buffer's lease word, padded so that what follows stays aligned
+
+
+class BatchBuffers:
+    """A worker's shared-memory buffers, one per batch in flight, reused once the main process lets go of them.
+
+    Fresh shared memory costs, on every batch, its page faults and one file descriptor per tensor passed to the main
+    process: at t5-large width more than copying the tokens themselves. Each buffer starts with a lease word, set
+    when the buffer leaves in a batch and cleared by `Batch.release`. At most `keep` buffers are kept; when all are
+    out, a batch gets a fresh one that is not kept.
+    """
+
+    def __init__(self, capacity: int, keep: int = 6) -> None:
+        self.capacity = capacity
+        self.keep = keep
+        self.pool: list[torch.Tensor] = []  # uint8 [LEASE_BYTES + capacity], shared
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a free buffer's `capacity` bytes, its lease word, now set)."""
+        for buffer in self.pool:
+            lease = buffer[:8].view(torch.int64)
+            if int(lease[0]) == 0:
+                break
+        else:
+            buffer = shared_empty((LEASE_BYTES + self.capacity,), torch.uint8)
+            if len(self.pool) < self.keep:
+                self.pool.append(buffer)
+            lease = buffer[:8].view(torch.int64)
+        lease.fill_(1)
+        return buffer[LEASE_BYTES:], lease
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // LEASE_BYTES) * LEASE_BYTES
+
+
+class Arena:
+    """A batch's tensors, carved one after another out of `space` (a leased buffer's bytes), or, without one,
+    allocated as usual."""
+
+    def __init__(self, space: torch.Tensor | None) -> None:
+        self.space = space
+        self.at = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.space is None:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.at + nbytes > len(self.space):
+            raise RuntimeError(f"a batch needs more than its buffer's {len(self.space)} bytes")
+        view = self.space[self.at : self.at + nbytes].view(dtype).view(shape)
+        self.at += aligned(nbytes)
+        return view
+
+    def copy(self, array: np.ndarray) -> torch.Tensor:
+        source = torch.from_numpy(np.ascontiguousarray(array))
+        return self.empty(tuple(source.shape), source.dtype).copy_(source)
+
+
+def device_decoding(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether `--decode gpu` decodes on `device`; without CUDA it falls back to the CPU, saying so in one line."""
+    if cfg.decode != "gpu":
+        return False
+    if device.type != "cuda":
+        print(f"--decode gpu: no CUDA device ({device}); decoding images on the CPU", file=sys.stderr)
+        return False
+    return True
 
 
 def image_policy(image_size: int) -> ImagePolicy:
@@ -175,6 +296,7 @@ class StepBatches(torch.utils.data.Dataset):
         grid: tuple[int, int],
         rank: int = 0,
         world: int = 1,
+        device_decode: bool = False,
     ) -> None:
         if cfg.batch_size % world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {world} processes")
@@ -186,11 +308,12 @@ class StepBatches(torch.utils.data.Dataset):
         self.rows = slice(rank * self.local, (rank + 1) * self.local)
         self.masks = mask_config(cfg)
         self.text = cfg.conditioning != "none" and cfg.store is not None
-        self.policy = image_policy(cfg.image_size)
+        self.device_decode = device_decode
         self.caption_rows = self._locate_captions() if self.text else None
         self._train_pool = np.unique(self.image_ids)
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None
+        self._buffers: BatchBuffers | None = None
 
     def _locate_captions(self) -> np.ndarray:
         """Store row of every caption key in the index (resolved once; keys, not rows, are what the index keeps)."""
@@ -203,7 +326,7 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_images"] = state["_store"] = None
+        state["_images"] = state["_store"] = state["_buffers"] = None
         return state
 
     def __len__(self) -> int:
@@ -243,28 +366,65 @@ class StepBatches(torch.utils.data.Dataset):
 
         A replaced image brings its own captions: pixels and text always belong to the same image.
         """
-        images = np.empty((len(ids), 3, self.cfg.image_size, self.cfg.image_size), dtype=np.uint8)
+        size = self.cfg.image_size
+        if self.text and self._store is None:
+            self._store = EmbeddingReader(self.cfg.text_store)
+        space = lease = None
+        if torch.utils.data.get_worker_info() is not None:  # in a DataLoader worker: one reused shared buffer
+            if self._buffers is None:
+                self._buffers = BatchBuffers(self._most_bytes(len(ids)))
+            space, lease = self._buffers.take()
+        arena = Arena(space)
+        images = arena.empty((len(ids), 3, size, size), torch.uint8)
+        encoded = EncodedImages([], [], [], [])
         used = np.empty(len(ids), dtype=np.int64)
         for k, (i, rng) in enumerate(zip(ids.tolist(), rngs)):
-            images[k], used[k] = self._image(i, rng, pool)
+            used[k] = self._image(i, rng, pool, images[k], encoded, k)
         replaced = int((used != ids).sum())
-        tokens = lengths = None
-        if self.text:
-            tokens, lengths = self._captions(used, rngs)
-        return Batch(
-            torch.from_numpy(images),
-            torch.from_numpy(masks.context),
-            torch.from_numpy(masks.context_lengths),
-            torch.from_numpy(masks.targets),
-            tokens,
-            lengths,
+        batch = Batch(
+            images,
+            arena.copy(masks.context),
+            arena.copy(masks.context_lengths),
+            arena.copy(masks.targets),
+            None,
+            None,
             replaced,
+            encoded=encoded.packed() if encoded.rows else None,
+            lease=lease,
         )
+        if self.text:
+            batch.tokens, batch.scales, batch.lengths = self._captions(used, rngs, arena)
+            store = self._store
+            assert store is not None
+            if store.channel_scales is not None:
+                batch.channel_scales = torch.from_numpy(store.channel_scales)
+        return batch
 
-    def _image(self, i: int, rng: np.random.Generator | None, pool: np.ndarray) -> tuple[np.ndarray, int]:
-        """`[3, H, W]` uint8 pixels of image i and the id they come from: an image that is gone, unreadable or
+    def _most_bytes(self, b: int) -> int:
+        """The largest buffer a batch of `b` images can fill: pixels, masks, and each caption at `max_words`."""
+        size, patches, n = self.cfg.image_size, self.grid[0] * self.grid[1], self.cfg.captions_per_image
+        parts = [b * 3 * size * size, b * patches * 8, b * 8, b * self.cfg.num_targets * patches * 8, b * n * 8]
+        if self._store is not None:
+            tokens = b * n * self.cfg.max_words
+            parts += [tokens * self._store.width * self._store.token_dtype.itemsize, tokens * 4]
+        return sum(aligned(p) for p in parts)
+
+    def _image(
+        self,
+        i: int,
+        rng: np.random.Generator | None,
+        pool: np.ndarray,
+        out: torch.Tensor,
+        encoded: EncodedImages,
+        row: int,
+    ) -> int:
+        """Image i's sample written to `out` (uint8 `[3, H, W]`), or, decoded on the device, its JPEG bytes added to
+        `encoded` as batch row `row`; returns the id the pixels come from. An image that is gone, unreadable or
         undecodable is replaced by the next usable one of `pool` (sorted ids of the same split, so a validation
-        image never stands in for a training one; counted in `Batch.replaced`, logged as `images_replaced`)."""
+        image never stands in for a training one; counted in `Batch.replaced`, logged as `images_replaced`).
+
+        The crop (or, for validation, the whole image) is drawn from the header's size, before any pixel is decoded.
+        """
         if self._images is None:
             self._images = ImageReader()
         start = int(np.searchsorted(pool, i))
@@ -274,34 +434,38 @@ class StepBatches(torch.utils.data.Dataset):
                 data = self._images.read(self.index.refs[j])
             except OSError:
                 continue
-            if hashlib.sha256(data).hexdigest() != self.index.sha256[j]:
-                raise RuntimeError(
-                    f"image {self.index.refs[j].source_id} changed since the training index was built; "
-                    "delete the run's index.parquet to rebuild it"
-                )
-            im, _ = decode(data, self.policy)
-            if im is not None:
-                return self._transform(im, rng), j
+            im, _ = open_image(data, MIN_SIDE)
+            if im is None:
+                continue
+            upright = oriented_size(im)
+            box = (0, 0, *upright)
+            flip = False
+            if rng is not None:
+                box = crop_box(rng, *upright, self.cfg.crop_scale, self.cfg.crop_ratio)
+                flip = self.cfg.hflip and rng.random() < 0.5
+            if self.device_decode:
+                if device_decodable(im):
+                    encoded.rows.append(row)
+                    encoded.data.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    encoded.boxes.append(box)
+                    encoded.flips.append(flip)
+                    return j
+                _say_not_device_decodable(self.index.refs[j].source_id)
+            pixels = crop_resize(im, upright, box, self.cfg.image_size, flip)
+            if pixels is not None:
+                out.copy_(pixels)
+                return j
         raise RuntimeError("no image of the training set can be read and decoded")
 
-    def _transform(self, im: Image.Image, rng: np.random.Generator | None) -> np.ndarray:
-        size = (self.cfg.image_size, self.cfg.image_size)
-        if rng is None:
-            out = im.resize(size, Image.Resampling.BICUBIC)
-        else:
-            box = crop_box(rng, im.width, im.height, self.cfg.crop_scale, self.cfg.crop_ratio)
-            out = im.resize(size, Image.Resampling.BICUBIC, box=box)
-            if self.cfg.hflip and rng.random() < 0.5:
-                out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return np.asarray(out, dtype=np.uint8).transpose(2, 0, 1)
-
     def _captions(
-        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to N caption token arrays per image (a random N when there are more), zero-padded to the batch's
-        longest."""
-        if self._store is None:
-            self._store = EmbeddingReader(self.cfg.text_store)
+        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None], arena: Arena
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Up to N captions per image (a random N when there are more), packed as stored: tokens `[sum of lengths,
+        d]` (float16, or int8), their scales (int8 stores), lengths `[b, N]` (0: no caption in that slot), each
+        caption cut to `max_words`. The tokens are gathered once, straight into the batch's `arena` (in a DataLoader
+        worker, a reused shared-memory buffer)."""
+        store = self._store
+        assert store is not None
         assert self.caption_rows is not None, "captions are read only by a run that reads text"
         n = self.cfg.captions_per_image
         offsets = self.index.caption_offsets
@@ -311,6 +475,31 @@ class StepBatches(torch.utils.data.Dataset):
             if len(rows) > n:
                 rows = rows[np.sort(rng.choice(len(rows), n, replace=False))] if rng is not None else rows[:n]
             chosen[k, : len(rows)] = rows
-        flat, lengths = self._store.gather_padded(chosen.reshape(-1), max_len=self.cfg.max_words)
-        tokens = torch.from_numpy(flat).view(len(ids), n, flat.shape[1], flat.shape[2])
-        return tokens, torch.from_numpy(lengths).view(len(ids), n)
+        flat = chosen.reshape(-1)
+        present = flat[flat >= 0]
+        lengths = np.zeros(len(flat), dtype=np.int64)
+        lengths[flat >= 0] = np.minimum(store.lengths(present), self.cfg.max_words)
+        total = int(lengths.sum())
+        dtype = torch.from_numpy(np.empty(0, dtype=store.token_dtype)).dtype
+        tokens = arena.empty((total, store.width), dtype)
+        scales = arena.empty((total,), torch.float32) if store.codec == "int8" else None
+        store.gather_packed_raw(
+            present,
+            max_len=self.cfg.max_words,
+            out_tokens=tokens.numpy(),
+            out_scales=None if scales is None else scales.numpy(),
+        )
+        return tokens, scales, arena.copy(lengths.reshape(len(ids), n))
+
+
+_told_not_jpeg = False
+
+
+def _say_not_device_decodable(source_id: str) -> None:
+    """One stderr line per process the first time `--decode gpu` meets an image the device decoder is not given."""
+    global _told_not_jpeg
+    if not _told_not_jpeg:
+        print(
+            f"--decode gpu: {source_id} is not an upright RGB JPEG; such images are decoded on the CPU", file=sys.stderr
+        )
+        _told_not_jpeg = True

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from captioning.cache import CaptionCache
 from embedding_cache.reader import StoreKeys
 from embedding_cache.store import EmbeddingStore
-from pipeline.core.errors import UserError
+from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.sources import ImageReader, ImageRef, list_images
 
@@ -163,6 +163,33 @@ def _hash_refs(refs: list[ImageRef], reader: ImageReader, progress: bool, what: 
         except OSError:
             out.append(None)
     return out
+
+
+def verify_images(index: TrainIndex, progress: bool = True, threads: int = 8) -> None:
+    """Hash every image of `index` and stop, in one line, at the first whose bytes differ from the sha256 recorded
+    when the index was built (`tcjepa train --verify-images`). Training itself hashes nothing: this pass is how a
+    changed source is caught, rather than on every read. An unreadable image passes here; the loader replaces it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    reader = ImageReader()
+
+    def sha(ref: ImageRef) -> str | None:
+        try:
+            return hashlib.sha256(reader.read(ref)).hexdigest()
+        except OSError:
+            return None
+
+    with ThreadPoolExecutor(threads) as pool:
+        hashes = pool.map(sha, index.refs)
+        bar = tqdm(hashes, total=len(index.refs), desc="verifying images", unit="image", disable=not progress)
+        for ref, recorded, actual in zip(index.refs, index.sha256, bar):
+            if actual is not None and actual != recorded:
+                raise DataProblem(
+                    f"image {ref.source_id} changed since the run's index was built (sha256 {actual[:12]}, indexed "
+                    f"{recorded[:12]}); restore it, or delete the run's index.parquet to rebuild the index"
+                )
 
 
 def _recorded_sha256(cache: CaptionCache, refs: list[ImageRef]) -> dict[str, str]:

@@ -47,8 +47,8 @@ from train.checkpoint import (
     sharded_checkpoint,
 )
 from train.config import TrainConfig, differences, to_dict, validate
-from train.data import Batch, StepBatches, split_images
-from train.data_index import TrainIndex, build_index
+from train.data import Batch, StepBatches, device_decoding, split_images
+from train.data_index import TrainIndex, build_index, verify_images
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, effective_rank, plot_curves
 from train.schedules import Cosine, Linear, WarmupCosine
@@ -226,7 +226,7 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
 
 
-def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
+def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool = True) -> TrainIndex:
     """The image ↔ caption ↔ store join, built once by rank 0 and saved beside the run."""
     path = run / INDEX
 
@@ -239,7 +239,10 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
         index.save(path)
 
     agreed(rt, build, on=rt.main and not path.exists())
-    return TrainIndex.load(path)
+    index = TrainIndex.load(path)
+    if cfg.verify_images:
+        agreed(rt, lambda: verify_images(index, progress=progress), on=rt.main)
+    return index
 
 
 def text_width(cfg: TrainConfig) -> int | None:
@@ -268,14 +271,22 @@ class Trainer:
         self.run_lock = prepare_run(
             cfg, run, self.rt, Path(for_index.text_store) if cfg.conditioning != "none" else None
         )
-        self.index = load_or_build_index(for_index, run, self.rt)
+        self.index = load_or_build_index(for_index, run, self.rt, progress)
         self.cfg = cfg = inputs_for_training(cfg, for_index, self.index, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(cfg, text_width(cfg))
         self.model.to(self.rt.device)
         self.target.to(self.rt.device)
-        self.dataset = StepBatches(self.index, train_ids, cfg, self.model.encoder.grid, self.rt.rank, self.rt.world)
+        self.dataset = StepBatches(
+            self.index,
+            train_ids,
+            cfg,
+            self.model.encoder.grid,
+            self.rt.rank,
+            self.rt.world,
+            device_decode=device_decoding(cfg, self.rt.device),
+        )
         self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
         self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
         self.ema = Linear(cfg.ema[0], cfg.ema[1], cfg.steps)

@@ -1,7 +1,10 @@
 """One optimisation step on the device, apart from the data path: copies in, micro-batches, backward, AdamW, EMA.
 
-No image decoding or embedding store here (torch and the model modules only), so `benchmarks/gpu_check.py` drives
-the very step the trainer runs on synthetic tensors, on a machine that has nothing but torch.
+No image decoding or embedding store here (torch and the model modules only; torchvision only for a batch whose JPEGs
+are decoded on the device), so `benchmarks/gpu_check.py` drives the very step the trainer runs on synthetic tensors.
+
+Captions arrive packed (every caption's tokens back to back, float16 or int8 with scales) and are dequantized and
+padded on the device: the host copies only real tokens, 2–8× fewer bytes than a padded batch.
 
 Nothing in a step waits for the device: the loss parts are summed on the device and read (one sync) only when the
 loop logs; the normalisation constants are buffers; copies come from pinned memory on a side stream (CUDA), a step
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class DeviceBatch:
-    """A micro-batch on the device, as copied: uint8 images, float16 caption tokens (converted by the step)."""
+    """A micro-batch on the device: uint8 images, captions padded there as float16 (converted by the step)."""
 
     images: torch.Tensor  # uint8 [b, 3, H, W]
     context: torch.Tensor  # int64 [b, Lc]
@@ -54,20 +57,63 @@ class DeviceBatch:
 
 
 def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
-    """`batch` copied to `device` as it is (asynchronous when it is pinned, the DataLoader's doing on CUDA)."""
+    """`batch` copied to `device` (asynchronous when it is pinned, the DataLoader's doing on CUDA); its packed
+    captions padded there, and JPEGs it carries (`--decode gpu`) decoded there."""
 
     def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
+        moved = t.to(device, non_blocking=True)
+        # On the CPU `to` is no copy: what is in a worker's shared buffer is copied out, for the worker reuses it.
+        return moved.clone() if moved.data_ptr() == t.data_ptr() and t.is_shared() else moved
 
+    images = move(batch.images)
+    if batch.encoded is not None:
+        from train.images import decode_on_device
+
+        decode_on_device(images, batch.encoded)
+    tokens = lengths = None
+    if batch.tokens is not None and batch.lengths is not None:
+        longest = max(int(batch.lengths.max()) if batch.lengths.numel() else 0, 1)  # read on the host: no sync
+        scales, channel_scales = batch.scales, batch.channel_scales
+        lengths = move(batch.lengths)
+        tokens = pad_packed(  # read only to be padded into new memory: moved without `move`'s CPU copy
+            batch.tokens.to(device, non_blocking=True),
+            None if scales is None else scales.to(device, non_blocking=True),
+            None if channel_scales is None else channel_scales.to(device, non_blocking=True),
+            lengths,
+            longest,
+        )
     return DeviceBatch(
-        move(batch.images),
+        images,
         move(batch.context),
         move(batch.context_lengths),
         move(batch.targets),
-        None if batch.tokens is None else move(batch.tokens),
-        None if batch.lengths is None else move(batch.lengths),
+        tokens,
+        lengths,
         batch.images_with_text(),
     )
+
+
+def pad_packed(
+    tokens: torch.Tensor,
+    scales: torch.Tensor | None,
+    channel_scales: torch.Tensor | None,
+    lengths: torch.Tensor,
+    longest: int,
+) -> torch.Tensor:
+    """float16 `[b, N, longest, d]`, zero-padded, from packed tokens `[sum of lengths, d]` (float16, or int8 with
+    `scales` and `channel_scales`) and their `lengths` `[b, N]`, all on one device. No step waits for the host: the
+    token count is the tensor's length, and every index is computed where the tokens are."""
+    from embedding_cache.codec import dequantize
+
+    b, n = lengths.shape
+    flat = lengths.reshape(-1)
+    values = dequantize(tokens, scales, channel_scales, dtype=torch.float16)
+    out = torch.zeros(b * n * longest, tokens.shape[-1], dtype=torch.float16, device=tokens.device)
+    slot = torch.repeat_interleave(torch.arange(b * n, device=tokens.device), flat, output_size=tokens.shape[0])
+    starts = torch.cumsum(flat, 0) - flat
+    where = slot * longest + torch.arange(tokens.shape[0], device=tokens.device) - starts[slot]
+    out.index_copy_(0, where, values)
+    return out.view(b, n, longest, tokens.shape[-1])
 
 
 def micro_batches(batch: Batch, k: int) -> list[Batch]:
@@ -94,12 +140,17 @@ def on_device(batches: Iterable[Batch], device: torch.device, k: int) -> Iterato
 def _copy(
     batch: Batch, device: torch.device, k: int, stream: torch.cuda.Stream | None
 ) -> tuple[Batch, list[DeviceBatch], torch.cuda.Event | None]:
+    """The micro-batches on the device; the worker's caption buffer is then released (the captions were padded into
+    new memory on the CPU; on CUDA they come from pinned copies, or a pageable buffer is read before `to` returns)."""
     if stream is None:
-        return batch, [to_device(mb, device) for mb in micro_batches(batch, k)], None
+        micro = [to_device(mb, device) for mb in micro_batches(batch, k)]
+        batch.release()
+        return batch, micro, None
     with torch.cuda.stream(stream):
         micro = [to_device(mb, device) for mb in micro_batches(batch, k)]
         done = torch.cuda.Event()
         done.record(stream)
+    batch.release()
     return batch, micro, done
 
 

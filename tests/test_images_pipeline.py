@@ -1,0 +1,213 @@
+"""The training input pipeline: draft-mode decoding, antialiased bilinear resizing, captions packed in reused shared
+buffers and padded on the device, `--verify-images` instead of a hash per read, `--decode gpu`'s CPU fallback."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2.functional import resize
+
+from embedding_cache.reader import EmbeddingReader
+from embedding_cache.store import EmbeddingStore, TokenLayout
+from embedding_cache.transform import fit_transform
+from pipeline.core.images import load_rgb, open_image, oriented_size
+from pipeline.core.recipes import text_key
+from tests.conftest import assert_close_runs, metrics, tcjepa, train_args
+from train.data import Batch, BatchBuffers
+from train.images import EncodedImages, crop_resize, device_decodable, draft_reduction
+from train.step import to_device
+
+
+def scene_jpeg(width: int, height: int, seed: int = 0, quality: int = 90) -> bytes:
+    """A photo-like JPEG: smooth random shapes with fine texture."""
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 256, (9, 12, 3), dtype=np.uint8))
+    scene = np.asarray(coarse.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
+    pixels = np.clip(scene + rng.normal(0, 6, (height, width, 1)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a.float() - b.float()) ** 2).mean())
+    return 10 * np.log10(255.0**2 / mse)
+
+
+def test_a_draft_decode_is_close_to_a_full_decode_and_resize():
+    data = scene_jpeg(1600, 1200)
+    box, size = (100, 80, 1500, 1130), 224  # a crop more than 4x the output on each side
+    assert draft_reduction(box, size) == 4
+    drafted, _ = load_rgb(open_image(data)[0], draft_reduction(box, size))
+    assert drafted is not None and drafted.size == (400, 300), "libjpeg decoded at a quarter scale"
+    im = open_image(data)[0]
+    fast = crop_resize(im, oriented_size(im), box, size, flip=False)
+    full, _ = load_rgb(open_image(data)[0])
+    assert full is not None and full.size == (1600, 1200)
+    pixels = torch.from_numpy(np.array(full.crop(box))).permute(2, 0, 1)
+    reference = resize(pixels, [size, size], antialias=True)
+    assert fast is not None and fast.shape == reference.shape == (3, size, size)
+    assert psnr(fast, reference) > 32, psnr(fast, reference)
+    assert float((fast.float() - reference.float()).abs().mean()) < 2.5
+
+
+def test_the_resize_is_torchvisions_antialiased_bilinear_and_the_flip_a_mirror():
+    data = scene_jpeg(300, 200, seed=1)
+    box, size = (20, 10, 280, 190), 128  # the crop is under twice the output: decoded whole
+    assert draft_reduction(box, size) == 1
+    im = open_image(data)[0]
+    ours = crop_resize(im, oriented_size(im), box, size, flip=False)
+    flipped = crop_resize(open_image(data)[0], (300, 200), box, size, flip=True)
+    whole, _ = load_rgb(open_image(data)[0])
+    assert whole is not None and ours is not None and flipped is not None
+    crop = torch.from_numpy(np.array(whole.crop(box))).permute(2, 0, 1)
+    expected = resize(crop, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=True)
+    assert torch.equal(ours, expected)
+    assert torch.equal(flipped, expected.flip(-1))
+    for other in (
+        resize(crop, [size, size], interpolation=InterpolationMode.BILINEAR, antialias=False),
+        resize(crop, [size, size], interpolation=InterpolationMode.BICUBIC, antialias=True),
+    ):
+        assert not torch.equal(ours, other)
+
+
+def test_an_exif_rotated_jpeg_is_cropped_upright():
+    rotated = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # the camera was turned: show rotated 90° clockwise
+    Image.open(io.BytesIO(scene_jpeg(120, 80, seed=2))).save(rotated, format="JPEG", quality=95, exif=exif)
+    im = open_image(rotated.getvalue())[0]
+    assert im is not None and im.size == (120, 80) and oriented_size(im) == (80, 120)
+    out = crop_resize(im, (80, 120), (0, 0, 80, 120), 48, flip=False)
+    upright, _ = load_rgb(open_image(rotated.getvalue())[0])
+    assert upright is not None and upright.size == (80, 120) and out is not None
+    expected = resize(torch.from_numpy(np.array(upright)).permute(2, 0, 1), [48, 48], antialias=True)
+    assert torch.equal(out, expected)
+
+
+# --- captions: packed, in reused shared buffers, padded on the device ------------------------------------------
+
+
+def test_int8_captions_are_dequantized_and_padded_on_the_device_as_the_reader_pads_them(tmp_path):
+    rng = np.random.default_rng(0)
+    d, lengths = 256, [5, 0, 9, 3, 12, 7, 1, 4]
+    vectors = rng.standard_normal((sum(lengths), d)).astype(np.float32)
+    vectors[:, [3, d // 2, d - 5]] *= np.array([50.0, 75.0, 100.0], dtype=np.float32)  # T5-like: channel scaling
+    entries, transform = fit_transform(vectors, "int8", None, captions=len(lengths))
+    store = EmbeddingStore.open_or_create(
+        tmp_path / "s", {"kind": "test", "storage_dtype": "int8", **entries}, d, transform=transform
+    )
+    writer = store.new_segment(TokenLayout(chunk_tokens=8, shard_chunks=2))
+    offsets = np.cumsum([0, *lengths])
+    for i in range(len(lengths)):
+        writer.append(text_key(f"caption {i}"), vectors[offsets[i] : offsets[i + 1]].astype(np.float16))
+    writer.finish()
+    store.publish(writer)
+    reader = EmbeddingReader(tmp_path / "s")
+    assert reader.codec == "int8" and reader.channel_scales is not None
+    chosen = np.array([[0, 2, -1], [4, -1, -1], [5, 6, 7], [3, 1, 2]])  # row 1 has no tokens
+    present = chosen[chosen >= 0]
+    tokens, scales, _ = reader.gather_packed_raw(present, max_len=10)
+    lengths_out = np.zeros(chosen.size, dtype=np.int64)
+    lengths_out[chosen.reshape(-1) >= 0] = np.minimum(reader.lengths(present), 10)
+    batch = Batch(
+        torch.zeros(4, 3, 8, 8, dtype=torch.uint8),
+        torch.zeros(4, 1, dtype=torch.int64),
+        torch.ones(4, dtype=torch.int64),
+        torch.zeros(4, 1, 1, dtype=torch.int64),
+        torch.from_numpy(tokens),
+        torch.from_numpy(lengths_out).view(4, 3),
+        0,
+        torch.from_numpy(scales),
+        torch.from_numpy(reader.channel_scales),
+    )
+    assert batch.tokens.dtype == torch.int8
+    moved = to_device(batch, torch.device("cpu"))
+    old, _ = reader.gather_padded(chosen.reshape(-1), max_len=10)
+    assert moved.tokens.dtype == torch.float16 and moved.tokens.shape == (4, 3, 10, d)
+    torch.testing.assert_close(moved.tokens, torch.from_numpy(old).view(4, 3, 10, d), rtol=1e-3, atol=1e-3)
+
+
+def test_batch_buffers_are_reused_once_released_and_never_while_out():
+    buffers = BatchBuffers(capacity=256, keep=2)
+    a, lease_a = buffers.take()
+    b, lease_b = buffers.take()
+    assert a.data_ptr() != b.data_ptr() and int(lease_a[0]) == int(lease_b[0]) == 1
+    c, _ = buffers.take()  # both out, the pool full: a fresh buffer that is not kept
+    assert c.data_ptr() not in (a.data_ptr(), b.data_ptr()) and len(buffers.pool) == 2
+    lease_b.zero_()  # what Batch.release does
+    again, lease = buffers.take()
+    assert again.data_ptr() == b.data_ptr() and int(lease[0]) == 1
+
+
+# --- --verify-images and --decode gpu, through the CLI ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_verify_images_refuses_a_changed_image_in_one_line_while_training_reads_it_unhashed(tmp_path, synth_dir):
+    images = tmp_path / "images"
+    shutil.copytree(synth_dir / "images", images)
+    none = ["--conditioning", "none", "--steps", "2"]
+    first = tmp_path / "first"
+    tcjepa(*train_args(images, None, None, first, *none))  # builds the index (hashing every image once)
+    again = tmp_path / "again"  # a run that starts from the same index
+    again.mkdir()
+    for name in ("config.yaml", "index.parquet"):
+        shutil.copy(first / name, again / name)
+    victim = sorted(images.iterdir())[0]
+    with Image.open(victim) as im:
+        fmt = im.format
+        ImageOps.invert(im.convert("RGB")).save(victim, format=fmt)  # decodable, but other bytes
+    refused = tcjepa(*train_args(images, None, None, first, *none, "--verify-images"), check=False)
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"problem: image {victim.name} changed since the run's index was built"), line
+    assert "Traceback" not in refused.stderr
+    # Without the flag nothing is hashed: the changed image is trained on without a word.
+    tcjepa(*train_args(images, None, None, again, *none))
+    assert metrics(again)[-1]["step"] == 2
+    assert all(m.get("images_replaced", 0) == 0 for m in metrics(again))
+
+
+@pytest.mark.slow
+def test_decode_gpu_without_cuda_decodes_on_the_cpu_and_trains_the_same(
+    tmp_path, synth_dir, annotated_cache, annotated_store
+):
+    runs: dict[str, Path] = {}
+    stderr = {}
+    for decode in ("cpu", "gpu"):
+        runs[decode] = tmp_path / decode
+        args = train_args(synth_dir / "images", annotated_cache, annotated_store, runs[decode], "--steps", "3")
+        stderr[decode] = tcjepa(*args, "--decode", decode, "--set", "log_every=1").stderr
+    fallback = [line for line in stderr["gpu"].splitlines() if line.startswith("--decode gpu")]
+    assert fallback == ["--decode gpu: no CUDA device (cpu); decoding images on the CPU"]
+    assert not any(line.startswith("--decode gpu") for line in stderr["cpu"].splitlines())
+    assert_close_runs(metrics(runs["gpu"]), metrics(runs["cpu"]))
+
+
+def test_device_decoded_rows_pack_into_one_block_and_split_with_the_micro_batches():
+    jpegs = [torch.frombuffer(bytearray(scene_jpeg(40 + k, 30, seed=k)), dtype=torch.uint8) for k in range(4)]
+    boxes = [(0, 0, 40 + k, 30) for k in range(4)]
+    encoded = EncodedImages([0, 2, 3, 5], jpegs, boxes, [False, True, False, True]).packed()
+    assert len({d.untyped_storage().data_ptr() for d in encoded.data}) == 1, "one block for the batch"
+    assert all(torch.equal(a, b) for a, b in zip(encoded.data, jpegs))
+    second = encoded.select(2, 6)  # rows 2..5 of the batch: the images of rows 2, 3 and 5
+    assert second is not None and second.rows == [0, 1, 3] and second.flips == [True, False, True]
+    assert second.boxes == boxes[1:] and all(torch.equal(a, b) for a, b in zip(second.data, jpegs[1:]))
+    assert encoded.select(1, 2) is None
+    im = open_image(bytes(jpegs[0].numpy()))[0]
+    assert im is not None and device_decodable(im)
+    assert not device_decodable(open_image(_png(40, 30))[0])
+
+
+def _png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(out, format="PNG")
+    return out.getvalue()

@@ -1,0 +1,106 @@
+"""A training sample's pixels: its crop decoded and resized on the CPU, or its JPEG bytes decoded on the device.
+
+CPU: a JPEG whose crop is at least twice the output side is decoded at 1/2, 1/4 or 1/8 scale (draft mode: libjpeg
+scales the DCT and skips most of the work), never below the output side; the crop is then resized with torchvision's
+antialiased bilinear, the default of its `RandomResizedCrop`.
+
+Device (`--decode gpu`): the worker only reads the header, draws the crop and sends the bytes; `decode_on_device`
+decodes the batch's JPEGs in one batched `torchvision.io.decode_jpeg` call (nvJPEG) and crops and resizes there.
+Images nvJPEG is not given (not JPEG, CMYK, or with an EXIF rotation, which torchvision applies only on the CPU)
+are decoded on the CPU as above.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2.functional import resize
+
+from pipeline.core.images import exif_orientation, load_rgb
+
+Box = tuple[int, int, int, int]  # left, top, right, bottom, in pixels of the upright image
+
+
+def draft_reduction(box: Box, size: int) -> int:
+    """How many times smaller the image may be decoded with the crop still at least `size` pixels on each side."""
+    left, top, right, bottom = box
+    return max(min(right - left, bottom - top) // size, 1)
+
+
+def crop_resize(im: Image.Image, upright: tuple[int, int], box: Box, size: int, flip: bool) -> torch.Tensor | None:
+    """uint8 `[3, size, size]`: `box` of the opened image `im` (header read, pixels not yet), resized with antialiased
+    bilinear and mirrored when `flip`; None when the pixels turn out corrupt. `upright` is its size once its EXIF
+    orientation is applied, the frame `box` is in."""
+    decoded, _ = load_rgb(im, draft_reduction(box, size))
+    if decoded is None:
+        return None
+    fx, fy = decoded.width / upright[0], decoded.height / upright[1]
+    left, top, right, bottom = box
+    scaled = (round(left * fx), round(top * fy), max(round(right * fx), round(left * fx) + 1))
+    crop = (scaled[0], scaled[1], scaled[2], max(round(bottom * fy), scaled[1] + 1))
+    pixels = torch.from_numpy(np.array(decoded.crop(crop), dtype=np.uint8)).permute(2, 0, 1)
+    out = resize(pixels, [size, size], antialias=True)
+    return out.flip(-1) if flip else out
+
+
+def device_decodable(im: Image.Image) -> bool:
+    """Whether nvJPEG gets this opened image: an RGB or greyscale JPEG with no EXIF rotation."""
+    return im.format == "JPEG" and im.mode in ("RGB", "L") and exif_orientation(im) == 1
+
+
+@dataclass
+class EncodedImages:
+    """Rows of a batch whose pixels are decoded on the device: their JPEG bytes, crop boxes and flips."""
+
+    rows: list[int]
+    data: list[torch.Tensor]  # uint8 [bytes] each
+    boxes: list[Box]
+    flips: list[bool]
+
+    def packed(self) -> EncodedImages:
+        """The same images with their bytes back to back in one tensor (the items are views of it): a batch handed to
+        the main process then passes one shared-memory block for them, not one per image."""
+        blob = torch.cat(self.data)
+        return EncodedImages(self.rows, list(blob.split([len(d) for d in self.data])), self.boxes, self.flips)
+
+    def select(self, start: int, stop: int) -> EncodedImages | None:
+        """The rows in `start:stop`, renumbered from `start`; None when there are none."""
+        keep = [k for k, row in enumerate(self.rows) if start <= row < stop]
+        if not keep:
+            return None
+        return EncodedImages(
+            [self.rows[k] - start for k in keep],
+            [self.data[k] for k in keep],
+            [self.boxes[k] for k in keep],
+            [self.flips[k] for k in keep],
+        )
+
+
+_warned = False
+
+
+def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> None:
+    """Fill `images` (uint8 `[b, 3, H, W]` on the device) at `encoded.rows`: one batched decode, then each crop
+    resized there. Should nvJPEG refuse a file (a JPEG variant it lacks), the batch is decoded on the CPU instead,
+    with one line on stderr per process."""
+    global _warned
+    try:
+        decoded = decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=images.device)
+    except RuntimeError as exc:
+        if not _warned:
+            print(
+                f"--decode gpu: the device decoder failed ({str(exc).splitlines()[0][:80]}); decoding such batches"
+                " on the CPU",
+                file=sys.stderr,
+            )
+            _warned = True
+        decoded = [d.to(images.device) for d in decode_jpeg(encoded.data, mode=ImageReadMode.RGB)]
+    height, width = images.shape[-2:]
+    for row, pixels, (left, top, right, bottom), flip in zip(encoded.rows, decoded, encoded.boxes, encoded.flips):
+        out = resize(pixels[:, top:bottom, left:right], [height, width], antialias=True)
+        images[row] = out.flip(-1) if flip else out
