@@ -10,8 +10,15 @@ import os
 import pytest
 import torch
 
-from tests.conftest import TINY_TRAIN, tcjepa
-from tests.test_step import CFG, TEXT_DIM, assert_same_models, step_batch, train_steps
+from tests.conftest import (
+    STEP_CONFIG,
+    STEP_TEXT_DIM,
+    TINY_TRAIN,
+    assert_same_models,
+    step_batch,
+    tcjepa,
+    train_steps,
+)
 from train.config import TrainConfig
 from train.jepa import build_models, checkpoint_blocks, compile_blocks
 
@@ -58,15 +65,15 @@ def test_a_compiled_run_recompiles_at_most_4_times_and_never_breaks_its_graph(
 
 @pytest.mark.slow
 def test_compiled_checkpointed_accumulated_blocks_train_as_eager_ones():
-    cfg = TrainConfig(**{**CFG.__dict__, "compile": True, "checkpoint_activations": True, "accum_steps": 2})
+    cfg = TrainConfig(**{**STEP_CONFIG.__dict__, "compile": True, "checkpoint_activations": True, "accum_steps": 2})
     torch.manual_seed(0)
-    model, target = build_models(cfg, TEXT_DIM)
+    model, target = build_models(cfg, STEP_TEXT_DIM)
     eager, eager_target = copy.deepcopy(model), copy.deepcopy(target)
     compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks)
     checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)
     batches = [step_batch(s) for s in range(3)]
     parts = torch.stack(train_steps(cfg, model, target, batches))
-    eager_parts = torch.stack(train_steps(CFG, eager, eager_target, batches))
+    eager_parts = torch.stack(train_steps(STEP_CONFIG, eager, eager_target, batches))
     torch.testing.assert_close(parts, eager_parts, rtol=1e-5, atol=1e-6)
     assert_same_models(model, eager, rtol=1e-4, atol=1e-6)
     assert_same_models(target, eager_target, rtol=1e-4, atol=1e-6)

@@ -8,60 +8,21 @@ import copy
 import pytest
 import torch
 
-from benchmarks.gpu_check import synthetic_batch
+from tests.conftest import STEP_CONFIG, STEP_TEXT_DIM, assert_same_models, step_batch, train_steps
 from train.config import TrainConfig
 from train.data import Batch
 from train.jepa import build_models, checkpoint_blocks
-from train.step import TrainStep, make_optimizer, micro_batches, on_device
-
-torch.set_num_threads(2)
-TEXT_DIM = 16
-GRID = (8, 8)
-CFG = TrainConfig(
-    model="vit_tiny",
-    image_size=64,
-    patch_size=8,
-    depth=2,
-    width=64,
-    heads=2,
-    predictor_width=32,
-    predictor_depth=2,
-    predictor_heads=2,
-    captions_per_image=3,
-    max_words=10,
-    min_context=4,
-    batch_size=8,
-    bf16=False,
-    grad_clip=1.0,
-    cache="unused",
-    store="unused",
-)
-
-
-def step_batch(step: int, cfg: TrainConfig = CFG) -> Batch:
-    # 40% of the images without any caption: micro-batches then differ in how many images the regularisers average.
-    return synthetic_batch(cfg, GRID, step, TEXT_DIM, missing=0.4)
-
-
-def train_steps(cfg: TrainConfig, model, target, batches: list[Batch]) -> list[torch.Tensor]:
-    optimizer = make_optimizer(model, cfg, torch.device("cpu"))
-    step = TrainStep(model, model, target, optimizer, cfg, torch.device("cpu"))
-    return [step(micro, 0.99) for _, micro in on_device(batches, torch.device("cpu"), cfg.accum_steps)]
-
-
-def assert_same_models(a, b, rtol: float, atol: float) -> None:
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=name)
+from train.step import micro_batches, on_device
 
 
 @pytest.mark.parametrize("pool", ["after_mlp", "before_mlp"])
 def test_accumulated_micro_batches_give_the_one_batch_update(pool):
-    cfg = TrainConfig(**{**CFG.__dict__, "pool": pool})
+    cfg = TrainConfig(**{**STEP_CONFIG.__dict__, "pool": pool})
     batches = [step_batch(s) for s in range(2)]
     counts = [[mb.images_with_text() for mb in micro_batches(b, 4)] for b in batches]
     assert any(len(set(c)) > 1 for c in counts), f"micro-batches must differ in images with text: {counts}"
     torch.manual_seed(0)
-    model, target = build_models(cfg, TEXT_DIM)
+    model, target = build_models(cfg, STEP_TEXT_DIM)
     results = {}
     for k in (1, 2, 4):
         m, t = copy.deepcopy(model), copy.deepcopy(target)
@@ -92,14 +53,14 @@ def test_micro_batches_are_the_batch_rows_with_only_padding_dropped():
 
 def test_checkpointed_blocks_train_the_same_and_keep_their_names():
     torch.manual_seed(0)
-    model, target = build_models(CFG, TEXT_DIM)
+    model, target = build_models(STEP_CONFIG, STEP_TEXT_DIM)
     plain, plain_target = copy.deepcopy(model), copy.deepcopy(target)
     checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)
     assert type(model.encoder.blocks[0]).__name__ == "CheckpointWrapper"
     assert list(model.state_dict()) == list(plain.state_dict())
     batches = [step_batch(s) for s in range(2)]
-    parts = train_steps(CFG, model, target, batches)
-    plain_parts = train_steps(CFG, plain, plain_target, batches)
+    parts = train_steps(STEP_CONFIG, model, target, batches)
+    plain_parts = train_steps(STEP_CONFIG, plain, plain_target, batches)
     torch.testing.assert_close(torch.stack(parts), torch.stack(plain_parts), rtol=1e-6, atol=1e-7)
     assert_same_models(model, plain, rtol=1e-5, atol=1e-7)
     plain.load_state_dict(model.state_dict())  # a checkpointed model's state loads into a plain one
