@@ -70,6 +70,10 @@ def _same(a: TrainIndex, b: TrainIndex) -> None:
     )
     np.testing.assert_array_equal(a.caption_offsets, b.caption_offsets)
     np.testing.assert_array_equal(a.caption_keys, b.caption_keys)
+    assert a.segments == b.segments
+    for name in ("segment", "start", "length"):
+        got, want = getattr(a.caption_spans, name), getattr(b.caption_spans, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
 def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, annotated_cache, store, monkeypatch):
@@ -176,7 +180,7 @@ def test_a_file_that_is_not_an_index_is_refused(tmp_path, synth_dir):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"source_id": ["a"]}), tmp_path / "index.parquet")
-    with pytest.raises(UserError, match="is not a tcjepa train index v1; delete it to rebuild the index"):
+    with pytest.raises(UserError, match="is not a tcjepa train index v2; delete it to rebuild the index"):
         TrainIndex.load(tmp_path / "index.parquet")
 
 

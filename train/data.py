@@ -9,8 +9,10 @@ sample the same crop, captions and masks whatever the number of processes.
 Images are read through `pipeline.core.sources.ImageReader` and checked against the
 sha256 recorded in the index, so a source that changed since the join is caught
 instead of silently pairing images with another image's captions. Caption token
-embeddings come from the memory-mapped `EmbeddingReader`; the store is opened
-lazily in each worker (a memory map must not be pickled).
+embeddings come from the memory-mapped `EmbeddingReader`, read by the spans the
+index resolved once (no process here builds a key index); the store is opened
+lazily in each worker (a memory map must not be pickled), its shard files mapped
+as they are read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from embedding_cache.reader import EmbeddingReader
+from embedding_cache.reader import EmbeddingReader, Spans
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.sources import ImageReader
 from train.config import TrainConfig
@@ -187,19 +189,21 @@ class StepBatches(torch.utils.data.Dataset):
         self.masks = mask_config(cfg)
         self.text = cfg.conditioning != "none" and cfg.store is not None
         self.policy = image_policy(cfg.image_size)
-        self.caption_rows = self._locate_captions() if self.text else None
+        self.caption_spans = self._locate_captions() if self.text else None
+        self._segment_positions: np.ndarray | None = None  # index segment -> position in the opened store
         self._train_pool = np.unique(self.image_ids)
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None
 
-    def _locate_captions(self) -> np.ndarray:
-        """Store row of every caption key in the index (resolved once; keys, not rows, are what the index keeps)."""
-        rows = EmbeddingReader(self.cfg.text_store).locate(self.index.caption_keys)
-        if (rows < 0).any():
+    def _locate_captions(self) -> Spans:
+        """Where every caption of the index lies in the store: the index's spans, resolved once when it was built."""
+        spans = self.index.caption_spans
+        if (spans.segment < 0).any():
             raise ValueError(
-                f"{int((rows < 0).sum())} captions of the index are missing from {self.cfg.store}; rebuild the index"
+                f"{int((spans.segment < 0).sum())} captions of the index were not resolved in a store (built without "
+                f"--store); delete the run's index.parquet to rebuild it with {self.cfg.store}"
             )
-        return rows
+        return spans
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -300,17 +304,32 @@ class StepBatches(torch.utils.data.Dataset):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to N caption token arrays per image (a random N when there are more), zero-padded to the batch's
         longest."""
-        if self._store is None:
+        if self._store is None or self._segment_positions is None:
             self._store = EmbeddingReader(self.cfg.text_store)
-        assert self.caption_rows is not None, "captions are read only by a run that reads text"
+            self._segment_positions = self._store.positions(self.index.segments)
+        assert self.caption_spans is not None, "captions are read only by a run that reads text"
         n = self.cfg.captions_per_image
         offsets = self.index.caption_offsets
-        chosen = np.full((len(ids), n), -1, dtype=np.int64)
+        chosen = np.full((len(ids), n), -1, dtype=np.int64)  # caption numbers in the index; -1: none
         for k, (i, rng) in enumerate(zip(ids.tolist(), rngs)):
-            rows = self.caption_rows[offsets[i] : offsets[i + 1]]
-            if len(rows) > n:
-                rows = rows[np.sort(rng.choice(len(rows), n, replace=False))] if rng is not None else rows[:n]
-            chosen[k, : len(rows)] = rows
-        flat, lengths = self._store.gather_padded(chosen.reshape(-1), max_len=self.cfg.max_words)
+            numbers = np.arange(offsets[i], offsets[i + 1])
+            if len(numbers) > n:
+                picked = np.sort(rng.choice(len(numbers), n, replace=False)) if rng is not None else np.arange(n)
+                numbers = numbers[picked]
+            chosen[k, : len(numbers)] = numbers
+        flat, lengths = self._store.gather_spans_padded(self._spans_of(chosen.reshape(-1)), max_len=self.cfg.max_words)
         tokens = torch.from_numpy(flat).view(len(ids), n, flat.shape[1], flat.shape[2])
         return tokens, torch.from_numpy(lengths).view(len(ids), n)
+
+    def _spans_of(self, numbers: np.ndarray) -> Spans:
+        """The spans of caption `numbers` of the index (-1: no caption), their segments positions in the opened
+        store."""
+        assert self.caption_spans is not None and self._segment_positions is not None
+        spans, present = self.caption_spans, numbers >= 0
+        if not present.any():
+            return Spans(
+                np.full(len(numbers), -1, np.int32), np.zeros(len(numbers), np.int64), np.zeros(len(numbers), np.int32)
+            )
+        picked = np.where(present, numbers, 0)
+        segment = np.where(present, self._segment_positions[spans.segment[picked]], -1).astype(np.int32)
+        return Spans(segment, spans.start[picked], np.where(present, spans.length[picked], 0).astype(np.int32))

@@ -5,11 +5,15 @@ sha256 comes from the caption cache's source id → image_sha256 record when the
 cache has one, because hashing millions of images costs a full pass over the
 data; a random sample of those records is checked against the bytes, since
 another folder may reuse the same relative names. Captions are joined by
-sha256 and kept as embedding-store *keys* (text_sha256), not store rows: rows
-shift when segments are added, keys do not.
+sha256 and kept as embedding-store *keys* (text_sha256), and resolved once, here, to
+where their tokens lie: (segment, first token row, length) columns (`Spans`), so no
+rank or DataLoader worker ever builds a key index. Published segments never change, so
+the spans stay true while the store keeps the segments the index names; a store that
+dropped one (rebuilt, compacted) is refused in one line, and the index is rebuilt.
 
 The index is saved beside the run as one Parquet file (one row per image, the
-scalars in the schema metadata), so a resumed run trains on the same join.
+captions' columns as lists, the scalars in the schema metadata), so a resumed run
+trains on the same join.
 """
 
 from __future__ import annotations
@@ -29,14 +33,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from captioning.cache import CaptionCache
-from embedding_cache.reader import StoreKeys
+from embedding_cache.reader import Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.sources import ImageReader, ImageRef, list_images
 
 FORMAT = "tcjepa-train-index"
-VERSION = 1
+VERSION = 2
 KEY_BYTES = 32
 UNREADABLE = "unreadable"
 
@@ -50,6 +54,9 @@ _SCHEMA = pa.schema(
         pa.field("column", pa.dictionary(pa.int32(), pa.string()), nullable=False),
         pa.field("sha256", pa.string(), nullable=False),
         pa.field("captions", pa.large_list(pa.binary(KEY_BYTES)), nullable=False),
+        pa.field("caption_segment", pa.large_list(pa.int32()), nullable=False),
+        pa.field("caption_start", pa.large_list(pa.int64()), nullable=False),
+        pa.field("caption_length", pa.large_list(pa.int32()), nullable=False),
     ]
 )
 
@@ -65,6 +72,15 @@ class TrainIndex:
     coverage: dict[int, int]  # number of captions -> number of images
     left_out: dict[str, int] = field(default_factory=dict)  # reason -> listed images not in `refs`
     missing_embeddings: int = 0  # distinct captions of these images that the store lacks (dropped)
+    # The store segments the captions lie in (store order), and each caption's span there, its segment a position in
+    # `segments` (-1 for every caption of an index built without a store).
+    segments: list[str] = field(default_factory=list)
+    spans: Spans | None = None
+
+    def __post_init__(self) -> None:
+        if self.spans is None:
+            m = len(self.caption_keys)
+            self.spans = Spans(np.full(m, -1, np.int32), np.zeros(m, np.int64), np.zeros(m, np.int32))
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -97,9 +113,20 @@ class TrainIndex:
             )
         return line
 
+    @property
+    def caption_spans(self) -> Spans:
+        assert self.spans is not None  # set by __post_init__
+        return self.spans
+
+    def stale_for(self, segment_ids: list[str]) -> list[str]:
+        """The segments this index reads that a store listing `segment_ids` no longer holds (empty: still valid)."""
+        held = set(segment_ids)
+        return [s for s in self.segments if s not in held]
+
     def save(self, path: Path) -> None:
         """Write the index as one Parquet file, atomically."""
         offsets = pa.array(self.caption_offsets, pa.int64())
+        spans = self.caption_spans
         keys = pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(KEY_BYTES), len(self.caption_keys), [None, pa.py_buffer(np.ascontiguousarray(self.caption_keys))]
         )
@@ -112,6 +139,9 @@ class TrainIndex:
             "column": pa.array([r.column for r in self.refs], pa.string()).dictionary_encode(),
             "sha256": pa.array(self.sha256, pa.string()),
             "captions": pa.LargeListArray.from_arrays(offsets, keys),
+            "caption_segment": pa.LargeListArray.from_arrays(offsets, pa.array(spans.segment, pa.int32())),
+            "caption_start": pa.LargeListArray.from_arrays(offsets, pa.array(spans.start, pa.int64())),
+            "caption_length": pa.LargeListArray.from_arrays(offsets, pa.array(spans.length, pa.int32())),
         }
         meta = {
             "format": FORMAT,
@@ -120,6 +150,7 @@ class TrainIndex:
             "coverage": {str(k): v for k, v in self.coverage.items()},
             "left_out": self.left_out,
             "missing_embeddings": self.missing_embeddings,
+            "segments": self.segments,
         }
         table = pa.Table.from_pydict(columns, schema=_SCHEMA).replace_schema_metadata({"tcjepa": json.dumps(meta)})
         buf = io.BytesIO()
@@ -140,6 +171,11 @@ class TrainIndex:
         keys = np.frombuffer(
             flat.buffers()[1] or b"", dtype=np.uint8, count=len(flat) * KEY_BYTES, offset=flat.offset * KEY_BYTES
         )
+
+        def column(name: str, dtype: type) -> np.ndarray:
+            values = table.column(name).combine_chunks().flatten()
+            return np.asarray(values.to_numpy(zero_copy_only=False), dtype=dtype)
+
         return cls(
             refs,
             table.column("sha256").to_pylist(),
@@ -149,6 +185,12 @@ class TrainIndex:
             {int(k): v for k, v in meta["coverage"].items()},
             meta["left_out"],
             meta["missing_embeddings"],
+            meta["segments"],
+            Spans(
+                column("caption_segment", np.int32),
+                column("caption_start", np.int64),
+                column("caption_length", np.int32),
+            ),
         )
 
 
@@ -297,16 +339,23 @@ def build_index(
 
     offsets = np.zeros(len(per_image) + 1, dtype=np.int64)
     np.cumsum(np.fromiter((len(keys) for keys in per_image), dtype=np.int64, count=len(per_image)), out=offsets[1:])
-    flat = bytes.fromhex("".join(k for keys in per_image for k in keys))
+    flat = np.frombuffer(bytes.fromhex("".join(k for keys in per_image for k in keys)), dtype=np.uint8)
+    caption_keys = flat.reshape(-1, KEY_BYTES).copy()
+    segments: list[str] = []
+    spans = None
+    if embeddings is not None:
+        segments, spans = embeddings.spans(caption_keys)
     index = TrainIndex(
         [refs[i] for i in kept],
         kept_sha,
         offsets,
-        np.frombuffer(flat, dtype=np.uint8).reshape(-1, KEY_BYTES).copy(),
+        caption_keys,
         chosen,
         dict(sorted(Counter(len(keys) for keys in per_image).items())),
         dict(sorted(left_out.items())),
         len(missing),
+        segments,
+        spans,
     )
     if not index.refs:
         raise UserError(f"no usable images: {index.coverage_line()}")

@@ -199,46 +199,50 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     """The store to train from: a remote one's segments that hold the index's captions, fetched once per node
     (local rank 0) before any reading, and nothing else of it. (The cache is read only to build the index.)
 
-    Rank 0 finds those segments in the keys mirror it built the index from and tells the others, so no other
-    node reads even the store's keys. Every node needs the same segments: rows are drawn by global sample
-    index, so over an epoch every rank touches every indexed image.
+    Those segments are named in the index, which rank 0 resolved from the keys mirror, so no process reads
+    even the store's keys here. Every node needs the same segments: rows are drawn by global sample index, so over
+    an epoch every rank touches every indexed image.
     """
-    from embedding_cache.reader import StoreKeys
     from embedding_cache.remote_store import local_store
-    from embedding_cache.store import EmbeddingStore
     from pipeline.core.remote import is_remote, mirror_path
 
     if not is_remote(cfg.store):
         return for_index
     mirror = Path(cfg.mirror) if cfg.mirror else None
-    segments = [
-        agreed(
-            rt, lambda: StoreKeys(EmbeddingStore(for_index.text_store)).segments_holding(index.caption_keys), on=rt.main
-        )
-    ]
-    if rt.world > 1:
-        dist.broadcast_object_list(segments, src=0)
     agreed(
         rt,
-        lambda: local_store(cfg.text_store, mirror, only=segments[0]),
+        lambda: local_store(cfg.text_store, mirror, only=index.segments),
         on=int(os.environ.get("LOCAL_RANK", "0")) == 0,
     )
     return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime) -> TrainIndex:
-    """The image ↔ caption ↔ store join, built once by rank 0 and saved beside the run."""
+    """The image ↔ caption ↔ store join, with every caption's span in the store, built once by rank 0 and saved
+    beside the run; a saved one whose store no longer holds its segments is refused (rank 0 checks)."""
     path = run / INDEX
+    store = Path(cfg.text_store) if cfg.conditioning != "none" else None
 
     def build() -> None:
         cache = Path(cfg.text_cache) if cfg.conditioning != "none" else None
-        store = Path(cfg.text_store) if cfg.conditioning != "none" else None
         images = [Path(p) for p in cfg.images]
         index = build_index(images, cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column, split=cfg.split)
         print(index.coverage_line(), file=sys.stderr)
         index.save(path)
 
-    agreed(rt, build, on=rt.main and not path.exists())
+    def check() -> None:
+        if store is None:
+            return
+        from embedding_cache.store import EmbeddingStore
+
+        stale = TrainIndex.load(path).stale_for(EmbeddingStore(store).segment_ids())
+        if stale:
+            raise UserError(
+                f"{store} no longer holds {len(stale)} of the segments {path} reads (e.g. {stale[0]}): the store was "
+                f"changed since the index was built; delete {path} to rebuild it (the run then trains on the new join)"
+            )
+
+    agreed(rt, build if not path.exists() else check, on=rt.main)
     return TrainIndex.load(path)
 
 
