@@ -234,11 +234,14 @@ class StepBatches(torch.utils.data.Dataset):
         masks = sample_masks(self.masks, self.grid, self.cfg.seed, step, self.cfg.batch_size, self.rows)
         return self.make_batch(ids, rngs, masks, self._train_pool)
 
-    def validation_batch(self, image_ids: np.ndarray) -> Batch:
-        """A fixed batch: whole images resized (no crop), masks from a step no run reaches, the first N captions."""
+    def validation_batch(self, image_ids: np.ndarray, rows: slice | None = None) -> Batch:
+        """Rows `rows` (default all) of the fixed validation batch of `image_ids`: whole images resized (no crop),
+        masks from a step no run reaches (each row's those of the whole batch), the first N captions."""
         ids = np.asarray(image_ids, dtype=np.int64)
-        masks = sample_masks(self.masks, self.grid, self.cfg.seed, VALIDATION_STEP, len(ids))
-        return self.make_batch(ids, [None] * len(ids), masks, np.unique(ids))
+        rows = rows if rows is not None else slice(0, len(ids))
+        masks = sample_masks(self.masks, self.grid, self.cfg.seed, VALIDATION_STEP, len(ids), rows)
+        picked = ids[rows]
+        return self.make_batch(picked, [None] * len(picked), masks, np.unique(ids))
 
     def make_batch(
         self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None], masks: Masks, pool: np.ndarray
