@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -47,12 +46,13 @@ from train.checkpoint import (
     sharded_checkpoint,
 )
 from train.config import TrainConfig, differences, to_dict, validate
-from train.data import Batch, StepBatches, split_images
+from train.data import StepBatches, split_images
 from train.data_index import TrainIndex, build_index
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
-from train.metrics import MetricsLog, effective_rank, plot_curves
+from train.metrics import MetricsLog, plot_curves
 from train.schedules import Cosine, Linear, WarmupCosine
-from train.step import TrainStep, make_optimizer, on_device, shuffled, to_device, use_tensor_cores, without_captions
+from train.step import TrainStep, make_optimizer, on_device, use_tensor_cores
+from train.validation import validate_in_chunks
 from train.vit import VisionTransformer
 
 CONFIG = "config.yaml"
@@ -369,7 +369,6 @@ class Trainer:
         its work and moves on.
         """
         cfg, rt = self.cfg, self.rt
-        val_batch = self.dataset.validation_batch(self.val_ids)
         sums = torch.zeros(4, device=rt.device)
         replaced = 0
         logged_steps = 0
@@ -417,7 +416,7 @@ class Trainer:
                 logged_steps, images_seen, tick = 0, 0, time.perf_counter()
             if done % cfg.val_every == 0 or done == cfg.steps:
                 # Every rank validates (FSDP's forward is collective); rank 0 writes.
-                record = {"step": done, **self.validate(val_batch)}
+                record = {"step": done, **self.validate()}
                 if rt.main:
                     self.metrics.append(record)
                     plot_curves(self.run_dir)
@@ -441,27 +440,13 @@ class Trainer:
         )
         raise UserError(f"loss became NaN/Inf by step {step}; {kept}. Lower --lr, enable grad_clip, or check the data")
 
-    @torch.no_grad()
-    def validate(self, batch: Batch) -> dict[str, Any]:
-        """Prediction loss with true / shuffled / no captions, positive patch–word cosines per layer, RankMe."""
-        cfg, rt = self.cfg, self.rt
+    def validate(self) -> dict[str, Any]:
+        """Prediction loss with true / shuffled / no captions, positive patch–word cosines per layer, RankMe: the
+        validation images split across processes, a per-rank training batch at a time (`train.validation`)."""
         self.model.eval()
-        mb = to_device(batch, rt.device)
-        text = self.step.text(mb)
-        out: dict[str, Any] = {}
-        true = self.step.losses(self.model, mb, text)
-        out["val_loss_predict"] = float(true.predict)
-        swapped = shuffled(text) if text is not None else None
-        out["val_loss_predict_shuffled"] = float(self.step.losses(self.model, mb, swapped).predict)
-        notext = without_captions(text) if text is not None else None
-        out["val_loss_predict_notext"] = float(self.step.losses(self.model, mb, notext).predict)
-        with torch.autocast(rt.device.type, dtype=self.step.dtype, enabled=cfg.bf16):
-            features = self.target(self.step.normalise(mb.images))
-        if true.positive_fraction is not None:
-            out["val_positive_cosine"] = [round(float(v), 5) for v in true.positive_fraction]
-        flat = torch.nn.functional.layer_norm(features.float(), features.shape[-1:]).reshape(-1, features.shape[-1])
-        pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(flat))[:4096]).to(flat.device)
-        out["val_rankme"] = effective_rank(flat[pick])
+        rt = self.rt
+        chunk = self.cfg.batch_size // rt.world
+        out = validate_in_chunks(self.step, self.target, self.dataset, self.val_ids, chunk, rt.rank, rt.world)
         self.model.train()
         return out
 
