@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,6 +47,27 @@ def test_chunks_cover_every_image_once_and_every_process_runs_as_many(n, chunk, 
     assert counted.tolist() == [1.0] * n
 
 
+def _config(images: str, cache: str, store: str, width: int, **settings: Any) -> TrainConfig:
+    """A tiny two-block model of `width` over the given run, on the CPU in float32."""
+    return TrainConfig(
+        images=[images],
+        cache=cache,
+        store=store,
+        model="vit_tiny",
+        width=width,
+        depth=2,
+        heads=2,
+        predictor_width=width,
+        predictor_depth=2,
+        patch_size=8,
+        captions_per_image=4,
+        min_context=4,
+        bf16=False,
+        device="cpu",
+        **settings,
+    )
+
+
 def _tiny(cfg: TrainConfig, width: int | None):
     torch.manual_seed(0)
     model, target = build_models(cfg, width)
@@ -55,25 +78,10 @@ def _tiny(cfg: TrainConfig, width: int | None):
 
 def test_figures_in_chunks_are_those_of_one_batch(synth_dir, annotated_cache, vector_store):
     index = build_index([synth_dir / "images"], annotated_cache, vector_store, [], progress=False)
-    cfg = TrainConfig(
-        images=[str(synth_dir / "images")],
-        cache=str(annotated_cache),
-        store=str(vector_store),
-        model="vit_tiny",
-        width=32,
-        depth=2,
-        heads=2,
-        predictor_width=32,
-        predictor_depth=2,
-        patch_size=8,
-        image_size=32,
-        batch_size=4,
-        captions_per_image=3,
-        min_context=2,
-        bf16=False,
-        device="cpu",
-        seed=1,
+    cfg = _config(
+        str(synth_dir / "images"), str(annotated_cache), str(vector_store), 32, image_size=32, batch_size=4, seed=1
     )
+    cfg = dataclasses.replace(cfg, captions_per_image=3, min_context=2)
     step, target = _tiny(cfg, EmbeddingStore(vector_store).width)
     data = StepBatches(index, np.arange(len(index)), cfg, (4, 4))
     ids = np.arange(0, 22, 2)  # 11 images: chunks of 4 leave 3
@@ -100,25 +108,7 @@ def validation_only(images: str, cache: str, store: str, val_images: int, chunk:
     """Run in a subprocess: validate a tiny model on `val_images` images, `chunk` at a time; print the peak RSS."""
     import resource
 
-    cfg = TrainConfig(
-        images=[images],
-        cache=cache,
-        store=store,
-        model="vit_tiny",
-        width=64,
-        depth=2,
-        heads=2,
-        predictor_width=64,
-        predictor_depth=2,
-        patch_size=8,
-        image_size=128,
-        batch_size=16,
-        captions_per_image=4,
-        min_context=4,
-        bf16=False,
-        device="cpu",
-        val_images=val_images,
-    )
+    cfg = _config(images, cache, store, 64, image_size=128, batch_size=16, val_images=val_images)
     index = build_index([images], cache, store, [], progress=False, verify_sample=0)
     step, target = _tiny(cfg, EmbeddingStore(store).width)
     data = StepBatches(index, np.arange(len(index)), cfg, (16, 16))
