@@ -5,7 +5,8 @@ a caption cache of their captions (written with `import_annotations`) and a stor
 (written with the store's public API: open_or_create / new_segment / append / finish / publish). For each size it
 measures, `--repeats` times (the median counts; the machine is shared):
   index_build_s   rank 0 builds the run index (join, every caption resolved to its span) and saves it
-  worker_open_s   a DataLoader worker, from the loader's start until its first batch
+  worker_open_s   a DataLoader worker, from the loader's start until its first batch is made: the worker process's
+                  start (worker_start_s, a fork of the parent) and its first batch (worker_first_batch_s)
   worker_rss_mb   that worker's resident memory after `--batches` batches, and its private part (what the worker
                   itself added: a forked worker's RSS also counts the pages it shares with its parent)
   open_files      that worker's open file descriptors then, and those on the store's files (the reader keeps at
@@ -103,8 +104,14 @@ def _probe_class() -> Any:
             return self.steps
 
         def __getitem__(self, step: int) -> dict[str, float]:
+            started = time.monotonic()  # the same clock in every process
             batch = self.data[step]
-            return {**_proc_status(self.data.cfg.text_store), "captions": int((batch.lengths > 0).sum())}
+            return {
+                **_proc_status(self.data.cfg.text_store),
+                "captions": int((batch.lengths > 0).sum()),
+                "started": started,
+                "done": time.monotonic(),
+            }
 
     return Probe
 
@@ -130,7 +137,7 @@ def measure(images: Path, cache: Path, store: Path, batches: int, repeats: int, 
         min_context=2,
         seed=0,
     )
-    builds, opens, finals = [], [], []
+    builds, opens, starts, finals = [], [], [], []
     for attempt in range(repeats + 1):  # the first warms imports and the page cache, and is not counted
         tick = time.perf_counter()
         index = build_index([images], cache, store, [], progress=False, verify_sample=16)
@@ -143,10 +150,11 @@ def measure(images: Path, cache: Path, store: Path, batches: int, repeats: int, 
     probe = _probe_class()(data, batches)
     for _ in range(repeats):
         loader = torch.utils.data.DataLoader(probe, batch_size=None, num_workers=1, prefetch_factor=2)
-        tick = time.perf_counter()
+        tick = time.monotonic()
         it = iter(loader)
         first = next(it)
-        opens.append(time.perf_counter() - tick)
+        opens.append(first["done"] - tick)
+        starts.append(first["started"] - tick)
         finals.append(list(it)[-1] if batches > 1 else first)
         del it, loader
     spans = index.caption_spans
@@ -164,6 +172,8 @@ def measure(images: Path, cache: Path, store: Path, batches: int, repeats: int, 
         "index_build_us_per_caption": round(1e6 * statistics.median(builds) / n, 3),
         "worker_open_s": round(statistics.median(opens), 4),
         "worker_open_us_per_caption": round(1e6 * statistics.median(opens) / n, 3),
+        "worker_start_s": round(statistics.median(starts), 4),  # of worker_open_s: the process's start, until the
+        "worker_first_batch_s": round(statistics.median(o - s for o, s in zip(opens, starts)), 4),  # dataset is asked
         "worker_rss_mb": round(statistics.median(f["rss_mb"] for f in finals), 1),
         "worker_private_mb": round(statistics.median(f["private_mb"] for f in finals), 1),
         "open_files": int(max(f["open_files"] for f in finals)),
@@ -176,7 +186,7 @@ def measure(images: Path, cache: Path, store: Path, batches: int, repeats: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--captions", type=int, default=2000, help="captions of the smaller run")
+    ap.add_argument("--captions", type=int, default=4000, help="captions of the smaller run")
     ap.add_argument("--segments", type=int, default=40, help="store segments of the smaller run")
     ap.add_argument("--dim", type=int, default=8, help="token vector width")
     ap.add_argument("--tokens-per-caption", type=int, default=4)
