@@ -13,7 +13,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
 from pipeline.core.sources import ImageReader
 from tests.conftest import REPO, png
-from train.data_index import TrainIndex, build_index
+from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index
 
 N = 40  # images in the session's synth_dir, 8 captions each
 EXTRA = 10  # images that get one extra caption (and one repeated text) in a second recipe
@@ -71,6 +71,9 @@ def _same(a: TrainIndex, b: TrainIndex) -> None:
     np.testing.assert_array_equal(a.caption_offsets, b.caption_offsets)
     np.testing.assert_array_equal(a.caption_keys, b.caption_keys)
     assert a.segments == b.segments
+    for index in (a, b):  # columns, not a Python object per image
+        assert isinstance(index.refs, ImageRefs) and isinstance(index.sha256, HexDigests)
+        assert index.sha256.values.dtype == np.uint8 and index.sha256.values.shape == (len(index), 32)
     for name in ("segment", "start", "length"):
         got, want = getattr(a.caption_spans, name), getattr(b.caption_spans, name)
         assert got.dtype == want.dtype and np.array_equal(got, want)

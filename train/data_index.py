@@ -24,8 +24,10 @@ import json
 import random
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar, overload
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +44,7 @@ from pipeline.core.sources import ImageReader, ImageRef, list_images
 FORMAT = "tcjepa-train-index"
 VERSION = 2
 KEY_BYTES = 32
+DIGEST_BYTES = 32
 UNREADABLE = "unreadable"
 
 _SCHEMA = pa.schema(
@@ -52,7 +55,7 @@ _SCHEMA = pa.schema(
         pa.field("offset", pa.int64(), nullable=False),
         pa.field("size", pa.int64(), nullable=False),
         pa.field("column", pa.dictionary(pa.int32(), pa.string()), nullable=False),
-        pa.field("sha256", pa.string(), nullable=False),
+        pa.field("sha256", pa.binary(DIGEST_BYTES), nullable=False),
         pa.field("captions", pa.large_list(pa.binary(KEY_BYTES)), nullable=False),
         pa.field("caption_segment", pa.large_list(pa.int32()), nullable=False),
         pa.field("caption_start", pa.large_list(pa.int64()), nullable=False),
@@ -61,10 +64,105 @@ _SCHEMA = pa.schema(
 )
 
 
+def _fixed_width_numpy(array: pa.FixedSizeBinaryArray, width: int) -> np.ndarray:
+    """uint8 `[len, width]` over an Arrow fixed-width binary array's buffer (no per-value object)."""
+    return np.frombuffer(
+        array.buffers()[1] or b"", dtype=np.uint8, count=len(array) * width, offset=array.offset * width
+    ).reshape(-1, width)
+
+
+def _fixed_width_arrow(values: np.ndarray, width: int) -> pa.FixedSizeBinaryArray:
+    data = pa.py_buffer(np.ascontiguousarray(values, dtype=np.uint8))
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, data])
+
+
+T = TypeVar("T")
+
+
+class _Columnar(Sequence[T]):
+    """A sequence whose items are made from columns when asked for; none is kept."""
+
+    def _item(self, row: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(len(self)))]
+        return self._item(range(len(self))[i])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class ImageRefs(_Columnar[ImageRef]):
+    """The index's images as Arrow columns: an `ImageRef` is made when one is asked for.
+
+    A list of ImageRef objects costs ~440 B per image (6 GB for ImageNet-21k) in every process, and the pages of a
+    forked DataLoader worker's copy are duplicated as reference counts touch them; Arrow buffers are not.
+    """
+
+    NAMES = ("source_id", "kind", "path", "offset", "size", "column")
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table.select(list(self.NAMES))
+        self._columns = [column.combine_chunks() for column in self.table.columns]
+
+    @classmethod
+    def of(cls, refs: Sequence[ImageRef]) -> ImageRefs:
+        if isinstance(refs, ImageRefs):
+            return refs
+        return cls(
+            pa.table(
+                {
+                    "source_id": pa.array([r.source_id for r in refs], pa.string()),
+                    "kind": pa.array([r.kind for r in refs], pa.string()).dictionary_encode(),
+                    "path": pa.array([r.path for r in refs], pa.string()).dictionary_encode(),
+                    "offset": pa.array([r.offset for r in refs], pa.int64()),
+                    "size": pa.array([r.size for r in refs], pa.int64()),
+                    "column": pa.array([r.column for r in refs], pa.string()).dictionary_encode(),
+                }
+            )
+        )
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def _item(self, row: int) -> ImageRef:
+        return ImageRef(*(column[row].as_py() for column in self._columns))
+
+
+class HexDigests(_Columnar[str]):
+    """sha256 digests as one uint8 `[n, 32]` array, each given as hex when asked for."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    @classmethod
+    def of(cls, digests: Sequence[str]) -> HexDigests:
+        if isinstance(digests, HexDigests):
+            return digests
+        flat = np.frombuffer(bytes.fromhex("".join(digests)), dtype=np.uint8)
+        return cls(flat.reshape(-1, DIGEST_BYTES).copy())
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def _item(self, row: int) -> str:
+        return self.values[row].tobytes().hex()
+
+
 @dataclass
 class TrainIndex:
-    refs: list[ImageRef]  # usable images, in source order
-    sha256: list[str]  # hex sha256 of each image's bytes
+    # usable images, in source order, and the hex sha256 of each one's bytes: given as lists or columns, kept as
+    # columns (`ImageRefs`, `HexDigests`)
+    refs: Sequence[ImageRef]
+    sha256: Sequence[str]
     caption_offsets: np.ndarray  # int64 [n+1], CSR into caption_keys
     # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
     caption_keys: np.ndarray
@@ -78,6 +176,8 @@ class TrainIndex:
     spans: Spans | None = None
 
     def __post_init__(self) -> None:
+        self.refs = ImageRefs.of(self.refs)
+        self.sha256 = HexDigests.of(self.sha256)
         if self.spans is None:
             m = len(self.caption_keys)
             self.spans = Spans(np.full(m, -1, np.int32), np.zeros(m, np.int64), np.zeros(m, np.int32))
@@ -127,17 +227,11 @@ class TrainIndex:
         """Write the index as one Parquet file, atomically."""
         offsets = pa.array(self.caption_offsets, pa.int64())
         spans = self.caption_spans
-        keys = pa.FixedSizeBinaryArray.from_buffers(
-            pa.binary(KEY_BYTES), len(self.caption_keys), [None, pa.py_buffer(np.ascontiguousarray(self.caption_keys))]
-        )
+        keys = _fixed_width_arrow(self.caption_keys, KEY_BYTES)
+        refs = ImageRefs.of(self.refs).table
         columns = {
-            "source_id": pa.array([r.source_id for r in self.refs], pa.string()),
-            "kind": pa.array([r.kind for r in self.refs], pa.string()).dictionary_encode(),
-            "path": pa.array([r.path for r in self.refs], pa.string()).dictionary_encode(),
-            "offset": pa.array([r.offset for r in self.refs], pa.int64()),
-            "size": pa.array([r.size for r in self.refs], pa.int64()),
-            "column": pa.array([r.column for r in self.refs], pa.string()).dictionary_encode(),
-            "sha256": pa.array(self.sha256, pa.string()),
+            **{name: refs.column(name) for name in ImageRefs.NAMES},
+            "sha256": _fixed_width_arrow(HexDigests.of(self.sha256).values, DIGEST_BYTES),
             "captions": pa.LargeListArray.from_arrays(offsets, keys),
             "caption_segment": pa.LargeListArray.from_arrays(offsets, pa.array(spans.segment, pa.int32())),
             "caption_start": pa.LargeListArray.from_arrays(offsets, pa.array(spans.start, pa.int64())),
@@ -163,24 +257,19 @@ class TrainIndex:
         meta = json.loads((table.schema.metadata or {}).get(b"tcjepa", b"{}"))
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise UserError(f"{path} is not a tcjepa train index v{VERSION}; delete it to rebuild the index")
-        names = ("source_id", "kind", "path", "offset", "size", "column")
-        refs = [ImageRef(**dict(zip(names, row))) for row in zip(*(table.column(name).to_pylist() for name in names))]
         captions = table.column("captions").combine_chunks()
         offsets = captions.offsets.to_numpy().astype(np.int64)
-        flat = captions.flatten()
-        keys = np.frombuffer(
-            flat.buffers()[1] or b"", dtype=np.uint8, count=len(flat) * KEY_BYTES, offset=flat.offset * KEY_BYTES
-        )
+        keys = _fixed_width_numpy(captions.flatten(), KEY_BYTES)
 
         def column(name: str, dtype: type) -> np.ndarray:
             values = table.column(name).combine_chunks().flatten()
             return np.asarray(values.to_numpy(zero_copy_only=False), dtype=dtype)
 
         return cls(
-            refs,
-            table.column("sha256").to_pylist(),
+            ImageRefs(table),
+            HexDigests(_fixed_width_numpy(table.column("sha256").combine_chunks(), DIGEST_BYTES).copy()),
             offsets - offsets[0],
-            keys.reshape(-1, KEY_BYTES).copy(),
+            keys.copy(),
             meta["recipes"],
             {int(k): v for k, v in meta["coverage"].items()},
             meta["left_out"],
