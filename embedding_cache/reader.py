@@ -12,9 +12,10 @@ data type must be the one the store's codec stores there.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,9 @@ DEFAULT_MAX_OPEN_FILES = 256  # mapped shard files a reader keeps open at most (
 class OpenFiles:
     """Shard files mapped on demand, at most `limit` at a time, the least recently used dropped first.
 
-    A mapped file holds a file descriptor until the map and every view into it are gone; the reader keeps no view
-    beyond a call, so what it holds is bounded by `limit` (views a caller keeps, e.g. from `get`, keep theirs).
+    A mapped file holds a file descriptor until the map and every view into it are gone. Each file is owned by the
+    array it belongs to, which keeps its chunk views and drops them when told here; the reader keeps no view beyond
+    a call, so what it holds is bounded by `limit` (views a caller keeps, e.g. from `get`, keep their file open).
     """
 
     def __init__(self, limit: int = DEFAULT_MAX_OPEN_FILES) -> None:
@@ -42,29 +44,29 @@ class OpenFiles:
             raise ValueError(f"max_open_files must be at least 1, not {limit}")
         self.limit = limit
         self.opened = 0  # files mapped so far (a file dropped and needed again counts again)
-        self._maps: OrderedDict[Path, np.memmap] = OrderedDict()
+        self._drop: OrderedDict[tuple[int, int], Callable[[], None]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._maps)
+        return len(self._drop)
 
-    def get(self, path: Path) -> np.memmap:
-        mapped = self._maps.get(path)
-        if mapped is not None:
-            self._maps.move_to_end(path)
-            return mapped
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    def touch(self, key: tuple[int, int]) -> None:
+        """`key`'s file was used now."""
+        self._drop.move_to_end(key)
+
+    def add(self, key: tuple[int, int], drop: Callable[[], None]) -> None:
+        """A file was mapped under `key`; `drop` lets go of it (its owner's views) when it is the oldest of too many."""
         self.opened += 1
-        self._maps[path] = mapped
-        while len(self._maps) > self.limit:
-            self._maps.popitem(last=False)
-        return mapped
+        self._drop[key] = drop
+        while len(self._drop) > self.limit:
+            _, oldest = self._drop.popitem(last=False)
+            oldest()
 
 
 @dataclass
 class _Array:
-    """One sharded, uncompressed array of a segment: its layout read once, its shard files mapped through
-    `OpenFiles` when a row is read (a zarr v3 shard is its inner chunks, then ``uint64[n_chunks, 2]`` (offset,
-    nbytes) and a crc32c)."""
+    """One sharded, uncompressed array of a segment: its layout read once, each shard file mapped when a row of it is
+    read (through `OpenFiles`, which bounds how many stay mapped). A zarr v3 shard is its inner chunks, then
+    ``uint64[n_chunks, 2]`` (offset, nbytes) and a crc32c."""
 
     directory: Path
     dtype: np.dtype
@@ -74,11 +76,7 @@ class _Array:
     n_chunks: int
     separator: str
     files: OpenFiles
-    shard_index: dict[int, np.ndarray] = field(default_factory=dict)  # shard -> its chunk index (a small copy)
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.chunk_rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+    views: dict[int, list[np.ndarray | None]] = field(default_factory=dict)  # mapped shard -> its chunks
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """array[start:stop]: a view into the mapped shard when it lies in one inner chunk, else a copy."""
@@ -95,21 +93,41 @@ class _Array:
         return np.concatenate(parts)
 
     def _chunk(self, c: int) -> np.ndarray:
+        shard, k = divmod(c, self.shard_rows // self.chunk_rows)
+        chunks = self.views.get(shard)
+        if chunks is None:
+            chunks = self._map(shard)
+        else:
+            self.files.touch((id(self), shard))
+        chunk = chunks[k]
+        if chunk is None:
+            raise UserError(f"{self.directory}: inner chunk {c} is missing; run `tcjepa store verify`")
+        return chunk
+
+    def _map(self, shard: int) -> list[np.ndarray | None]:
+        """Map shard file `shard` and view each of its inner chunks."""
         per_shard = self.shard_rows // self.chunk_rows
-        shard, k = divmod(c, per_shard)
         path = self.directory / self.separator.join(["c", str(shard), *(["0"] * len(self.row_shape))])
-        mapped = self.files.get(path)
-        index = self.shard_index.get(shard)
-        if index is None:
-            index = np.frombuffer(mapped[-(16 * per_shard + 4) : -4], dtype="<u8").reshape(per_shard, 2).copy()
-            self.shard_index[shard] = index
-        offset, nbytes = index[k]
-        if offset == MISSING:
-            raise UserError(f"{path}: inner chunk {k} is missing; run `tcjepa store verify`")
-        if nbytes != self.chunk_bytes:
-            raise UserError(f"{path}: inner chunk {k} has {nbytes} bytes, expected {self.chunk_bytes} (compressed?)")
-        raw = mapped[int(offset) : int(offset) + self.chunk_bytes]
-        return raw.view(self.dtype.newbyteorder("<")).reshape(self.chunk_rows, *self.row_shape)
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        index = np.frombuffer(mapped[-(16 * per_shard + 4) : -4], dtype="<u8").reshape(per_shard, 2)
+        chunk_bytes = self.chunk_rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        chunks: list[np.ndarray | None] = []
+        for k in range(min(per_shard, self.n_chunks - shard * per_shard)):
+            offset, nbytes = (int(v) for v in index[k])
+            if offset == int(MISSING):
+                chunks.append(None)
+                continue
+            if nbytes != chunk_bytes:
+                raise UserError(f"{path}: inner chunk {k} has {nbytes} bytes, expected {chunk_bytes} (compressed?)")
+            raw = mapped[offset : offset + chunk_bytes].view(self.dtype.newbyteorder("<"))
+            # a plain ndarray over the map (np.memmap's Python-level slicing costs more than the copy of a caption)
+            chunks.append(np.asarray(raw).reshape(self.chunk_rows, *self.row_shape))
+        self.views[shard] = chunks
+        self.files.add((id(self), shard), functools.partial(self._unmap, shard))
+        return chunks
+
+    def _unmap(self, shard: int) -> None:
+        self.views.pop(shard, None)  # the file closes with its last view
 
 
 def open_array(array_dir: Path, dtype: np.dtype, row_shape: tuple[int, ...], files: OpenFiles) -> _Array:
@@ -371,13 +389,14 @@ class EmbeddingReader:
         scales = None
         if self.codec == "int8":
             scales = _buffer(out_scales, total, (), np.dtype(np.float32), "out_scales")
+        arrays, arrays_of = self._arrays, self._arrays_of
         for seg, start, lo, hi in zip(
             spans.segment.tolist(), spans.start.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
         ):
-            got_tokens, got_scales = self._span_raw(seg, start, start + hi - lo)
-            tokens[lo:hi] = got_tokens
-            if scales is not None:
-                scales[lo:hi] = got_scales
+            seg_tokens, seg_scales = arrays.get(seg) or arrays_of(seg)
+            tokens[lo:hi] = seg_tokens.rows(start, start + hi - lo)
+            if scales is not None and seg_scales is not None:
+                scales[lo:hi] = seg_scales.rows(start, start + hi - lo)
         return tokens, scales, offsets
 
     def gather_spans_padded(self, spans: Spans, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
