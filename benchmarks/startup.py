@@ -116,13 +116,20 @@ def _probe_class() -> Any:
     return Probe
 
 
-def measure(images: Path, cache: Path, store: Path, batches: int, repeats: int, run: Path) -> dict[str, Any]:
-    import torch
+def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> float:
+    """Seconds for rank 0 to build the run index and save it."""
+    from train.data_index import build_index
 
-    from embedding_cache.reader import StoreKeys
+    tick = time.perf_counter()
+    build_index([images], cache, store, [], progress=False, verify_sample=16).save(run / "index.parquet")
+    return time.perf_counter() - tick
+
+
+def worker_probe(images: Path, cache: Path, store: Path, batches: int, run: Path) -> Any:
+    """The training dataset of the saved run index, wrapped to report from its DataLoader worker."""
     from train.config import TrainConfig
     from train.data import StepBatches
-    from train.data_index import TrainIndex, build_index
+    from train.data_index import TrainIndex
 
     cfg = TrainConfig(
         images=[str(images)],
@@ -137,50 +144,48 @@ def measure(images: Path, cache: Path, store: Path, batches: int, repeats: int, 
         min_context=2,
         seed=0,
     )
-    builds, opens, starts, finals = [], [], [], []
-    for attempt in range(repeats + 1):  # the first warms imports and the page cache, and is not counted
-        tick = time.perf_counter()
-        index = build_index([images], cache, store, [], progress=False, verify_sample=16)
-        index.save(run / "index.parquet")
-        if attempt:
-            builds.append(time.perf_counter() - tick)
     index = TrainIndex.load(run / "index.parquet")
-    data = StepBatches(index, np.arange(len(index)), cfg, (4, 4))
-    key_indexes = StoreKeys.builds
-    probe = _probe_class()(data, batches)
-    for _ in range(repeats):
-        loader = torch.utils.data.DataLoader(probe, batch_size=None, num_workers=1, prefetch_factor=2)
-        tick = time.monotonic()
-        it = iter(loader)
-        first = next(it)
-        opens.append(first["done"] - tick)
-        starts.append(first["started"] - tick)
-        finals.append(list(it)[-1] if batches > 1 else first)
-        del it, loader
+    return _probe_class()(StepBatches(index, np.arange(len(index)), cfg, (4, 4)), batches)
+
+
+def worker_run(probe: Any) -> dict[str, float]:
+    """One DataLoader worker over `probe`: its start and first batch (seconds), and its state after the last."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(probe, batch_size=None, num_workers=1, prefetch_factor=2)
+    tick = time.monotonic()
+    it = iter(loader)
+    first = next(it)
+    last = list(it)[-1] if len(probe) > 1 else first
+    return {**last, "open_s": first["done"] - tick, "start_s": first["started"] - tick}
+
+
+def summary(probe: Any, builds: list[float], workers: list[dict[str, float]]) -> dict[str, Any]:
+    index = probe.data.index
     spans = index.caption_spans
-    columns = (
-        index.caption_keys.nbytes
-        + index.caption_offsets.nbytes
-        + sum(a.nbytes for a in (spans.segment, spans.start, spans.length))
-    )
+    columns = index.caption_keys.nbytes + index.caption_offsets.nbytes
+    columns += sum(a.nbytes for a in (spans.segment, spans.start, spans.length))
     n = len(index.caption_keys)
+
+    def median(key: str) -> float:
+        return statistics.median(w[key] for w in workers)
+
     return {
         "captions": n,
         "segments": len(index.segments),
         "images": len(index),
         "index_build_s": round(statistics.median(builds), 4),
         "index_build_us_per_caption": round(1e6 * statistics.median(builds) / n, 3),
-        "worker_open_s": round(statistics.median(opens), 4),
-        "worker_open_us_per_caption": round(1e6 * statistics.median(opens) / n, 3),
-        "worker_start_s": round(statistics.median(starts), 4),  # of worker_open_s: the process's start, until the
-        "worker_first_batch_s": round(statistics.median(o - s for o, s in zip(opens, starts)), 4),  # dataset is asked
-        "worker_rss_mb": round(statistics.median(f["rss_mb"] for f in finals), 1),
-        "worker_private_mb": round(statistics.median(f["private_mb"] for f in finals), 1),
-        "open_files": int(max(f["open_files"] for f in finals)),
-        "open_store_files": int(max(f["open_store_files"] for f in finals)),
+        "worker_open_s": round(median("open_s"), 4),
+        "worker_open_us_per_caption": round(1e6 * median("open_s") / n, 3),
+        "worker_start_s": round(median("start_s"), 4),  # of worker_open_s: the process's start, until the dataset
+        "worker_first_batch_s": round(median("open_s") - median("start_s"), 4),  # is asked, then its first batch
+        "worker_rss_mb": round(median("rss_mb"), 1),
+        "worker_private_mb": round(median("private_mb"), 1),
+        "open_files": int(max(w["open_files"] for w in workers)),
+        "open_store_files": int(max(w["open_store_files"] for w in workers)),
         "index_columns_mb": round(columns / 2**20, 3),
-        "key_indexes_built_by_dataset": StoreKeys.builds - key_indexes,
-        "batches": batches,
+        "batches": len(probe),
     }
 
 
@@ -198,20 +203,34 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    runs = []
     with tempfile.TemporaryDirectory() as tmp:
+        sizes, made = [], []
         for factor in (1, args.scale):
             root = Path(tmp) / f"x{factor}"
-            run = root / "run"
-            run.mkdir(parents=True)
+            (root / "run").mkdir(parents=True)
             tick = time.perf_counter()
-            images, cache, store = build_run(
-                root, args.captions * factor, args.segments * factor, args.dim, args.tokens_per_caption, args.seed
-            )
-            made = time.perf_counter() - tick
-            result = measure(images, cache, store, args.batches, args.repeats, run)
-            runs.append({**result, "synthesis_s": round(made, 1)})
-            print(json.dumps(runs[-1]), flush=True)
+            captions, segments = args.captions * factor, args.segments * factor
+            sizes.append((*build_run(root, captions, segments, args.dim, args.tokens_per_caption, args.seed), root))
+            made.append(time.perf_counter() - tick)
+            index_build_s(*sizes[-1][:3], sizes[-1][3] / "run")  # warms imports and the page cache; not counted
+        # The sizes take turns, so that whatever else the machine does weighs on both alike.
+        builds: list[list[float]] = [[], []]
+        for _ in range(args.repeats):
+            for k, (images, cache, store, root) in enumerate(sizes):
+                builds[k].append(index_build_s(images, cache, store, root / "run"))
+        probes = [
+            worker_probe(images, cache, store, args.batches, root / "run") for images, cache, store, root in sizes
+        ]
+        workers: list[list[dict[str, float]]] = [[], []]
+        for _ in range(args.repeats):
+            for k, probe in enumerate(probes):
+                workers[k].append(worker_run(probe))
+        runs = [
+            {**summary(probe, builds[k], workers[k]), "synthesis_s": round(made[k], 1)}
+            for k, probe in enumerate(probes)
+        ]
+        for run in runs:
+            print(json.dumps(run), flush=True)
     small, large = runs
     print_result(
         {
