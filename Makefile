@@ -57,6 +57,7 @@ bench: venv
 	$(PY) -m benchmarks.train_step
 	$(PY) -m benchmarks.faults
 	$(PY) -m benchmarks.scaleout
+	$(PY) -m benchmarks.startup
 
 clean-venv:
 	rm -rf $(VENV)

@@ -184,7 +184,7 @@ def text_regularisers(
         else:
             counted = (word_mask.flatten(1).sum(dim=1) * token_valid.sum(dim=1)).sum()
         positive_fraction = positive.to(stacked.dtype) / counted.clamp_min(1).to(stacked.dtype)
-    return TextRegularisers(average(sparse), average(consistency), positive_fraction)
+    return TextRegularisers(average(sparse), average(consistency), positive_fraction, counted)
 
 
 def compute_losses(

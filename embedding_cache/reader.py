@@ -12,8 +12,11 @@ data type must be the one the store's codec stores there.
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +28,58 @@ from pipeline.core.digests import DigestIndex
 from pipeline.core.errors import UserError
 
 MISSING = np.uint64(2**64 - 1)
+DEFAULT_MAX_OPEN_FILES = 256  # mapped shard files a reader keeps open at most (the usual limit is 1,024 per process)
+
+
+class OpenFiles:
+    """Shard files mapped on demand, at most `limit` at a time, the least recently used dropped first.
+
+    A mapped file holds a file descriptor until the map and every view into it are gone. Each file is owned by the
+    array it belongs to, which keeps its chunk views and drops them when told here; the reader keeps no view beyond
+    a call, so what it holds is bounded by `limit` (views a caller keeps, e.g. from `get`, keep their file open).
+    """
+
+    def __init__(self, limit: int = DEFAULT_MAX_OPEN_FILES) -> None:
+        if limit < 1:
+            raise ValueError(f"max_open_files must be at least 1, not {limit}")
+        self.limit = limit
+        self.opened = 0  # files mapped so far (a file dropped and needed again counts again)
+        self._drop: OrderedDict[tuple[int, int], Callable[[], None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._drop)
+
+    def touch(self, key: tuple[int, int]) -> None:
+        """`key`'s file was used now."""
+        self._drop.move_to_end(key)
+
+    def add(self, key: tuple[int, int], drop: Callable[[], None]) -> None:
+        """A file was mapped under `key`; `drop` lets go of it (its owner's views) when it is the oldest of too many."""
+        self.opened += 1
+        self._drop[key] = drop
+        while len(self._drop) > self.limit:
+            _, oldest = self._drop.popitem(last=False)
+            oldest()
 
 
 @dataclass
-class _Chunks:
-    """The inner chunks of one sharded array, each a view into its mapped shard file (None: a missing chunk)."""
+class _Array:
+    """One sharded, uncompressed array of a segment: its layout read once, each shard file mapped when a row of it is
+    read (through `OpenFiles`, which bounds how many stay mapped). A zarr v3 shard is its inner chunks, then
+    ``uint64[n_chunks, 2]`` (offset, nbytes) and a crc32c."""
 
-    chunk_rows: int
-    row_shape: tuple[int, ...]
+    directory: Path
     dtype: np.dtype
-    chunks: list[np.ndarray | None]
+    row_shape: tuple[int, ...]
+    chunk_rows: int
+    shard_rows: int
+    n_chunks: int
+    separator: str
+    files: OpenFiles
+    views: dict[int, list[np.ndarray | None]] = field(default_factory=dict)  # mapped shard -> its chunks
 
     def rows(self, start: int, stop: int) -> np.ndarray:
-        """array[start:stop] as a view when it lies in one inner chunk, else a copy."""
+        """array[start:stop]: a view into the mapped shard when it lies in one inner chunk, else a copy."""
         if stop <= start:
             return np.zeros((0, *self.row_shape), dtype=self.dtype)
         first, last = start // self.chunk_rows, (stop - 1) // self.chunk_rows
@@ -51,21 +93,45 @@ class _Chunks:
         return np.concatenate(parts)
 
     def _chunk(self, c: int) -> np.ndarray:
-        chunk = self.chunks[c]
+        shard, k = divmod(c, self.shard_rows // self.chunk_rows)
+        chunks = self.views.get(shard)
+        if chunks is None:
+            chunks = self._map(shard)
+        else:
+            self.files.touch((id(self), shard))
+        chunk = chunks[k]
         if chunk is None:
-            raise UserError(f"embedding store chunk {c} is missing; run `tcjepa store verify`")
+            raise UserError(f"{self.directory}: inner chunk {c} is missing; run `tcjepa store verify`")
         return chunk
 
+    def _map(self, shard: int) -> list[np.ndarray | None]:
+        """Map shard file `shard` and view each of its inner chunks."""
+        per_shard = self.shard_rows // self.chunk_rows
+        path = self.directory / self.separator.join(["c", str(shard), *(["0"] * len(self.row_shape))])
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        index = np.frombuffer(mapped[-(16 * per_shard + 4) : -4], dtype="<u8").reshape(per_shard, 2)
+        chunk_bytes = self.chunk_rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        chunks: list[np.ndarray | None] = []
+        for k in range(min(per_shard, self.n_chunks - shard * per_shard)):
+            offset, nbytes = (int(v) for v in index[k])
+            if offset == int(MISSING):
+                chunks.append(None)
+                continue
+            if nbytes != chunk_bytes:
+                raise UserError(f"{path}: inner chunk {k} has {nbytes} bytes, expected {chunk_bytes} (compressed?)")
+            raw = mapped[offset : offset + chunk_bytes].view(self.dtype.newbyteorder("<"))
+            # a plain ndarray over the map (np.memmap's Python-level slicing costs more than the copy of a caption)
+            chunks.append(np.asarray(raw).reshape(self.chunk_rows, *self.row_shape))
+        self.views[shard] = chunks
+        self.files.add((id(self), shard), functools.partial(self._unmap, shard))
+        return chunks
 
-@dataclass
-class _Segment:
-    offsets: np.ndarray
-    tokens: _Chunks
-    scales: _Chunks | None  # int8 stores
+    def _unmap(self, shard: int) -> None:
+        self.views.pop(shard, None)  # the file closes with its last view
 
 
-def map_chunks(array_dir: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> _Chunks:
-    """Memory-map every inner chunk of a sharded, uncompressed array of `dtype` with rows of `row_shape`.
+def open_array(array_dir: Path, dtype: np.dtype, row_shape: tuple[int, ...], files: OpenFiles) -> _Array:
+    """The layout of a sharded, uncompressed array of `dtype` with rows of `row_shape`; no shard is mapped yet.
 
     The array's recorded data type must be `dtype`: int8 tokens are never read as float16, nor the reverse.
     """
@@ -93,34 +159,37 @@ def map_chunks(array_dir: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> 
     if tuple(chunk_rest) != row_shape or tuple(shape[1:]) != row_shape:
         raise UserError(f"{array_dir}: rows of shape {shape[1:]} do not match the store's {list(row_shape)}")
     sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
-    per_shard = shard_rows // chunk_rows
-    n_chunks = -(-shape[0] // chunk_rows)
-    chunk_bytes = chunk_rows * int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
-    chunks: list[np.ndarray | None] = []
-    for s in range(-(-shape[0] // shard_rows)):
-        path = array_dir / sep.join(["c", str(s), *(["0"] * len(row_shape))])
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
-        index = np.frombuffer(mapped[-(16 * per_shard + 4) : -4], dtype="<u8").reshape(per_shard, 2)
-        for k in range(min(per_shard, n_chunks - s * per_shard)):
-            offset, nbytes = index[k]
-            if offset == MISSING:
-                chunks.append(None)
-                continue
-            if nbytes != chunk_bytes:
-                raise UserError(f"{path}: inner chunk {k} has {nbytes} bytes, expected {chunk_bytes} (compressed?)")
-            raw = mapped[int(offset) : int(offset) + chunk_bytes]
-            chunks.append(raw.view(dtype.newbyteorder("<")).reshape(chunk_rows, *row_shape))
-    return _Chunks(chunk_rows, row_shape, dtype, chunks)
+    return _Array(array_dir, dtype, row_shape, chunk_rows, shard_rows, -(-shape[0] // chunk_rows), sep, files)
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Where captions lie in a store, one entry per caption: the segment (a position in a list of segment ids),
+    its first token row in that segment's `tokens`, and its token count. Three flat columns, no per-caption object:
+    a trainer resolves them once (rank 0, into the run index) and reads tokens with them, never a key."""
+
+    segment: np.ndarray  # int32
+    start: np.ndarray  # int64
+    length: np.ndarray  # int32
+
+    def __len__(self) -> int:
+        return len(self.segment)
 
 
 class StoreKeys:
     """Where each caption key lives in a store (global row, segment), read from the keys alone.
 
     No token is read, so a *keys mirror* of a remote store is enough: training builds its
-    index from one and then fetches only the segments that hold its captions.
+    index from one and then fetches only the segments that hold its captions. Building the
+    index costs a pass over every key; `StoreKeys.builds` counts them in this process, so a
+    test can tell that a training worker built none.
     """
 
+    builds = 0
+
     def __init__(self, store: EmbeddingStore) -> None:
+        StoreKeys.builds += 1
+        self.store = store
         self.segment_ids = store.segment_ids()
         self._index = DigestIndex()
         starts = [0]
@@ -137,27 +206,53 @@ class StoreKeys:
         """Global row of each 32-byte key (`[n, 32]` uint8), or -1 when the store lacks it."""
         return self._index.lookup(keys)
 
-    def segments_holding(self, keys: np.ndarray) -> list[str]:
-        """The segments that hold `keys`, in store order; every key must be there."""
+    def _held(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment position, global row) of each key; every key must be there."""
         rows = self.locate(keys)
         if (rows < 0).any():
             raise UserError(
                 f"{int((rows < 0).sum())} caption keys are not in the store (it was changed since the index was made)"
             )
-        held = np.unique(np.searchsorted(self.starts, rows, side="right") - 1)
-        return [self.segment_ids[i] for i in held.tolist()]
+        return np.searchsorted(self.starts, rows, side="right") - 1, rows
+
+    def segments_holding(self, keys: np.ndarray) -> list[str]:
+        """The segments that hold `keys`, in store order; every key must be there."""
+        segs, _ = self._held(keys)
+        return [self.segment_ids[i] for i in np.unique(segs).tolist()]
+
+    def spans(self, keys: np.ndarray) -> tuple[list[str], Spans]:
+        """The segments that hold `keys` (in store order) and each key's span, its segment a position in that list.
+
+        Reads the offsets of those segments (a keys mirror carries them); every key must be in the store.
+        """
+        segs, rows = self._held(keys)
+        held = np.unique(segs)
+        start = np.empty(len(rows), dtype=np.int64)
+        length = np.empty(len(rows), dtype=np.int32)
+        for seg in held.tolist():
+            pick = segs == seg
+            offsets = self.store.read_offsets(self.segment_ids[seg]).astype(np.int64)
+            local = rows[pick] - self.starts[seg]
+            start[pick] = offsets[local]
+            length[pick] = offsets[local + 1] - offsets[local]
+        position = np.searchsorted(held, segs).astype(np.int32)
+        return [self.segment_ids[i] for i in held.tolist()], Spans(position, start, length)
 
 
 class EmbeddingReader:
-    """Maps caption keys to `[length, width]` token vectors of a store, without zarr on the read path.
+    """Reads `[length, width]` token vectors of a store, without zarr on the read path.
 
-    float16 stores are served as they are. For int8 stores, `get`, `gather_packed` and `gather_padded` return float16
-    dequantized on the CPU; `gather_packed_raw` returns the stored int8 tokens and float32 scales, for a trainer that
-    ships them to the device and expands them there with `embedding_cache.codec.dequantize` (with
-    `channel_scales`).
+    Opening it reads only the store's root: shard files are mapped when first read, at most `max_open_files` at a
+    time (least recently used dropped first), and the key index (`keys`, `locate`) and the row table (`len`,
+    global rows) are built only when asked for. A trainer reads by `Spans` (`gather_spans_*`), which need neither.
+
+    float16 stores are served as they are. For int8 stores, `get`, `gather_packed`, `gather_padded` and
+    `gather_spans_padded` return float16 dequantized on the CPU; the `*_raw` methods return the stored int8 tokens
+    and float32 scales, for a trainer that ships them to the device and expands them there with
+    `embedding_cache.codec.dequantize` (with `channel_scales`).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_open_files: int = DEFAULT_MAX_OPEN_FILES) -> None:
         store = EmbeddingStore(path)
         self.root = Path(path)
         self.width = store.width
@@ -168,25 +263,58 @@ class EmbeddingReader:
         self.token_dtype: np.dtype = transform.token_dtype
         # float32 [width] or None: the last factor of `dequantize` (the same for every segment of the store)
         self.channel_scales: np.ndarray | None = transform.channel_scales
-        self.keys = StoreKeys(store)
-        self.segment_ids = self.keys.segment_ids
-        self._segments: list[_Segment] = []
-        lengths = []
-        for seg_id in self.segment_ids:
-            offsets = store.read_offsets(seg_id)
-            where = store.segment_path(seg_id)
-            tokens = map_chunks(where / "tokens", self.token_dtype, (self.width,))
-            scales = map_chunks(where / "scales", np.dtype(np.float32), ()) if self.codec == "int8" else None
-            if scales is not None and scales.chunk_rows != tokens.chunk_rows:
-                raise UserError(f"{where}: scales are chunked unlike tokens; the segment was not written by tcjepa")
-            self._segments.append(_Segment(offsets, tokens, scales))
-            lengths.append(np.diff(offsets).astype(np.int32))
-        self._starts = self.keys.starts.tolist()
-        self._starts_arr = self.keys.starts
-        self._lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int32)
+        self.segment_ids = store.segment_ids()
+        self.files = OpenFiles(max_open_files)
+        self._store = store
+        self._position = {seg_id: i for i, seg_id in enumerate(self.segment_ids)}
+        self._arrays: dict[int, tuple[_Array, _Array | None]] = {}
+        self._keys: StoreKeys | None = None
+        self._row_table: tuple[np.ndarray, list[np.ndarray], np.ndarray] | None = None
+
+    @property
+    def keys(self) -> StoreKeys:
+        """The key index, built on first use (a pass over every key of the store)."""
+        if self._keys is None:
+            self._keys = StoreKeys(self._store)
+        return self._keys
+
+    def positions(self, segment_ids: Sequence[str]) -> np.ndarray:
+        """The position in this store of each of `segment_ids` (int32); each must be published here."""
+        missing = [s for s in segment_ids if s not in self._position]
+        if missing:
+            raise UserError(
+                f"{self.root} no longer holds {len(missing)} segment(s) the run index refers to (e.g. {missing[0]}); "
+                "the store was changed since the index was made: delete the run's index.parquet to rebuild it"
+            )
+        return np.asarray([self._position[s] for s in segment_ids], dtype=np.int32)
+
+    def _arrays_of(self, seg: int) -> tuple[_Array, _Array | None]:
+        """Segment `seg`'s tokens (and int8 scales) layout, read on first use."""
+        arrays = self._arrays.get(seg)
+        if arrays is None:
+            where = self._store.segment_path(self.segment_ids[seg])
+            tokens = open_array(where / "tokens", self.token_dtype, (self.width,), self.files)
+            scales = None
+            if self.codec == "int8":
+                scales = open_array(where / "scales", np.dtype(np.float32), (), self.files)
+                if scales.chunk_rows != tokens.chunk_rows:
+                    raise UserError(f"{where}: scales are chunked unlike tokens; the segment was not written by tcjepa")
+            arrays = self._arrays[seg] = (tokens, scales)
+        return arrays
+
+    def _rows(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """(first global row of each segment + total, each segment's offsets, each row's length), read on first
+        use: global rows are for tools and tests; a trainer reads by spans."""
+        if self._row_table is None:
+            offsets = [self._store.read_offsets(s).astype(np.int64) for s in self.segment_ids]
+            starts = np.zeros(len(offsets) + 1, dtype=np.int64)
+            np.cumsum([len(o) - 1 for o in offsets], out=starts[1:])
+            lengths = np.concatenate([np.diff(o) for o in offsets]) if offsets else np.zeros(0, dtype=np.int64)
+            self._row_table = (starts, offsets, lengths.astype(np.int32))
+        return self._row_table
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return int(self._rows()[0][-1])
 
     def locate(self, keys: np.ndarray) -> np.ndarray:
         """Global row of each 32-byte key (`[n, 32]` uint8), or -1 when the store lacks it."""
@@ -194,19 +322,34 @@ class EmbeddingReader:
 
     def lengths(self, rows: np.ndarray) -> np.ndarray:
         """Token count of each global row."""
-        return self._lengths[np.asarray(rows, dtype=np.int64)]
+        return self._rows()[2][np.asarray(rows, dtype=np.int64)]
+
+    def spans_of_rows(self, rows: np.ndarray) -> Spans:
+        """The span of each global row, its segment a position in `segment_ids`."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"rows out of range for a store of {len(self)} captions")
+        starts, offsets, lengths = self._rows()
+        segs = np.searchsorted(starts, rows, side="right") - 1
+        local = rows - starts[segs]
+        first = np.empty(len(rows), dtype=np.int64)
+        for seg in np.unique(segs).tolist():
+            pick = segs == seg
+            first[pick] = offsets[seg][local[pick]]
+        return Spans(segs.astype(np.int32), first, lengths[rows])
+
+    def _span_raw(self, seg: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        tokens, scales = self._arrays_of(seg)
+        return tokens.rows(start, stop), None if scales is None else scales.rows(start, stop)
 
     def get_raw(self, row: int) -> tuple[np.ndarray, np.ndarray | None]:
         """One caption as stored: tokens `[length, width]` (a read-only view into the mapped shard when possible),
         and its float32 scales `[length]` (int8) or None (float16)."""
         if not 0 <= row < len(self):
             raise IndexError(f"row {row} out of range for a store of {len(self)} captions")
-        seg = int(np.searchsorted(self._starts_arr, row, side="right")) - 1
-        segment = self._segments[seg]
-        local = row - self._starts[seg]
-        start, stop = int(segment.offsets[local]), int(segment.offsets[local + 1])
-        scales = None if segment.scales is None else segment.scales.rows(start, stop)
-        return segment.tokens.rows(start, stop), scales
+        span = self.spans_of_rows(np.array([row]))
+        start = int(span.start[0])
+        return self._span_raw(int(span.segment[0]), start, start + int(span.length[0]))
 
     def get(self, row: int) -> np.ndarray:
         """Token vectors of one caption as float16 (for a float16 store, a view into the mapped shard when
@@ -220,21 +363,57 @@ class EmbeddingReader:
             raise KeyError(key.hex())
         return self.get(row)
 
-    def _resolve(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Segment index and token span (start, stop) of each global row, vectorised."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
-            raise IndexError(f"rows out of range for a store of {len(self)} captions")
-        segs = np.searchsorted(self._starts_arr, rows, side="right") - 1
-        local = rows - self._starts_arr[segs]
-        starts = np.empty(len(rows), dtype=np.int64)
-        stops = np.empty(len(rows), dtype=np.int64)
-        for seg in np.unique(segs).tolist():
-            pick = segs == seg
-            offsets = self._segments[seg].offsets
-            starts[pick] = offsets[local[pick]]
-            stops[pick] = offsets[local[pick] + 1]
-        return segs, starts, stops
+    def gather_spans_raw(
+        self,
+        spans: Spans,
+        max_len: int | None = None,
+        out_tokens: np.ndarray | None = None,
+        out_scales: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Captions as stored, concatenated: tokens `[sum of lengths, width]` (int8 or float16, `token_dtype`),
+        scales float32 `[sum of lengths]` (int8) or None (float16), and CSR offsets int64 `[n + 1]`. Each caption
+        keeps at most its first `max_len` tokens; `spans.segment` are positions in `segment_ids`.
+
+        Nothing is dequantized: vector = tokens * scales[:, None] * channel_scales, which
+        `embedding_cache.codec.dequantize` computes on the device. `out_tokens` / `out_scales` (e.g. the numpy views
+        of pinned or shared torch buffers, at least as many rows as the captions' tokens) are filled in place, and
+        the views of their leading rows returned, so a batch is copied once.
+        """
+        lengths = spans.length.astype(np.int64)
+        if max_len is not None:
+            lengths = np.minimum(lengths, max_len)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        tokens = _buffer(out_tokens, total, (self.width,), self.token_dtype, "out_tokens")
+        scales = None
+        if self.codec == "int8":
+            scales = _buffer(out_scales, total, (), np.dtype(np.float32), "out_scales")
+        arrays, arrays_of = self._arrays, self._arrays_of
+        for seg, start, lo, hi in zip(
+            spans.segment.tolist(), spans.start.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
+        ):
+            seg_tokens, seg_scales = arrays.get(seg) or arrays_of(seg)
+            tokens[lo:hi] = seg_tokens.rows(start, start + hi - lo)
+            if scales is not None and seg_scales is not None:
+                scales[lo:hi] = seg_scales.rows(start, start + hi - lo)
+        return tokens, scales, offsets
+
+    def gather_spans_padded(self, spans: Spans, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Stack captions into `[n, L, d]` float16 zero-padded (L = longest, capped at `max_len`) plus lengths.
+
+        A span whose segment is -1 (no caption) yields length 0.
+        """
+        present = spans.segment >= 0
+        lengths = np.where(present, spans.length, 0).astype(np.int64)
+        if max_len is not None:
+            lengths = np.minimum(lengths, max_len)
+        out = np.zeros((len(lengths), int(lengths.max(initial=1)) or 1, self.width), dtype=np.float16)
+        for i in np.flatnonzero(present).tolist():
+            start = int(spans.start[i])
+            tokens, scales = self._span_raw(int(spans.segment[i]), start, start + int(lengths[i]))
+            out[i, : lengths[i]] = dequantize_numpy(tokens, scales, self.channel_scales)
+        return out, lengths
 
     def gather_packed_raw(
         self,
@@ -243,35 +422,8 @@ class EmbeddingReader:
         out_tokens: np.ndarray | None = None,
         out_scales: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """Captions as stored, concatenated: tokens `[sum of lengths, width]` (int8 or float16, `token_dtype`),
-        scales float32 `[sum of lengths]` (int8) or None (float16), and CSR offsets int64 `[n + 1]`. Each caption
-        keeps at most its first `max_len` tokens.
-
-        Nothing is dequantized: vector = tokens * scales[:, None] * channel_scales, which
-        `embedding_cache.codec.dequantize` computes on the device. `out_tokens` / `out_scales` (e.g. the numpy views
-        of pinned or shared torch buffers, at least `lengths(rows).sum()` rows) are filled in place, and the views of
-        their leading rows returned, so a batch is copied once.
-        """
-        segs, starts, stops = self._resolve(rows)
-        if max_len is not None:
-            stops = np.minimum(stops, starts + max_len)
-        offsets = np.zeros(len(starts) + 1, dtype=np.int64)
-        np.cumsum(stops - starts, out=offsets[1:])
-        total = int(offsets[-1])
-        tokens = _buffer(out_tokens, total, (self.width,), self.token_dtype, "out_tokens")
-        scales = None
-        if self.codec == "int8":
-            scales = _buffer(out_scales, total, (), np.dtype(np.float32), "out_scales")
-        segments = self._segments
-        for seg, start, stop, lo, hi in zip(
-            segs.tolist(), starts.tolist(), stops.tolist(), offsets[:-1].tolist(), offsets[1:].tolist()
-        ):
-            segment = segments[seg]
-            tokens[lo:hi] = segment.tokens.rows(start, stop)
-            if scales is not None:
-                assert segment.scales is not None
-                scales[lo:hi] = segment.scales.rows(start, stop)
-        return tokens, scales, offsets
+        """`gather_spans_raw` of global rows."""
+        return self.gather_spans_raw(self.spans_of_rows(rows), max_len, out_tokens, out_scales)
 
     def gather_packed(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Concatenate captions (each cut to `max_len` tokens) into one `[sum of lengths, d]` float16 array plus CSR
@@ -280,19 +432,18 @@ class EmbeddingReader:
         return dequantize_numpy(tokens, scales, self.channel_scales), offsets
 
     def gather_padded(self, rows: np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Stack captions into `[n, L, d]` float16 zero-padded (L = longest, capped at `max_len`) plus lengths.
-
-        A row of -1 (no caption) yields length 0.
-        """
-        parts = [self.get(int(r)) if r >= 0 else None for r in rows]
-        lengths = np.array([0 if p is None else len(p) for p in parts], dtype=np.int64)
-        if max_len is not None:
-            lengths = np.minimum(lengths, max_len)
-        out = np.zeros((len(rows), int(lengths.max(initial=1)) or 1, self.width), dtype=np.float16)
-        for i, p in enumerate(parts):
-            if p is not None:
-                out[i, : lengths[i]] = p[: lengths[i]]
-        return out, lengths
+        """`gather_spans_padded` of global rows; a row of -1 (no caption) yields length 0."""
+        rows = np.asarray(rows, dtype=np.int64)
+        present = rows >= 0
+        spans = Spans(np.full(len(rows), -1, np.int32), np.zeros(len(rows), np.int64), np.zeros(len(rows), np.int32))
+        found = self.spans_of_rows(rows[present])
+        for column, values in (
+            (spans.segment, found.segment),
+            (spans.start, found.start),
+            (spans.length, found.length),
+        ):
+            column[present] = values
+        return self.gather_spans_padded(spans, max_len)
 
 
 def _buffer(given: np.ndarray | None, rows: int, row_shape: tuple[int, ...], dtype: np.dtype, name: str) -> np.ndarray:

@@ -6,7 +6,7 @@ needs) is fetched once into staging, checked against the sha256 recorded when it
 written, and renamed in whole.
 
 Writing. A writer never downloads tokens: it keeps a local *keys mirror* (the store's root and,
-for each published segment, its attributes and `keys`), which is all it needs to skip
+for each published segment, its attributes, `keys` and `offsets`), which is all it needs to skip
 captions already stored. Segments are built in the keys mirror's staging area as for a
 local store, uploaded under their unique ids, and published by creating the next entry
 of the remote log (``pipeline.core.remote``); a writer that loses the race for an entry fetches
@@ -55,6 +55,9 @@ from pipeline.core.remote import (
 )
 
 FETCHING = ".fetching"
+# What a keys mirror keeps of each segment: enough to skip stored captions and to resolve a run's captions to token
+# spans (`StoreKeys.spans`) without a token.
+KEYS_MIRROR_ARRAYS = ("zarr.json", "keys", "offsets")
 
 
 def remote_store_segments(url: str, fs: Any, root: str, local: Path) -> tuple[bytes, list[str]]:
@@ -274,18 +277,19 @@ def _set_local_segments(local: Path, segments: list[str]) -> None:
 
 
 def _keep_keys(local: Path, segment: str, source: Path) -> None:
-    """Move a segment's attributes and keys from `source` into the keys mirror and list it there."""
+    """Move a segment's attributes, keys and offsets from `source` into the keys mirror and list it there."""
     final = local / "segments" / segment
     shutil.rmtree(final, ignore_errors=True)  # not listed yet: left by a process killed here
     final.mkdir(parents=True)
-    for name in ("zarr.json", "keys"):
+    for name in KEYS_MIRROR_ARRAYS:
         os.rename(source / name, final / name)
     listed = EmbeddingStore(local).segment_ids()
     _set_local_segments(local, [*listed, segment])
 
 
 def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
-    """Fetch the attributes and keys of every remote segment the keys mirror lacks (call under `mirror_lock`)."""
+    """Fetch the attributes, keys and offsets of every remote segment the keys mirror lacks (call under
+    `mirror_lock`); a segment that a mirror made before offsets were kept lacks only those, and gets them."""
     root_raw, segments = remote_store_segments(url, fs, root, local)
     remote_meta = json.loads(root_raw)["attributes"]["tcjepa"]
     if not (local / "zarr.json").exists():  # new, or emptied because the remote was made anew
@@ -297,12 +301,18 @@ def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
     listed = EmbeddingStore(local).segment_ids()
     shutil.rmtree(local / FETCHING, ignore_errors=True)
     for segment in segments:
-        if segment in listed:
-            continue
         into = local / FETCHING / segment
         prefix = f"{root}/segments/{segment}"
+        if segment in listed:
+            final = local / "segments" / segment
+            if not (final / "offsets").exists():
+                fetch_tree(url, fs, f"{prefix}/offsets", into / "offsets")
+                _check_array(url, segment, into, json.loads((final / "zarr.json").read_bytes()), "offsets")
+                os.rename(into / "offsets", final / "offsets")
+            continue
         fetch(fs, f"{prefix}/zarr.json", into / "zarr.json")
-        fetch_tree(url, fs, f"{prefix}/keys", into / "keys")
+        for name in KEYS_MIRROR_ARRAYS[1:]:
+            fetch_tree(url, fs, f"{prefix}/{name}", into / name)
         _check_keys(url, segment, into, remote_meta["encoder_hash"])
         _keep_keys(local, segment, into)
         listed.append(segment)
@@ -325,7 +335,8 @@ def _keys_mirror(url: str, fs: Any, root: str, mirror: Path | None) -> Path:
 
 def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
     """The keys mirror of the store at `url` (any fsspec URL), brought up to date: the root and each segment's
-    attributes and keys, never its tokens. Enough to find which segments hold given captions before fetching any."""
+    attributes, keys and offsets, never its tokens. Enough to find which segments hold given captions, and where,
+    before fetching any."""
     fs, root = remote_root(url, "zarr.json", "an embedding store")
     local = _keys_mirror(url, fs, root, mirror)
     print(f"mirror: {url} -> {local}: keys of {len(EmbeddingStore(local).segment_ids())} segments", file=sys.stderr)
@@ -333,17 +344,22 @@ def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
 
 
 def _check_keys(url: str, segment: str, into: Path, encoder_hash: str) -> None:
+    meta = json.loads((into / "zarr.json").read_bytes())
+    encoder = meta.get("attributes", {}).get("encoder_hash")
+    if encoder != encoder_hash:
+        raise DataProblem(f"{url}/segments/{segment}: written for encoder {str(encoder)[:12]}, not the store's")
+    for name in KEYS_MIRROR_ARRAYS[1:]:
+        _check_array(url, segment, into, meta, name)
+
+
+def _check_array(url: str, segment: str, into: Path, meta: dict[str, Any], name: str) -> None:
+    """Refuse a fetched array of a segment whose sha256 is not the one recorded when it was written."""
     import zarr
 
-    attrs = json.loads((into / "zarr.json").read_bytes()).get("attributes", {})
-    if attrs.get("encoder_hash") != encoder_hash:
+    values = zarr.open_array(str(into / name), mode="r")[:]
+    if array_sha256(np.asarray(values)) != meta.get("attributes", {}).get("sha256", {}).get(name):
         raise DataProblem(
-            f"{url}/segments/{segment}: written for encoder {str(attrs.get('encoder_hash'))[:12]}, not the store's"
-        )
-    keys = zarr.open_array(str(into / "keys"), mode="r")[:]
-    if array_sha256(np.asarray(keys)) != attrs.get("sha256", {}).get("keys"):
-        raise DataProblem(
-            f"{url}/segments/{segment}: keys do not match the sha256 recorded when they were written; not used"
+            f"{url}/segments/{segment}: {name} do not match the sha256 recorded when they were written; not used"
         )
 
 

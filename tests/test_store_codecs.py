@@ -185,14 +185,15 @@ def test_versions_newer_refused_older_read_and_int8_never_read_as_float16(tmp_pa
     with pytest.raises(UserError, match="version 1 store must hold float16"):
         EmbeddingReader(as_v1)
 
-    # a root that claims float16 over int8 segments (hand-edited, hash made to match): refused, not misread
+    # a root that claims float16 over int8 segments (hand-edited, hash made to match): refused at the first read
+    # (segments are opened lazily), not misread
     lying = tmp_path / "lying"
     shutil.copytree(tmp_path / "i8", lying)
     encoder = {k: v for k, v in EmbeddingStore(lying).encoder.items() if k != "int8"}
     encoder["storage_dtype"] = "float16"
     _set_root(lying, encoder=encoder, encoder_hash=recipe_hash(encoder))
     with pytest.raises(UserError, match="holds int8, but the store's codec stores float16"):
-        EmbeddingReader(lying)
+        EmbeddingReader(lying).get(0)
     with pytest.raises(DataProblem, match="written for encoder"):
         verify_store(lying, progress=False)
 

@@ -108,3 +108,52 @@ def test_layout_for_bytes():
     layout = TokenLayout.for_bytes(768)
     assert layout.chunk_tokens * 768 * 2 <= 16 << 20 and layout.shard_tokens * 768 * 2 <= 1 << 30
     assert layout.shard_tokens * 768 * 2 > 1 << 29
+
+
+def _open_files_under(root) -> int:
+    """File descriptors of this process open on files under `root`."""
+    import os
+
+    fds = os.listdir("/proc/self/fd")
+    return sum(os.path.realpath(f"/proc/self/fd/{fd}").startswith(os.path.realpath(root)) for fd in fds)
+
+
+def test_shard_files_are_mapped_lazily_and_never_more_than_the_bound(tmp_path):
+    """More segments than the bound: every caption still reads right, and no more than `max_open_files` shard files
+    are open at any time (counted in /proc, not asked of the reader)."""
+    import gc
+
+    store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
+    for first in range(0, 60, 10):
+        _write(store, range(first, first + 10))
+    reader = EmbeddingReader(tmp_path / "s", max_open_files=2)
+    assert len(reader.files) == 0 and _open_files_under(tmp_path / "s") == 0, "opening maps nothing"
+    keys = np.stack([np.frombuffer(_caption(i)[0], dtype=np.uint8) for i in range(60)])
+    rows = reader.locate(keys)
+    most = 0
+    for order in (np.arange(60), np.random.default_rng(0).permutation(60)):
+        for start in range(0, 60, 7):
+            tokens, offsets = reader.gather_packed(rows[order[start : start + 7]])
+            for j, i in enumerate(order[start : start + 7].tolist()):
+                assert np.array_equal(tokens[offsets[j] : offsets[j + 1]], _caption(i)[1])
+            del tokens
+            gc.collect()
+            most = max(most, _open_files_under(tmp_path / "s"))
+    assert 0 < most <= 2 and len(reader.files) <= 2
+    assert reader.files.opened > 6, "files dropped by the bound were mapped again when needed"
+
+
+def test_spans_of_keys_are_where_the_key_lookup_points(tmp_path):
+    store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
+    for first in range(0, 30, 10):
+        _write(store, range(first, first + 10))
+    keys = np.stack([np.frombuffer(_caption(i)[0], dtype=np.uint8) for i in (25, 3, 14, 3)])
+    segments, spans = StoreKeys(store).spans(keys)
+    reader = EmbeddingReader(tmp_path / "s")
+    by_rows = reader.spans_of_rows(reader.locate(keys))
+    assert segments == reader.segment_ids, "every segment holds one of these keys"
+    assert np.array_equal(spans.segment, by_rows.segment) and np.array_equal(spans.start, by_rows.start)
+    assert spans.length.tolist() == [len(_caption(i)[1]) for i in (25, 3, 14, 3)]
+    tokens, _, offsets = reader.gather_spans_raw(spans)
+    for j, i in enumerate((25, 3, 14, 3)):
+        assert np.array_equal(tokens[offsets[j] : offsets[j + 1]], _caption(i)[1])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from embedding_cache.reader import EmbeddingReader
-from pipeline.core.errors import DataProblem
+from embedding_cache.reader import EmbeddingReader, StoreKeys
+from embedding_cache.store import EmbeddingStore, TokenLayout
+from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.sources import ImageRef
 from train.config import TrainConfig
 from train.data import Batch, StepBatches, crop_box, split_images
@@ -88,6 +90,81 @@ def _picked(batch, k, reader, own_keys):
         picked.append(hits[0])
     assert len(set(picked)) == len(picked), "a caption was picked twice"
     return picked
+
+
+def test_the_index_resolves_each_caption_where_a_key_lookup_finds_it(setup):
+    index, cfg = setup
+    reader = EmbeddingReader(cfg.store)
+    want = reader.spans_of_rows(reader.locate(index.caption_keys))
+    got = index.caption_spans
+    assert [index.segments[s] for s in got.segment.tolist()] == [reader.segment_ids[s] for s in want.segment.tolist()]
+    assert np.array_equal(got.start, want.start) and np.array_equal(got.length, want.length)
+    assert (got.segment.dtype, got.start.dtype, got.length.dtype) == (np.int32, np.int64, np.int32)
+
+
+class _KeyIndexBuilds(torch.utils.data.Dataset):
+    """Runs a step of `data` and answers how many key indexes this process has built by then."""
+
+    def __init__(self, data: StepBatches) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, step: int) -> int:
+        self.data[step]
+        return StoreKeys.builds
+
+
+def test_neither_the_dataset_nor_its_workers_build_a_key_index(setup):
+    index, cfg = setup
+    before = StoreKeys.builds
+    data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
+    data.validation_batch(np.arange(3))
+    assert data[2].lengths.gt(0).any() and StoreKeys.builds == before, "in this process"
+    loader = torch.utils.data.DataLoader(_KeyIndexBuilds(data), batch_size=None, num_workers=1)
+    assert list(loader) == [before] * 4, "in a DataLoader worker"
+
+
+def _republished(path, into):
+    """The store at `path` written anew into `into`: the same captions and vectors in new segments."""
+    old, reader = EmbeddingStore(path), EmbeddingReader(path)
+    new = EmbeddingStore.open_or_create(into, old.encoder, old.width)
+    writer = new.new_segment(TokenLayout(chunk_tokens=64, shard_chunks=4))
+    for segment in old.segment_ids():
+        for key in old.read_keys(segment):
+            writer.append(key.tobytes(), reader.get_key(key.tobytes()))
+    writer.finish()
+    new.publish(writer)
+
+
+def test_an_index_whose_store_changed_is_refused(setup, tmp_path, synth_dir, annotated_cache):
+    from train.loop import INDEX, Runtime, load_or_build_index
+
+    _, cfg = setup
+    store = tmp_path / "store"
+    shutil.copytree(cfg.store, store)
+    cfg = dataclasses.replace(cfg, store=str(store))
+    run = tmp_path / "run"
+    run.mkdir()
+    rt = Runtime(0, 1, torch.device("cpu"))
+    index = load_or_build_index(cfg, run, rt)
+    writer = EmbeddingStore(store).new_segment(TokenLayout(chunk_tokens=64, shard_chunks=4))
+    writer.append(b"\x01" * 32, np.ones((3, EmbeddingStore(store).width), np.float16))
+    writer.finish()
+    EmbeddingStore(store).publish(writer)
+    assert load_or_build_index(cfg, run, rt).segments == index.segments, "a store that only grew still serves it"
+
+    _republished(cfg.store, tmp_path / "anew")
+    shutil.rmtree(store)
+    shutil.copytree(tmp_path / "anew", store)
+    with pytest.raises(UserError, match=f"no longer holds 2 of the segments .*delete {run / INDEX} to rebuild"):
+        load_or_build_index(cfg, run, rt)
+    with pytest.raises(UserError, match="no longer holds 2 segment"):
+        StepBatches(index, np.arange(len(index)), cfg, (8, 8))[0]
+    (run / INDEX).unlink()
+    rebuilt = load_or_build_index(cfg, run, rt)
+    assert rebuilt.segments == EmbeddingStore(store).segment_ids() and len(rebuilt.segments) == 1
 
 
 def test_every_image_is_seen_once_per_epoch(setup):

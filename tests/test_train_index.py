@@ -13,7 +13,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
 from pipeline.core.sources import ImageReader
 from tests.conftest import REPO, png
-from train.data_index import TrainIndex, build_index
+from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index
 
 N = 40  # images in the session's synth_dir, 8 captions each
 EXTRA = 10  # images that get one extra caption (and one repeated text) in a second recipe
@@ -70,6 +70,13 @@ def _same(a: TrainIndex, b: TrainIndex) -> None:
     )
     np.testing.assert_array_equal(a.caption_offsets, b.caption_offsets)
     np.testing.assert_array_equal(a.caption_keys, b.caption_keys)
+    assert a.segments == b.segments
+    for index in (a, b):  # columns, not a Python object per image
+        assert isinstance(index.refs, ImageRefs) and isinstance(index.sha256, HexDigests)
+        assert index.sha256.values.dtype == np.uint8 and index.sha256.values.shape == (len(index), 32)
+    for name in ("segment", "start", "length"):
+        got, want = getattr(a.caption_spans, name), getattr(b.caption_spans, name)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
 def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, annotated_cache, store, monkeypatch):
@@ -176,7 +183,7 @@ def test_a_file_that_is_not_an_index_is_refused(tmp_path, synth_dir):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"source_id": ["a"]}), tmp_path / "index.parquet")
-    with pytest.raises(UserError, match="is not a tcjepa train index v1; delete it to rebuild the index"):
+    with pytest.raises(UserError, match="is not a tcjepa train index v2; delete it to rebuild the index"):
         TrainIndex.load(tmp_path / "index.parquet")
 
 

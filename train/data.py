@@ -9,7 +9,8 @@ sample the same crop, captions and masks whatever the number of processes.
 Images are read through `pipeline.core.sources.ImageReader`; their sha256 is checked
 when the index is built (and, with `verify_images`, once more before training), not on
 every read. Caption token embeddings come from the memory-mapped `EmbeddingReader`; the
-store is opened lazily in each worker (a memory map must not be pickled). A batch's
+store is opened lazily in each worker (a memory map must not be pickled), its shard files mapped as they are read,
+and read by the spans the index resolved once (no process here builds a key index). A batch's
 captions are packed (tokens back to back, as stored: float16, or int8 with scales) into
 tensors made in shared memory, so handing them to the main process copies nothing;
 `train.step.to_device` moves them packed and pads them on the device.
@@ -26,7 +27,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from embedding_cache.reader import EmbeddingReader
+from embedding_cache.reader import EmbeddingReader, Spans
 from pipeline.core.images import MIN_SIDE, ImagePolicy, open_image, oriented_size
 from pipeline.core.sources import ImageReader
 from train.config import TrainConfig
@@ -309,20 +310,22 @@ class StepBatches(torch.utils.data.Dataset):
         self.masks = mask_config(cfg)
         self.text = cfg.conditioning != "none" and cfg.store is not None
         self.device_decode = device_decode
-        self.caption_rows = self._locate_captions() if self.text else None
+        self.caption_spans = self._locate_captions() if self.text else None
+        self._segment_positions: np.ndarray | None = None  # index segment -> position in the opened store
         self._train_pool = np.unique(self.image_ids)
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None
         self._buffers: BatchBuffers | None = None
 
-    def _locate_captions(self) -> np.ndarray:
-        """Store row of every caption key in the index (resolved once; keys, not rows, are what the index keeps)."""
-        rows = EmbeddingReader(self.cfg.text_store).locate(self.index.caption_keys)
-        if (rows < 0).any():
+    def _locate_captions(self) -> Spans:
+        """Where every caption of the index lies in the store: the index's spans, resolved once when it was built."""
+        spans = self.index.caption_spans
+        if (spans.segment < 0).any():
             raise ValueError(
-                f"{int((rows < 0).sum())} captions of the index are missing from {self.cfg.store}; rebuild the index"
+                f"{int((spans.segment < 0).sum())} captions of the index were not resolved in a store (built without "
+                f"--store); delete the run's index.parquet to rebuild it with {self.cfg.store}"
             )
-        return rows
+        return spans
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -353,11 +356,14 @@ class StepBatches(torch.utils.data.Dataset):
         masks = sample_masks(self.masks, self.grid, self.cfg.seed, step, self.cfg.batch_size, self.rows)
         return self.make_batch(ids, rngs, masks, self._train_pool)
 
-    def validation_batch(self, image_ids: np.ndarray) -> Batch:
-        """A fixed batch: whole images resized (no crop), masks from a step no run reaches, the first N captions."""
+    def validation_batch(self, image_ids: np.ndarray, rows: slice | None = None) -> Batch:
+        """Rows `rows` (default all) of the fixed validation batch of `image_ids`: whole images resized (no crop),
+        masks from a step no run reaches (each row's those of the whole batch), the first N captions."""
         ids = np.asarray(image_ids, dtype=np.int64)
-        masks = sample_masks(self.masks, self.grid, self.cfg.seed, VALIDATION_STEP, len(ids))
-        return self.make_batch(ids, [None] * len(ids), masks, np.unique(ids))
+        rows = rows if rows is not None else slice(0, len(ids))
+        masks = sample_masks(self.masks, self.grid, self.cfg.seed, VALIDATION_STEP, len(ids), rows)
+        picked = ids[rows]
+        return self.make_batch(picked, [None] * len(picked), masks, np.unique(ids))
 
     def make_batch(
         self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None], masks: Masks, pool: np.ndarray
@@ -369,6 +375,7 @@ class StepBatches(torch.utils.data.Dataset):
         size = self.cfg.image_size
         if self.text and self._store is None:
             self._store = EmbeddingReader(self.cfg.text_store)
+            self._segment_positions = self._store.positions(self.index.segments)
         space = lease = None
         if torch.utils.data.get_worker_info() is not None:  # in a DataLoader worker: one reused shared buffer
             if self._buffers is None:
@@ -465,31 +472,41 @@ class StepBatches(torch.utils.data.Dataset):
         caption cut to `max_words`. The tokens are gathered once, straight into the batch's `arena` (in a DataLoader
         worker, a reused shared-memory buffer)."""
         store = self._store
-        assert store is not None
-        assert self.caption_rows is not None, "captions are read only by a run that reads text"
+        assert store is not None and self.caption_spans is not None, "captions are read only by a run that reads text"
         n = self.cfg.captions_per_image
         offsets = self.index.caption_offsets
-        chosen = np.full((len(ids), n), -1, dtype=np.int64)
+        chosen = np.full((len(ids), n), -1, dtype=np.int64)  # caption numbers in the index; -1: none
         for k, (i, rng) in enumerate(zip(ids.tolist(), rngs)):
-            rows = self.caption_rows[offsets[i] : offsets[i + 1]]
-            if len(rows) > n:
-                rows = rows[np.sort(rng.choice(len(rows), n, replace=False))] if rng is not None else rows[:n]
-            chosen[k, : len(rows)] = rows
-        flat = chosen.reshape(-1)
-        present = flat[flat >= 0]
-        lengths = np.zeros(len(flat), dtype=np.int64)
-        lengths[flat >= 0] = np.minimum(store.lengths(present), self.cfg.max_words)
-        total = int(lengths.sum())
+            numbers = np.arange(offsets[i], offsets[i + 1])
+            if len(numbers) > n:
+                picked = np.sort(rng.choice(len(numbers), n, replace=False)) if rng is not None else np.arange(n)
+                numbers = numbers[picked]
+            chosen[k, : len(numbers)] = numbers
+        spans = self._spans_of(chosen.reshape(-1))
+        lengths = np.minimum(spans.length, self.cfg.max_words).astype(np.int64)
+        present = spans.segment >= 0
         dtype = torch.from_numpy(np.empty(0, dtype=store.token_dtype)).dtype
-        tokens = arena.empty((total, store.width), dtype)
-        scales = arena.empty((total,), torch.float32) if store.codec == "int8" else None
-        store.gather_packed_raw(
-            present,
+        tokens = arena.empty((int(lengths.sum()), store.width), dtype)
+        scales = arena.empty((int(lengths.sum()),), torch.float32) if store.codec == "int8" else None
+        store.gather_spans_raw(
+            Spans(spans.segment[present], spans.start[present], spans.length[present]),
             max_len=self.cfg.max_words,
             out_tokens=tokens.numpy(),
             out_scales=None if scales is None else scales.numpy(),
         )
         return tokens, scales, arena.copy(lengths.reshape(len(ids), n))
+
+    def _spans_of(self, numbers: np.ndarray) -> Spans:
+        """The spans of caption `numbers` of the index (-1: no caption, segment -1 and length 0), their segments as
+        positions in the opened store."""
+        assert self.caption_spans is not None and self._segment_positions is not None
+        spans, present = self.caption_spans, numbers >= 0
+        if not present.any():
+            none = np.full(len(numbers), -1, np.int32)
+            return Spans(none, np.zeros(len(numbers), np.int64), np.zeros(len(numbers), np.int32))
+        picked = np.where(present, numbers, 0)
+        segment = np.where(present, self._segment_positions[spans.segment[picked]], -1).astype(np.int32)
+        return Spans(segment, spans.start[picked], np.where(present, spans.length[picked], 0).astype(np.int32))
 
 
 _told_not_jpeg = False

@@ -5,11 +5,15 @@ sha256 comes from the caption cache's source id → image_sha256 record when the
 cache has one, because hashing millions of images costs a full pass over the
 data; a random sample of those records is checked against the bytes, since
 another folder may reuse the same relative names. Captions are joined by
-sha256 and kept as embedding-store *keys* (text_sha256), not store rows: rows
-shift when segments are added, keys do not.
+sha256 and kept as embedding-store *keys* (text_sha256), and resolved once, here, to
+where their tokens lie: (segment, first token row, length) columns (`Spans`), so no
+rank or DataLoader worker ever builds a key index. Published segments never change, so
+the spans stay true while the store keeps the segments the index names; a store that
+dropped one (rebuilt, compacted) is refused in one line, and the index is rebuilt.
 
 The index is saved beside the run as one Parquet file (one row per image, the
-scalars in the schema metadata), so a resumed run trains on the same join.
+captions' columns as lists, the scalars in the schema metadata), so a resumed run
+trains on the same join.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import json
 import random
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar, overload
 
 import numpy as np
 import pyarrow as pa
@@ -29,15 +35,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from captioning.cache import CaptionCache
-from embedding_cache.reader import StoreKeys
+from embedding_cache.reader import Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.sources import ImageReader, ImageRef, list_images
 
 FORMAT = "tcjepa-train-index"
-VERSION = 1
+VERSION = 2
 KEY_BYTES = 32
+DIGEST_BYTES = 32
 UNREADABLE = "unreadable"
 
 _SCHEMA = pa.schema(
@@ -48,16 +55,114 @@ _SCHEMA = pa.schema(
         pa.field("offset", pa.int64(), nullable=False),
         pa.field("size", pa.int64(), nullable=False),
         pa.field("column", pa.dictionary(pa.int32(), pa.string()), nullable=False),
-        pa.field("sha256", pa.string(), nullable=False),
+        pa.field("sha256", pa.binary(DIGEST_BYTES), nullable=False),
         pa.field("captions", pa.large_list(pa.binary(KEY_BYTES)), nullable=False),
+        pa.field("caption_segment", pa.large_list(pa.int32()), nullable=False),
+        pa.field("caption_start", pa.large_list(pa.int64()), nullable=False),
+        pa.field("caption_length", pa.large_list(pa.int32()), nullable=False),
     ]
 )
 
 
+def _fixed_width_numpy(array: pa.FixedSizeBinaryArray, width: int) -> np.ndarray:
+    """uint8 `[len, width]` over an Arrow fixed-width binary array's buffer (no per-value object)."""
+    return np.frombuffer(
+        array.buffers()[1] or b"", dtype=np.uint8, count=len(array) * width, offset=array.offset * width
+    ).reshape(-1, width)
+
+
+def _fixed_width_arrow(values: np.ndarray, width: int) -> pa.FixedSizeBinaryArray:
+    data = pa.py_buffer(np.ascontiguousarray(values, dtype=np.uint8))
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, data])
+
+
+T = TypeVar("T")
+
+
+class _Columnar(Sequence[T]):
+    """A sequence whose items are made from columns when asked for; none is kept."""
+
+    def _item(self, row: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(len(self)))]
+        return self._item(range(len(self))[i])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class ImageRefs(_Columnar[ImageRef]):
+    """The index's images as Arrow columns: an `ImageRef` is made when one is asked for.
+
+    A list of ImageRef objects costs ~440 B per image (6 GB for ImageNet-21k) in every process, and the pages of a
+    forked DataLoader worker's copy are duplicated as reference counts touch them; Arrow buffers are not.
+    """
+
+    NAMES = ("source_id", "kind", "path", "offset", "size", "column")
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table.select(list(self.NAMES))
+        self._columns = [column.combine_chunks() for column in self.table.columns]
+
+    @classmethod
+    def of(cls, refs: Sequence[ImageRef]) -> ImageRefs:
+        if isinstance(refs, ImageRefs):
+            return refs
+        return cls(
+            pa.table(
+                {
+                    "source_id": pa.array([r.source_id for r in refs], pa.string()),
+                    "kind": pa.array([r.kind for r in refs], pa.string()).dictionary_encode(),
+                    "path": pa.array([r.path for r in refs], pa.string()).dictionary_encode(),
+                    "offset": pa.array([r.offset for r in refs], pa.int64()),
+                    "size": pa.array([r.size for r in refs], pa.int64()),
+                    "column": pa.array([r.column for r in refs], pa.string()).dictionary_encode(),
+                }
+            )
+        )
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def _item(self, row: int) -> ImageRef:
+        return ImageRef(*(column[row].as_py() for column in self._columns))
+
+
+class HexDigests(_Columnar[str]):
+    """sha256 digests as one uint8 `[n, 32]` array, each given as hex when asked for."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    @classmethod
+    def of(cls, digests: Sequence[str]) -> HexDigests:
+        if isinstance(digests, HexDigests):
+            return digests
+        flat = np.frombuffer(bytes.fromhex("".join(digests)), dtype=np.uint8)
+        return cls(flat.reshape(-1, DIGEST_BYTES).copy())
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def _item(self, row: int) -> str:
+        return self.values[row].tobytes().hex()
+
+
 @dataclass
 class TrainIndex:
-    refs: list[ImageRef]  # usable images, in source order
-    sha256: list[str]  # hex sha256 of each image's bytes
+    # usable images, in source order, and the hex sha256 of each one's bytes: given as lists or columns, kept as
+    # columns (`ImageRefs`, `HexDigests`)
+    refs: Sequence[ImageRef]
+    sha256: Sequence[str]
     caption_offsets: np.ndarray  # int64 [n+1], CSR into caption_keys
     # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
     caption_keys: np.ndarray
@@ -65,6 +170,17 @@ class TrainIndex:
     coverage: dict[int, int]  # number of captions -> number of images
     left_out: dict[str, int] = field(default_factory=dict)  # reason -> listed images not in `refs`
     missing_embeddings: int = 0  # distinct captions of these images that the store lacks (dropped)
+    # The store segments the captions lie in (store order), and each caption's span there, its segment a position in
+    # `segments` (-1 for every caption of an index built without a store).
+    segments: list[str] = field(default_factory=list)
+    spans: Spans | None = None
+
+    def __post_init__(self) -> None:
+        self.refs = ImageRefs.of(self.refs)
+        self.sha256 = HexDigests.of(self.sha256)
+        if self.spans is None:
+            m = len(self.caption_keys)
+            self.spans = Spans(np.full(m, -1, np.int32), np.zeros(m, np.int64), np.zeros(m, np.int32))
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -97,21 +213,29 @@ class TrainIndex:
             )
         return line
 
+    @property
+    def caption_spans(self) -> Spans:
+        assert self.spans is not None  # set by __post_init__
+        return self.spans
+
+    def stale_for(self, segment_ids: list[str]) -> list[str]:
+        """The segments this index reads that a store listing `segment_ids` no longer holds (empty: still valid)."""
+        held = set(segment_ids)
+        return [s for s in self.segments if s not in held]
+
     def save(self, path: Path) -> None:
         """Write the index as one Parquet file, atomically."""
         offsets = pa.array(self.caption_offsets, pa.int64())
-        keys = pa.FixedSizeBinaryArray.from_buffers(
-            pa.binary(KEY_BYTES), len(self.caption_keys), [None, pa.py_buffer(np.ascontiguousarray(self.caption_keys))]
-        )
+        spans = self.caption_spans
+        keys = _fixed_width_arrow(self.caption_keys, KEY_BYTES)
+        refs = ImageRefs.of(self.refs).table
         columns = {
-            "source_id": pa.array([r.source_id for r in self.refs], pa.string()),
-            "kind": pa.array([r.kind for r in self.refs], pa.string()).dictionary_encode(),
-            "path": pa.array([r.path for r in self.refs], pa.string()).dictionary_encode(),
-            "offset": pa.array([r.offset for r in self.refs], pa.int64()),
-            "size": pa.array([r.size for r in self.refs], pa.int64()),
-            "column": pa.array([r.column for r in self.refs], pa.string()).dictionary_encode(),
-            "sha256": pa.array(self.sha256, pa.string()),
+            **{name: refs.column(name) for name in ImageRefs.NAMES},
+            "sha256": _fixed_width_arrow(HexDigests.of(self.sha256).values, DIGEST_BYTES),
             "captions": pa.LargeListArray.from_arrays(offsets, keys),
+            "caption_segment": pa.LargeListArray.from_arrays(offsets, pa.array(spans.segment, pa.int32())),
+            "caption_start": pa.LargeListArray.from_arrays(offsets, pa.array(spans.start, pa.int64())),
+            "caption_length": pa.LargeListArray.from_arrays(offsets, pa.array(spans.length, pa.int32())),
         }
         meta = {
             "format": FORMAT,
@@ -120,6 +244,7 @@ class TrainIndex:
             "coverage": {str(k): v for k, v in self.coverage.items()},
             "left_out": self.left_out,
             "missing_embeddings": self.missing_embeddings,
+            "segments": self.segments,
         }
         table = pa.Table.from_pydict(columns, schema=_SCHEMA).replace_schema_metadata({"tcjepa": json.dumps(meta)})
         buf = io.BytesIO()
@@ -132,23 +257,29 @@ class TrainIndex:
         meta = json.loads((table.schema.metadata or {}).get(b"tcjepa", b"{}"))
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise UserError(f"{path} is not a tcjepa train index v{VERSION}; delete it to rebuild the index")
-        names = ("source_id", "kind", "path", "offset", "size", "column")
-        refs = [ImageRef(**dict(zip(names, row))) for row in zip(*(table.column(name).to_pylist() for name in names))]
         captions = table.column("captions").combine_chunks()
         offsets = captions.offsets.to_numpy().astype(np.int64)
-        flat = captions.flatten()
-        keys = np.frombuffer(
-            flat.buffers()[1] or b"", dtype=np.uint8, count=len(flat) * KEY_BYTES, offset=flat.offset * KEY_BYTES
-        )
+        keys = _fixed_width_numpy(captions.flatten(), KEY_BYTES)
+
+        def column(name: str, dtype: type) -> np.ndarray:
+            values = table.column(name).combine_chunks().flatten()
+            return np.asarray(values.to_numpy(zero_copy_only=False), dtype=dtype)
+
         return cls(
-            refs,
-            table.column("sha256").to_pylist(),
+            ImageRefs(table),
+            HexDigests(_fixed_width_numpy(table.column("sha256").combine_chunks(), DIGEST_BYTES).copy()),
             offsets - offsets[0],
-            keys.reshape(-1, KEY_BYTES).copy(),
+            keys.copy(),
             meta["recipes"],
             {int(k): v for k, v in meta["coverage"].items()},
             meta["left_out"],
             meta["missing_embeddings"],
+            meta["segments"],
+            Spans(
+                column("caption_segment", np.int32),
+                column("caption_start", np.int64),
+                column("caption_length", np.int32),
+            ),
         )
 
 
@@ -324,16 +455,23 @@ def build_index(
 
     offsets = np.zeros(len(per_image) + 1, dtype=np.int64)
     np.cumsum(np.fromiter((len(keys) for keys in per_image), dtype=np.int64, count=len(per_image)), out=offsets[1:])
-    flat = bytes.fromhex("".join(k for keys in per_image for k in keys))
+    flat = np.frombuffer(bytes.fromhex("".join(k for keys in per_image for k in keys)), dtype=np.uint8)
+    caption_keys = flat.reshape(-1, KEY_BYTES).copy()
+    segments: list[str] = []
+    spans = None
+    if embeddings is not None:
+        segments, spans = embeddings.spans(caption_keys)
     index = TrainIndex(
         [refs[i] for i in kept],
         kept_sha,
         offsets,
-        np.frombuffer(flat, dtype=np.uint8).reshape(-1, KEY_BYTES).copy(),
+        caption_keys,
         chosen,
         dict(sorted(Counter(len(keys) for keys in per_image).items())),
         dict(sorted(left_out.items())),
         len(missing),
+        segments,
+        spans,
     )
     if not index.refs:
         raise UserError(f"no usable images: {index.coverage_line()}")

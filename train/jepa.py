@@ -152,6 +152,7 @@ class StepLosses:
     sparse: torch.Tensor
     consistency: torch.Tensor
     positive_fraction: torch.Tensor | None  # [L] in cross mode
+    cosine_pairs: torch.Tensor | None = None  # the valid patch–word pairs `positive_fraction` is a share of
 
     def weighted(self, predict: float, text: float | torch.Tensor, cfg: TrainConfig) -> StepLosses:
         """A micro-batch's share of its step's losses: the prediction loss (a mean over target patches, the same
@@ -187,4 +188,4 @@ def compute_losses(
         return StepLosses(predict, predict, zero, zero, None)
     regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid, out.token_valid)
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency
-    return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction)
+    return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction, regs.pairs)

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
@@ -47,12 +46,13 @@ from train.checkpoint import (
     sharded_checkpoint,
 )
 from train.config import TrainConfig, differences, to_dict, validate
-from train.data import Batch, StepBatches, device_decoding, split_images
+from train.data import StepBatches, device_decoding, split_images
 from train.data_index import TrainIndex, build_index, verify_images
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
-from train.metrics import MetricsLog, effective_rank, plot_curves
+from train.metrics import MetricsLog, plot_curves
 from train.schedules import Cosine, Linear, WarmupCosine
-from train.step import TrainStep, make_optimizer, on_device, shuffled, to_device, use_tensor_cores, without_captions
+from train.step import TrainStep, make_optimizer, on_device, use_tensor_cores
+from train.validation import validate_in_chunks
 from train.vit import VisionTransformer
 
 CONFIG = "config.yaml"
@@ -199,46 +199,51 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     """The store to train from: a remote one's segments that hold the index's captions, fetched once per node
     (local rank 0) before any reading, and nothing else of it. (The cache is read only to build the index.)
 
-    Rank 0 finds those segments in the keys mirror it built the index from and tells the others, so no other
-    node reads even the store's keys. Every node needs the same segments: rows are drawn by global sample
-    index, so over an epoch every rank touches every indexed image.
+    Those segments are named in the index, which rank 0 resolved from the keys mirror, so no process reads
+    even the store's keys here. Every node needs the same segments: rows are drawn by global sample index, so over
+    an epoch every rank touches every indexed image.
     """
-    from embedding_cache.reader import StoreKeys
     from embedding_cache.remote_store import local_store
-    from embedding_cache.store import EmbeddingStore
     from pipeline.core.remote import is_remote, mirror_path
 
     if not is_remote(cfg.store):
         return for_index
     mirror = Path(cfg.mirror) if cfg.mirror else None
-    segments = [
-        agreed(
-            rt, lambda: StoreKeys(EmbeddingStore(for_index.text_store)).segments_holding(index.caption_keys), on=rt.main
-        )
-    ]
-    if rt.world > 1:
-        dist.broadcast_object_list(segments, src=0)
     agreed(
         rt,
-        lambda: local_store(cfg.text_store, mirror, only=segments[0]),
+        lambda: local_store(cfg.text_store, mirror, only=index.segments),
         on=int(os.environ.get("LOCAL_RANK", "0")) == 0,
     )
     return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool = True) -> TrainIndex:
-    """The image ↔ caption ↔ store join, built once by rank 0 and saved beside the run."""
+    """The image ↔ caption ↔ store join, with every caption's span in the store, built once by rank 0 and saved
+    beside the run; a saved one whose store no longer holds its segments is refused (rank 0 checks). With
+    `verify_images`, rank 0 then hashes every image against the index once."""
     path = run / INDEX
+    store = Path(cfg.text_store) if cfg.conditioning != "none" else None
 
     def build() -> None:
         cache = Path(cfg.text_cache) if cfg.conditioning != "none" else None
-        store = Path(cfg.text_store) if cfg.conditioning != "none" else None
         images = [Path(p) for p in cfg.images]
         index = build_index(images, cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column, split=cfg.split)
         print(index.coverage_line(), file=sys.stderr)
         index.save(path)
 
-    agreed(rt, build, on=rt.main and not path.exists())
+    def check() -> None:
+        if store is None:
+            return
+        from embedding_cache.store import EmbeddingStore
+
+        stale = TrainIndex.load(path).stale_for(EmbeddingStore(store).segment_ids())
+        if stale:
+            raise UserError(
+                f"{store} no longer holds {len(stale)} of the segments {path} reads (e.g. {stale[0]}): the store was "
+                f"changed since the index was built; delete {path} to rebuild it (the run then trains on the new join)"
+            )
+
+    agreed(rt, build if not path.exists() else check, on=rt.main)
     index = TrainIndex.load(path)
     if cfg.verify_images:
         agreed(rt, lambda: verify_images(index, progress=progress), on=rt.main)
@@ -376,7 +381,6 @@ class Trainer:
         its work and moves on.
         """
         cfg, rt = self.cfg, self.rt
-        val_batch = self.dataset.validation_batch(self.val_ids)
         sums = torch.zeros(4, device=rt.device)
         replaced = 0
         logged_steps = 0
@@ -424,7 +428,7 @@ class Trainer:
                 logged_steps, images_seen, tick = 0, 0, time.perf_counter()
             if done % cfg.val_every == 0 or done == cfg.steps:
                 # Every rank validates (FSDP's forward is collective); rank 0 writes.
-                record = {"step": done, **self.validate(val_batch)}
+                record = {"step": done, **self.validate()}
                 if rt.main:
                     self.metrics.append(record)
                     plot_curves(self.run_dir)
@@ -448,27 +452,13 @@ class Trainer:
         )
         raise UserError(f"loss became NaN/Inf by step {step}; {kept}. Lower --lr, enable grad_clip, or check the data")
 
-    @torch.no_grad()
-    def validate(self, batch: Batch) -> dict[str, Any]:
-        """Prediction loss with true / shuffled / no captions, positive patch–word cosines per layer, RankMe."""
-        cfg, rt = self.cfg, self.rt
+    def validate(self) -> dict[str, Any]:
+        """Prediction loss with true / shuffled / no captions, positive patch–word cosines per layer, RankMe: the
+        validation images split across processes, a per-rank training batch at a time (`train.validation`)."""
         self.model.eval()
-        mb = to_device(batch, rt.device)
-        text = self.step.text(mb)
-        out: dict[str, Any] = {}
-        true = self.step.losses(self.model, mb, text)
-        out["val_loss_predict"] = float(true.predict)
-        swapped = shuffled(text) if text is not None else None
-        out["val_loss_predict_shuffled"] = float(self.step.losses(self.model, mb, swapped).predict)
-        notext = without_captions(text) if text is not None else None
-        out["val_loss_predict_notext"] = float(self.step.losses(self.model, mb, notext).predict)
-        with torch.autocast(rt.device.type, dtype=self.step.dtype, enabled=cfg.bf16):
-            features = self.target(self.step.normalise(mb.images))
-        if true.positive_fraction is not None:
-            out["val_positive_cosine"] = [round(float(v), 5) for v in true.positive_fraction]
-        flat = torch.nn.functional.layer_norm(features.float(), features.shape[-1:]).reshape(-1, features.shape[-1])
-        pick = torch.from_numpy(np.random.default_rng(cfg.seed).permutation(len(flat))[:4096]).to(flat.device)
-        out["val_rankme"] = effective_rank(flat[pick])
+        rt = self.rt
+        chunk = self.cfg.batch_size // rt.world
+        out = validate_in_chunks(self.step, self.target, self.dataset, self.val_ids, chunk, rt.rank, rt.world)
         self.model.train()
         return out
 

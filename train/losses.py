@@ -48,6 +48,7 @@ class TextRegularisers:
     sparse: torch.Tensor  # scalar: 1/N Σ_n L_sparse^n
     consistency: torch.Tensor  # scalar: 1/N Σ_n L_consistency^n
     positive_fraction: torch.Tensor  # [L]: share of valid patch–word cosines > 0 per layer (0 = regulariser dead)
+    pairs: torch.Tensor  # scalar: the valid patch–word pairs that share is of (to pool it over several batches)
 
 
 UNIT_EPS = 1e-6  # a vector shorter than this is divided by it, not by its norm (zero stays zero, no NaN)
@@ -253,4 +254,4 @@ def text_regularisers(
         token_weight, word_weight, token_mask, words, *queries, *keys
     )
     counted = (words.sum(dim=1) * token_mask.sum(dim=1)).sum()  # valid words × real tokens, the same every layer
-    return TextRegularisers(sparse, consistency, positive / counted.clamp_min(1))
+    return TextRegularisers(sparse, consistency, positive / counted.clamp_min(1), counted)

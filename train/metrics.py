@@ -53,8 +53,18 @@ class MetricsLog:
 
 def effective_rank(features: torch.Tensor) -> float:
     """RankMe: exp of the entropy of the normalised singular values of `[n, D]` features (collapse → small)."""
-    s = torch.linalg.svdvals(features.float())
-    p = s / s.sum().clamp_min(1e-12) + 1e-12
+    return _rankme(torch.linalg.svdvals(features.float()))
+
+
+def effective_rank_from_gram(gram: torch.Tensor) -> float:
+    """RankMe of features `X` given only their `[D, D]` Gram matrix XᵀX (summed over chunks, ranks): the singular
+    values of X are the square roots of its eigenvalues. Memory is D², whatever the number of features."""
+    eigenvalues = torch.linalg.eigvalsh(gram.double()).clamp_min(0)
+    return _rankme(eigenvalues.sqrt())
+
+
+def _rankme(singular: torch.Tensor) -> float:
+    p = singular / singular.sum().clamp_min(1e-12) + 1e-12
     return float(torch.exp(-(p * p.log()).sum()))
 
 

@@ -169,11 +169,6 @@ def _ready(
     return batch, micro
 
 
-def shuffled(text: TextBatch) -> TextBatch:
-    """Captions moved to the next image (a derangement): the honest control for text reliance."""
-    return TextBatch(text.tokens.roll(1, dims=0), text.lengths.roll(1, dims=0))
-
-
 def without_captions(text: TextBatch) -> TextBatch:
     """The same batch with every caption marked missing: the unconditioned prediction, through the same graph (a
     compiled predictor is not traced again for text=None)."""

@@ -1,0 +1,256 @@
+"""Start-up cost of a training run against the size of its store: rank 0's run index, and a DataLoader worker.
+
+Builds a synthetic run at two sizes (N captions in S segments, then `--scale` times both): tiny PNG images,
+a caption cache of their captions (written with `import_annotations`) and a store of random token vectors
+(written with the store's public API: open_or_create / new_segment / append / finish / publish). For each size it
+measures, `--repeats` times (the median counts; the machine is shared):
+  index_build_s   rank 0 builds the run index (join, every caption resolved to its span) and saves it
+  worker_open_s   a DataLoader worker, from the loader's start until its first batch is made: the worker process's
+                  start (worker_start_s, a fork of the parent) and its first batch (worker_first_batch_s)
+  worker_rss_mb   that worker's resident memory after `--batches` batches, and its private part (what the worker
+                  itself added: a forked worker's RSS also counts the pages it shares with its parent)
+  open_files      that worker's open file descriptors then, and those on the store's files (the reader keeps at
+                  most 256 shard files mapped; the rest are the process's own: torch, pipes, the libraries)
+The goals (issue 18): time per caption of the index at `--scale`× within 1.3× of the smaller run, open files
+bounded, and a worker whose memory grows with the index's columns only, not with the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import print_result  # first: sets the offline environment
+
+CAPTIONS_PER_IMAGE = 4
+
+
+def build_run(root: Path, captions: int, segments: int, dim: int, tokens: int, seed: int) -> tuple[Path, Path, Path]:
+    """(images, cache, store): `captions` / CAPTIONS_PER_IMAGE tiny PNGs, their captions, and a store holding every
+    caption's random vectors in `segments` segments."""
+    from PIL import Image
+
+    from captioning.annotations import import_annotations
+    from captioning.cache import CaptionCache
+    from embedding_cache.store import EmbeddingStore
+    from pipeline.core.recipes import text_key
+
+    rng = np.random.default_rng(seed)
+    images, n_images = root / "images", captions // CAPTIONS_PER_IMAGE
+    images.mkdir(parents=True)
+    lines = []
+    for i in range(n_images):
+        pixels = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(images / f"{i:07d}.png")
+        texts = [f"image {i} caption {k}" for k in range(CAPTIONS_PER_IMAGE)]
+        lines.append(json.dumps({"image": f"{i:07d}.png", "captions": texts}))
+    (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    cache = CaptionCache.open_or_create(root / "cache")
+    import_annotations(cache, root / "captions.jsonl", images)
+
+    store = EmbeddingStore.open_or_create(root / "store", {"kind": "benchmark-startup", "d": dim}, dim)
+    order = rng.permutation(n_images * CAPTIONS_PER_IMAGE)  # an image's captions land in different segments
+    for part in np.array_split(order, segments):
+        writer = store.new_segment()
+        for c in part.tolist():
+            i, k = divmod(c, CAPTIONS_PER_IMAGE)
+            writer.append(text_key(f"image {i} caption {k}"), rng.standard_normal((tokens, dim)).astype(np.float16))
+        writer.finish()
+        store.publish(writer)
+    return images, root / "cache", root / "store"
+
+
+def _proc_status(store: str) -> dict[str, float]:
+    """This process's resident memory (MB): all of it, and what is its own (private: written since the fork, or
+    mapped only here); its open file descriptors, and those on files of `store`."""
+    kb = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        name, _, value = line.partition(":")
+        kb[name] = int(value.split()[0])
+    fds = os.listdir("/proc/self/fd")
+    root = os.path.realpath(store)
+    on_store = 0
+    for fd in fds:
+        try:
+            on_store += os.path.realpath(f"/proc/self/fd/{fd}").startswith(root + os.sep)
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return {
+        "rss_mb": kb["Rss"] / 1024,
+        "private_mb": (kb["Private_Clean"] + kb["Private_Dirty"]) / 1024,
+        "open_files": len(fds),
+        "open_store_files": on_store,
+    }
+
+
+def _probe_class() -> Any:
+    import torch
+
+    class Probe(torch.utils.data.Dataset):
+        """Step s of the training dataset, answering the worker's memory and open files after it."""
+
+        def __init__(self, data: Any, steps: int) -> None:
+            self.data, self.steps = data, steps
+
+        def __len__(self) -> int:
+            return self.steps
+
+        def __getitem__(self, step: int) -> dict[str, float]:
+            started = time.monotonic()  # the same clock in every process
+            batch = self.data[step]
+            return {
+                **_proc_status(self.data.cfg.text_store),
+                "captions": int((batch.lengths > 0).sum()),
+                "started": started,
+                "done": time.monotonic(),
+            }
+
+    return Probe
+
+
+def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> float:
+    """Seconds for rank 0 to build the run index and save it."""
+    from train.data_index import build_index
+
+    tick = time.perf_counter()
+    build_index([images], cache, store, [], progress=False, verify_sample=16).save(run / "index.parquet")
+    return time.perf_counter() - tick
+
+
+def worker_probe(images: Path, cache: Path, store: Path, batches: int, run: Path) -> Any:
+    """The training dataset of the saved run index, wrapped to report from its DataLoader worker."""
+    from train.config import TrainConfig
+    from train.data import StepBatches
+    from train.data_index import TrainIndex
+
+    cfg = TrainConfig(
+        images=[str(images)],
+        cache=str(cache),
+        store=str(store),
+        model="vit_tiny",
+        patch_size=8,
+        image_size=32,
+        batch_size=16,
+        steps=batches,
+        captions_per_image=CAPTIONS_PER_IMAGE,
+        min_context=2,
+        seed=0,
+    )
+    index = TrainIndex.load(run / "index.parquet")
+    return _probe_class()(StepBatches(index, np.arange(len(index)), cfg, (4, 4)), batches)
+
+
+def worker_run(probe: Any) -> dict[str, float]:
+    """One DataLoader worker over `probe`: its start and first batch (seconds), and its state after the last."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(probe, batch_size=None, num_workers=1, prefetch_factor=2)
+    tick = time.monotonic()
+    it = iter(loader)
+    first = next(it)
+    last = list(it)[-1] if len(probe) > 1 else first
+    return {**last, "open_s": first["done"] - tick, "start_s": first["started"] - tick}
+
+
+def summary(probe: Any, builds: list[float], workers: list[dict[str, float]]) -> dict[str, Any]:
+    index = probe.data.index
+    spans = index.caption_spans
+    columns = index.caption_keys.nbytes + index.caption_offsets.nbytes
+    columns += sum(a.nbytes for a in (spans.segment, spans.start, spans.length))
+    n = len(index.caption_keys)
+
+    def median(key: str) -> float:
+        return statistics.median(w[key] for w in workers)
+
+    return {
+        "captions": n,
+        "segments": len(index.segments),
+        "images": len(index),
+        "index_build_s": round(statistics.median(builds), 4),
+        "index_build_us_per_caption": round(1e6 * statistics.median(builds) / n, 3),
+        "worker_open_s": round(median("open_s"), 4),
+        "worker_open_us_per_caption": round(1e6 * median("open_s") / n, 3),
+        "worker_start_s": round(median("start_s"), 4),  # of worker_open_s: the process's start, until the dataset
+        "worker_first_batch_s": round(median("open_s") - median("start_s"), 4),  # is asked, then its first batch
+        "worker_rss_mb": round(median("rss_mb"), 1),
+        "worker_private_mb": round(median("private_mb"), 1),
+        "open_files": int(max(w["open_files"] for w in workers)),
+        "open_store_files": int(max(w["open_store_files"] for w in workers)),
+        "index_columns_mb": round(columns / 2**20, 3),
+        "batches": len(probe),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--captions", type=int, default=4000, help="captions of the smaller run")
+    ap.add_argument("--segments", type=int, default=40, help="store segments of the smaller run")
+    ap.add_argument("--dim", type=int, default=8, help="token vector width")
+    ap.add_argument("--tokens-per-caption", type=int, default=4)
+    ap.add_argument(
+        "--scale", type=int, default=10, help="the larger run has this many times the captions and segments"
+    )
+    ap.add_argument("--batches", type=int, default=300, help="batches a worker reads before its memory is taken")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sizes, made = [], []
+        for factor in (1, args.scale):
+            root = Path(tmp) / f"x{factor}"
+            (root / "run").mkdir(parents=True)
+            tick = time.perf_counter()
+            captions, segments = args.captions * factor, args.segments * factor
+            sizes.append((*build_run(root, captions, segments, args.dim, args.tokens_per_caption, args.seed), root))
+            made.append(time.perf_counter() - tick)
+            index_build_s(*sizes[-1][:3], sizes[-1][3] / "run")  # warms imports and the page cache; not counted
+        # The sizes take turns, so that whatever else the machine does weighs on both alike.
+        builds: list[list[float]] = [[], []]
+        for _ in range(args.repeats):
+            for k, (images, cache, store, root) in enumerate(sizes):
+                builds[k].append(index_build_s(images, cache, store, root / "run"))
+        probes = [
+            worker_probe(images, cache, store, args.batches, root / "run") for images, cache, store, root in sizes
+        ]
+        workers: list[list[dict[str, float]]] = [[], []]
+        for _ in range(args.repeats):
+            for k, probe in enumerate(probes):
+                workers[k].append(worker_run(probe))
+        runs = [
+            {**summary(probe, builds[k], workers[k]), "synthesis_s": round(made[k], 1)}
+            for k, probe in enumerate(probes)
+        ]
+        for run in runs:
+            print(json.dumps(run), flush=True)
+    small, large = runs
+    print_result(
+        {
+            **large,
+            "scale": args.scale,
+            "dim": args.dim,
+            "tokens_per_caption": args.tokens_per_caption,
+            "smaller": small,
+            "index_build_per_caption_ratio": round(
+                large["index_build_us_per_caption"] / small["index_build_us_per_caption"], 3
+            ),
+            "worker_open_ratio": round(large["worker_open_s"] / small["worker_open_s"], 3),
+            "worker_rss_growth_mb": round(large["worker_rss_mb"] - small["worker_rss_mb"], 1),
+            "worker_private_growth_mb": round(large["worker_private_mb"] - small["worker_private_mb"], 1),
+            "index_columns_growth_mb": round(large["index_columns_mb"] - small["index_columns_mb"], 3),
+            "goal_per_caption_ratio": 1.3,
+            "goal_open_files": 256,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
