@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import (
     EXACT_STEPS,
     LOSS_KEYS,
     REFERENCE_STEPS,
+    TINY_TRAIN,
     assert_close_runs,
     kill_tree,
     metrics,
     run_command,
+    sets,
     start,
     start_tcjepa,
     tcjepa,
@@ -186,6 +190,63 @@ def test_a_bad_setting_is_one_line_from_deep_inside_the_trainer(tmp_path, synth_
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-1] == "error: patch_size 7 does not divide image_size 64", proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# TINY_TRAIN without its explicit val_images and min_context, textless: a first run at the automatic settings.
+FIRST_RUN = [
+    *("--conditioning", "none", "--model", "vit_tiny", "--batch-size", "8", "--no-progress"),
+    *sets("depth=2", "predictor_width=96", "predictor_depth=2", "num_workers=0"),
+]
+
+
+@pytest.fixture(scope="module")
+def twenty_images(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synth20")
+    tcjepa("synth", "--out", out, "--n-images", 20, "--seed", 5)
+    return out / "images"
+
+
+def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retry_is_accepted(tmp_path, twenty_images):
+    """20 images at the default settings, patch 16 on 64 px: a validation set of 10% and a min_context scaled to the
+    4×4 grid, each said in one line; an explicit impossible value is refused in one line and leaves no config, so the
+    corrected command runs into the same --out."""
+    run = tmp_path / "run"
+    small = ["train", twenty_images, "--out", run, *FIRST_RUN, "--patch-size", "16", "--image-size", "64"]
+    refused = tcjepa(*small, "--steps", "2", "--set", "val_images=20", check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "error: val_images 20: only 20 images, so at most 19 can be held out"
+    ), refused.stderr
+    assert not (run / "config.yaml").exists()
+    done = tcjepa(*small, "--steps", "2")
+    said = done.stderr.splitlines()
+    assert any(line.startswith("val_images: 2 of the 20 images held out for validation") for line in said), said
+    assert any(line.startswith("min_context: 1 patch(es) on the 4×4 grid") for line in said), said
+    assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 2
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert (saved["val_images"], saved["min_context"]) == (0, 0), "the config keeps what was asked: automatic"
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["config"]["min_context"] == 1
+
+
+def test_a_first_run_at_the_default_patch_size_on_twenty_images_trains(tmp_path, twenty_images):
+    done = tcjepa("train", twenty_images, "--out", tmp_path / "run", *FIRST_RUN, "--image-size", "64", "--steps", "1")
+    assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 1
+
+
+@pytest.mark.slow
+def test_a_run_started_with_relative_paths_resumes_from_another_directory(tmp_path, synth_dir):
+    """Paths in the saved config are absolute: a run started in one directory with relative paths continues from
+    another with nothing but its --out."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    images = os.path.relpath(synth_dir / "images", here)
+    args = ["train", images, "--out", "run", *TINY_TRAIN, "--conditioning", "none", *REFERENCE_STEPS]
+    killed_at = _wait_for_checkpoint(start_tcjepa(*args, quiet=True, cwd=here), here / "run")
+    assert killed_at < 12
+    assert yaml.safe_load((here / "run" / "config.yaml").read_text())["images"] == [str(synth_dir / "images")]
+    resumed = tcjepa("train", "--out", os.path.relpath(here / "run", elsewhere), "--resume", cwd=elsewhere)
+    assert f"at step {killed_at}" in resumed.stderr
+    assert [m["step"] for m in metrics(here / "run") if "val_loss_predict" in m] == [4, 8, 12]
 
 
 def test_resume_needs_a_checkpoint(tmp_path, synth_dir):

@@ -46,7 +46,7 @@ from train.checkpoint import (
     save_sharded_checkpoint,
     sharded_checkpoint,
 )
-from train.config import TrainConfig, differences, to_dict, validate
+from train.config import TrainConfig, absolute_paths, differences, resolve_automatic, to_dict, validate
 from train.data import Batch, StepBatches, split_images
 from train.data_index import TrainIndex, build_index
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
@@ -117,10 +117,12 @@ def agreed(rt: Runtime, step: Callable[[], T], on: bool) -> T | None:
 
 
 def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None) -> FileLock | None:
-    """Create RUN, lock it (rank 0) and save the resolved config; refuse a RUN made with a different config.
+    """Create RUN and lock it (rank 0); refuse a RUN made with a different config.
 
     The lock (an flock, gone with the process even on SIGKILL) stops a second trainer
-    from writing into a run that is still going.
+    from writing into a run that is still going. `config.yaml` is written later, by `save_config`, once the
+    settings proved valid on the data: a RUN without it holds at most what a refused start left (its index and
+    text-encoder record), which is removed here so that a corrected retry into the same RUN starts clean.
     """
     saved_path = run / CONFIG
     if saved_path.exists():
@@ -131,7 +133,7 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
             raise UserError(f"{run} holds a run with another config ({details}); use a new --out or the same settings")
 
     def claim() -> FileLock:
-        if not saved_path.exists() and run.exists() and any(p.name != ".lock" for p in run.iterdir()):
+        if not saved_path.exists() and run.exists() and any(not _left_by_a_start(p) for p in run.iterdir()):
             raise UserError(f"--out {run} is a non-empty directory that is not a tcjepa run; choose a new directory")
         run.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(run / ".lock"))
@@ -141,12 +143,31 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
             raise UserError(
                 f"{run} is in use by another `tcjepa train` (it holds {run / '.lock'}); wait for it or stop it"
             ) from None
-        atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+        if not saved_path.exists():
+            for leftover in run.iterdir():
+                if leftover.name != ".lock":
+                    leftover.unlink()
         if store_dir is not None:
             check_text_encoder(store_dir, cfg.store, run)
         return lock
 
     return agreed(rt, claim, on=rt.main)
+
+
+def _left_by_a_start(path: Path) -> bool:
+    """What a start refused before it saved its config leaves in RUN: the lock, the index, the encoder record and
+    their temporaries."""
+    name = path.name
+    return path.is_file() and (
+        name in (".lock", INDEX, TEXT_ENCODER) or name.startswith((f".{INDEX}.", f".{TEXT_ENCODER}."))
+    )
+
+
+def save_config(cfg: TrainConfig, run: Path, rt: Runtime) -> None:
+    """Write RUN/config.yaml (the settings as asked, automatic ones as 0): the mark of a run whose settings work."""
+    agreed(
+        rt, lambda: atomic_write_bytes(run / CONFIG, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode()), rt.main
+    )
 
 
 def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
@@ -264,11 +285,14 @@ class Trainer:
                 f"each of the {self.rt.world} processes gets {cfg.batch_size // self.rt.world} images per step, not "
                 f"divisible by accum_steps {cfg.accum_steps}"
             )
+        cfg = absolute_paths(cfg)
         for_index = inputs_for_index(cfg, self.rt)
         self.run_lock = prepare_run(
             cfg, run, self.rt, Path(for_index.text_store) if cfg.conditioning != "none" else None
         )
         self.index = load_or_build_index(for_index, run, self.rt)
+        for_index = resolve_automatic(for_index, len(self.index.refs), say=self.rt.main)
+        save_config(cfg, run, self.rt)
         self.cfg = cfg = inputs_for_training(cfg, for_index, self.index, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)
