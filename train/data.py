@@ -28,7 +28,7 @@ from PIL import Image
 from embedding_cache.reader import EmbeddingReader
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.sources import ImageReader
-from train.config import TrainConfig
+from train.config import TrainConfig, mask_settings
 from train.data_index import TrainIndex
 from train.masks import MaskConfig, Masks, sample_masks
 
@@ -43,15 +43,7 @@ VALIDATION_STEP = 2**62
 
 
 def mask_config(cfg: TrainConfig) -> MaskConfig:
-    return MaskConfig(
-        cfg.num_targets,
-        cfg.target_scale,
-        cfg.target_aspect,
-        cfg.context_scale,
-        cfg.context_aspect,
-        cfg.min_context,
-        cfg.context_equalise,
-    )
+    return mask_settings(cfg)
 
 
 def split_images(n: int, val_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
