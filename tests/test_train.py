@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -247,6 +250,97 @@ def test_a_run_started_with_relative_paths_resumes_from_another_directory(tmp_pa
     resumed = tcjepa("train", "--out", os.path.relpath(here / "run", elsewhere), "--resume", cwd=elsewhere)
     assert f"at step {killed_at}" in resumed.stderr
     assert [m["step"] for m in metrics(here / "run") if "val_loss_predict" in m] == [4, 8, 12]
+
+
+def _signal_once_training(proc, run: Path, process: Any) -> None:
+    """Send SIGUSR1 to `process` (the run or one of its workers) once the run has logged a training step."""
+    deadline = time.monotonic() + 300
+    while not any("loss" in m for m in (metrics(run) if (run / "metrics.jsonl").exists() else [])):
+        assert proc.poll() is None, "the run ended before it trained"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+
+
+@pytest.mark.slow
+def test_a_preempted_run_checkpoints_exits_75_and_resumes_to_the_uninterrupted_end(
+    tmp_path, synth_dir, annotated_cache, annotated_store, reference_run
+):
+    """SIGUSR1 (Slurm's warning before the time limit): the step finishes, a checkpoint is written, the command exits
+    75 with one `stopped:` line; the same command then ends where an uninterrupted run ends, metrics and weights."""
+    run = tmp_path / "preempted"
+    args = train_args(synth_dir / "images", annotated_cache, annotated_store, run, *REFERENCE_STEPS)
+    proc = start_tcjepa(*args)
+    _signal_once_training(proc, run, proc)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: SIGUSR1 received: stopped after step "), err[-3000:]
+    stopped_at = int(last.split("after step ")[1].split(" of 12")[0])
+    assert stopped_at < 12, "the signal came too late to test a resume"
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == stopped_at
+    resumed = tcjepa(*args)
+    assert f"resuming {run} at step {stopped_at}" in resumed.stderr
+    got, want = metrics(run), metrics(reference_run)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got, want):
+        for key in (*LOSS_KEYS, "lr", "wd", "ema", "val_loss_predict", "val_rankme"):
+            assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
+    mine = torch.load(run / "checkpoint.pt", weights_only=True)
+    theirs = torch.load(reference_run / "checkpoint.pt", weights_only=True)
+    for part in ("model", "target"):
+        assert all(torch.equal(mine[part][k], theirs[part][k]) for k in theirs[part]), part
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_signal_to_one_process_under_torchrun_stops_every_rank_after_the_same_step(
+    tmp_path, synth_dir, annotated_cache, annotated_store, exact_run
+):
+    """Only rank 1 gets SIGUSR1: the ranks agree (an all-reduced flag), both stop after the same step with one
+    checkpoint, and the run continues on one process as if it had never stopped."""
+    import psutil
+
+    run = tmp_path / "agreed"
+    args = train_args(synth_dir / "images", annotated_cache, annotated_store, run, *EXACT_STEPS)
+    proc = start(torchrun(*args))
+    deadline = time.monotonic() + 300
+    rank_1 = None
+    while rank_1 is None:
+        assert proc.poll() is None and time.monotonic() < deadline
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with suppress(psutil.Error):
+                if child.environ().get("RANK") == "1" and "pipeline" in child.cmdline():
+                    rank_1 = child
+        time.sleep(0.05)
+    _signal_once_training(proc, run, rank_1)
+    _, err = proc.communicate(timeout=300)
+    stops = [line for line in err.splitlines() if line.startswith("stopped: SIGUSR1 received")]
+    assert len(stops) == 2 and len(set(stops)) == 1, err[-4000:]
+    stopped_at = int(stops[0].split("after step ")[1].split(" of 8")[0])
+    assert stopped_at < 8 and torch.load(run / "checkpoint.pt", weights_only=True)["step"] == stopped_at
+    tcjepa(*args)
+    assert_close_runs(metrics(exact_run), metrics(run))
+
+
+def test_checkpoints_keep_the_newest_and_every_nth_with_the_encoders_as_safetensors(tmp_path, synth_dir):
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    every = sets("log_every=1", "val_every=5", "checkpoint_every=1", "checkpoint_keep=2", "checkpoint_every_keep=2")
+    tcjepa(*train_args(synth_dir / "images", None, None, run, "--conditioning", "none", "--steps", "5", *every))
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    names = ("pt", "context_encoder.safetensors", "target_encoder.safetensors")
+    assert kept == sorted(f"step-{s:08d}.{n}" for s in (2, 4, 5) for n in names)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    target, context = load_file(run / "target_encoder.safetensors"), load_file(run / "context_encoder.safetensors")
+    assert target.keys() == state["target"].keys() and all(
+        torch.equal(v, state["target"][k]) for k, v in target.items()
+    )
+    assert all(torch.equal(v, state["model"][f"encoder.{k}"]) for k, v in context.items())
+    assert len(context) == len([k for k in state["model"] if k.startswith("encoder.")])
+    exported = json.loads(tcjepa("export", run, "--out", tmp_path / "export").stdout)
+    assert exported["step"] == 5
 
 
 def test_resume_needs_a_checkpoint(tmp_path, synth_dir):

@@ -170,7 +170,15 @@ class TrainConfig:
         False, "with fsdp: HSDP, parameters sharded across a node's GPUs and replicated across nodes (2-D mesh)"
     )
     ddp_bucket_mb: int = setting(25, "DDP gradient bucket size in MiB (bigger: fewer all-reduces, less overlap)")
-    log_every: int = setting(10, "steps between metrics.jsonl lines")
+    log_every: int = setting(
+        10,
+        "steps between metrics.jsonl lines (and, with --no-progress, lines on stderr: loss terms, lr, images/s, ETA)",
+    )
+    log: list[str] = setting(
+        [],
+        "also send the metrics to: tensorboard (event files in RUN/tensorboard; pip install tensorboard), wandb "
+        "(Weights & Biases, project tcjepa; WANDB_MODE=offline works without an account)",
+    )
     val_every: int = setting(100, "steps between validation passes")
     checkpoint_every: int = setting(200, "steps between checkpoints")
     checkpoint_keep: int = setting(2, "checkpoints kept: the newest this many (older ones are removed)")
@@ -208,6 +216,7 @@ RUNTIME_ONLY = {
     "shard_within_node",
     "ddp_bucket_mb",
     "log_every",
+    "log",
     "val_every",
     "checkpoint_every",
     "checkpoint_keep",

@@ -13,12 +13,14 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -36,13 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pipeline.core.devices import resolve_device
-from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.errors import DataProblem, Stopped, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from train.checkpoint import (
     checkpoint_step,
     load_full_checkpoint,
     load_sharded_into,
     save_checkpoint,
+    save_encoders,
     save_sharded_checkpoint,
     sharded_checkpoint,
 )
@@ -51,6 +54,7 @@ from train.data import Batch, StepBatches, split_images
 from train.data_index import TrainIndex, build_index
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, effective_rank, plot_curves
+from train.reporting import Progress, check_loggers
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import TrainStep, make_optimizer, on_device, shuffled, to_device, use_tensor_cores, without_captions
 from train.vit import VisionTransformer
@@ -59,6 +63,8 @@ CONFIG = "config.yaml"
 INDEX = "index.parquet"
 TEXT_ENCODER = "text_encoder.json"
 T = TypeVar("T")
+# What Slurm (`--signal`) and Kubernetes send before they kill a job: finish the step, checkpoint, exit 75.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @dataclass
@@ -271,12 +277,56 @@ def text_width(cfg: TrainConfig) -> int | None:
     return EmbeddingStore(cfg.text_store).width
 
 
+class StopRequests:
+    """Records a stop signal (SIGTERM, SIGUSR1) while training, and lets every process agree on it after a step.
+
+    The handler only notes the signal; the loop asks `agreed()` after each step. Under torchrun the processes
+    all-reduce their flags (on a CPU gloo group, so no GPU stream is waited for) and stop after the same step
+    even when the signal reached them at different steps.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.signal: int | None = None
+        self.group = None
+        if rt.world > 1:
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        """Stop signals are noted, not fatal, inside the block; the previous handlers come back after it."""
+        previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def agreed(self) -> int | None:
+        """The stop signal any process received (the highest number), or None to go on."""
+        if self.rt.world == 1:
+            return self.signal
+        flag = torch.tensor([self.signal or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item()) or None
+
+
+def _ignore_stop_signals(worker: int) -> None:
+    """DataLoader workers leave stop signals sent to the whole process group to the trainer, which ends them."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Trainer:
     """One training run on this process: joins the process group, builds the index (rank 0), the models, the data
     and the optimizer, and resumes from the run's checkpoint when there is one. `run()` trains."""
 
     def __init__(self, cfg: TrainConfig, run: Path, progress: bool = True) -> None:
         validate(cfg)
+        check_loggers(cfg.log)
         self.run_dir = run
         self.progress = progress
         self.rt = start_runtime(cfg)
@@ -308,6 +358,7 @@ class Trainer:
         self.train_module = wrap_models(self.model, self.target, cfg, self.rt.device)
         self.optimizer = make_optimizer(self.model, cfg, self.rt.device)
         self.step = TrainStep(self.model, self.train_module, self.target, self.optimizer, cfg, self.rt.device)
+        self.stops = StopRequests(self.rt)
         self.start_step = self._resume()
         if self.start_step and self.rt.main:
             print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
@@ -342,19 +393,28 @@ class Trainer:
         return step
 
     def _save(self, step: int) -> None:
-        """FSDP: every process writes its shards (no gather); otherwise rank 0 writes full state dicts."""
-        if self.cfg.fsdp:
-            save_sharded_checkpoint(self.run_dir, self._sharded_state(), step, to_dict(self.cfg))
+        """FSDP: every process writes its shards (no gather); otherwise rank 0 writes full state dicts. Either way
+        rank 0 also writes the two encoders as safetensors (under FSDP gathered to it, on CPU: the encoders only)."""
+        cfg = self.cfg
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=full))
+        target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
+        if self.rt.main:
+            context = {k.removeprefix("encoder."): v for k, v in model.items() if k.startswith("encoder.")}
+            save_encoders(self.run_dir, {"target_encoder": target, "context_encoder": context}, step, to_dict(cfg))
+        if cfg.fsdp:
+            save_sharded_checkpoint(
+                self.run_dir, self._sharded_state(), step, to_dict(cfg), cfg.checkpoint_keep, cfg.checkpoint_every_keep
+            )
         elif self.rt.main:
-            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = {
-                "model": get_model_state_dict(self.model, options=full),
-                "target": get_model_state_dict(self.target, options=full),
+                "model": model,
+                "target": target,
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
                 "step": step,
-                "config": to_dict(self.cfg),
+                "config": to_dict(cfg),
             }
-            save_checkpoint(self.run_dir, state)
+            save_checkpoint(self.run_dir, state, cfg.checkpoint_keep, cfg.checkpoint_every_keep)
         barrier(self.rt)
 
     def _set_schedules(self, step: int) -> float:
@@ -374,6 +434,7 @@ class Trainer:
             pin_memory=self.rt.device.type == "cuda",
             prefetch_factor=4 if workers else None,
             persistent_workers=False,
+            worker_init_fn=_ignore_stop_signals,
         )
 
     def _mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
@@ -383,7 +444,8 @@ class Trainer:
         return values
 
     def run(self) -> list[dict[str, Any]]:
-        """Train from the start step to the last, logging, validating and checkpointing on schedule.
+        """Train from the start step to the last, logging, validating and checkpointing on schedule; on a stop
+        signal, finish the step, checkpoint and raise `Stopped`.
 
         The host reads the device only where it logs (`log_every`), validates or checkpoints: a step itself queues
         its work and moves on.
@@ -394,65 +456,86 @@ class Trainer:
         replaced = 0
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
-        bar = None
-        if rt.main and self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr)
+        progress = (
+            Progress(self.run_dir, to_dict(cfg), self.start_step, cfg.steps, self.progress, cfg.log)
+            if rt.main
+            else None
+        )
         self.train_module.train()
         batches = on_device(self._loader(), rt.device, cfg.accum_steps)
-        for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
-            sums += self.step(micro, self._set_schedules(step))
-            done = step + 1
-            logged_steps += 1
-            images_seen += cfg.batch_size
-            replaced += batch.replaced
-            if bar is not None:
-                bar.update(1)
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                means = self._mean_across_ranks(sums / logged_steps).tolist()
-                if rt.world > 1:
-                    count = torch.tensor(float(replaced), device=rt.device)
-                    dist.all_reduce(count, op=dist.ReduceOp.SUM)
-                    replaced = int(count.item())
-                if not all(math.isfinite(v) for v in means):
-                    self._stop_non_finite(done)
-                elapsed = time.perf_counter() - tick
-                record = {
-                    "step": done,
-                    "loss": means[0],
-                    "loss_predict": means[1],
-                    "loss_sparse": means[2],
-                    "loss_consistency": means[3],
-                    "lr": self.lr(step),
-                    "wd": self.wd(step),
-                    "ema": self.ema(step),
-                    "images_per_s": images_seen / elapsed,
-                    "images_replaced": replaced,
-                }
-                if rt.main:
-                    self.metrics.append(record)
-                sums.zero_()
-                replaced = 0
-                logged_steps, images_seen, tick = 0, 0, time.perf_counter()
-            if done % cfg.val_every == 0 or done == cfg.steps:
-                # Every rank validates (FSDP's forward is collective); rank 0 writes.
-                record = {"step": done, **self.validate(val_batch)}
-                if rt.main:
-                    self.metrics.append(record)
-                    plot_curves(self.run_dir)
-                tick = time.perf_counter()
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
-                    self._stop_non_finite(done)
-                self._save(done)
-        if bar is not None:
-            bar.close()
+        with self.stops.listening():
+            for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
+                sums += self.step(micro, self._set_schedules(step))
+                done = step + 1
+                logged_steps += 1
+                images_seen += cfg.batch_size
+                replaced += batch.replaced
+                if progress is not None:
+                    progress.step()
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    means = self._mean_across_ranks(sums / logged_steps).tolist()
+                    if rt.world > 1:
+                        count = torch.tensor(float(replaced), device=rt.device)
+                        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+                        replaced = int(count.item())
+                    if not all(math.isfinite(v) for v in means):
+                        self._stop_non_finite(done)
+                    elapsed = time.perf_counter() - tick
+                    record = {
+                        "step": done,
+                        "loss": means[0],
+                        "loss_predict": means[1],
+                        "loss_sparse": means[2],
+                        "loss_consistency": means[3],
+                        "lr": self.lr(step),
+                        "wd": self.wd(step),
+                        "ema": self.ema(step),
+                        "images_per_s": images_seen / elapsed,
+                        "images_replaced": replaced,
+                    }
+                    if progress is not None:
+                        self.metrics.append(record)
+                        progress.logged(record)
+                    sums.zero_()
+                    replaced = 0
+                    logged_steps, images_seen, tick = 0, 0, time.perf_counter()
+                if done % cfg.val_every == 0 or done == cfg.steps:
+                    # Every rank validates (FSDP's forward is collective); rank 0 writes.
+                    record = {"step": done, **self.validate(val_batch)}
+                    if progress is not None:
+                        self.metrics.append(record)
+                        progress.logged(record)
+                        plot_curves(self.run_dir)
+                    tick = time.perf_counter()
+                saved = done % cfg.checkpoint_every == 0 or done == cfg.steps
+                if saved:
+                    self._checkpoint(done, sums)
+                stop = self.stops.agreed() if done < cfg.steps else None
+                if stop is not None:
+                    if not saved:
+                        self._checkpoint(done, sums)
+                    self._finish(progress)
+                    raise Stopped(
+                        f"{signal.Signals(stop).name} received: stopped after step {done} of {cfg.steps} with a "
+                        f"checkpoint in {self.run_dir}; run the same command again to continue"
+                    )
+        self._finish(progress)
+        return self.metrics.read() if rt.main else []
+
+    def _checkpoint(self, step: int, sums: torch.Tensor) -> None:
+        """Save a checkpoint, unless the losses since the last log are not finite (then stop, keeping the last)."""
+        if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
+            self._stop_non_finite(step)
+        self._save(step)
+
+    def _finish(self, progress: Progress | None) -> None:
+        """Close the progress display and loggers, unlock RUN, leave the process group."""
+        if progress is not None:
+            progress.close()
         if self.run_lock is not None:
             self.run_lock.release()
-        if rt.world > 1:
+        if self.rt.world > 1:
             dist.destroy_process_group()
-        return self.metrics.read() if rt.main else []
 
     def _stop_non_finite(self, step: int) -> None:
         last = checkpoint_step(self.run_dir)
