@@ -42,6 +42,7 @@ from pipeline.core.errors import DataProblem, Stopped, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from train.checkpoint import (
     checkpoint_step,
+    has_checkpoint,
     load_full_checkpoint,
     load_sharded_into,
     save_checkpoint,
@@ -52,6 +53,7 @@ from train.checkpoint import (
 from train.config import TrainConfig, absolute_paths, differences, resolve_automatic, to_dict, validate
 from train.data import Batch, StepBatches, split_images
 from train.data_index import TrainIndex, build_index
+from train.initial import initialise
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, effective_rank, plot_curves
 from train.reporting import Progress, check_loggers
@@ -347,6 +349,8 @@ class Trainer:
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(cfg, text_width(cfg))
+        if cfg.init is not None and not has_checkpoint(run):
+            initialise(Path(cfg.init), self.model, self.target, say=self.rt.main)
         self.model.to(self.rt.device)
         self.target.to(self.rt.device)
         self.dataset = StepBatches(self.index, train_ids, cfg, self.model.encoder.grid, self.rt.rank, self.rt.world)
