@@ -209,6 +209,7 @@ def twenty_images(tmp_path_factory) -> Path:
     return out / "images"
 
 
+@pytest.mark.slow
 def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retry_is_accepted(tmp_path, twenty_images):
     """20 images at the default settings, patch 16 on 64 px: a validation set of 10% and a min_context scaled to the
     4×4 grid, each said in one line; an explicit impossible value is refused in one line and leaves no config, so the
@@ -230,6 +231,7 @@ def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retr
     assert torch.load(run / "checkpoint.pt", weights_only=True)["config"]["min_context"] == 1
 
 
+@pytest.mark.slow
 def test_a_first_run_at_the_default_patch_size_on_twenty_images_trains(tmp_path, twenty_images):
     done = tcjepa("train", twenty_images, "--out", tmp_path / "run", *FIRST_RUN, "--image-size", "64", "--steps", "1")
     assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 1
@@ -323,6 +325,7 @@ def test_a_signal_to_one_process_under_torchrun_stops_every_rank_after_the_same_
     assert_close_runs(metrics(exact_run), metrics(run))
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_the_newest_and_every_nth_with_the_encoders_as_safetensors(tmp_path, synth_dir):
     from safetensors.torch import load_file
 
