@@ -31,17 +31,21 @@ from tests.conftest import (
     torchrun,
     train_args,
 )
+from train.checkpoint import checkpoint_step, has_checkpoint
 
 
 def _wait_for_checkpoint(proc, run: Path) -> int:
-    """Wait until the run has written its first checkpoint, then kill the run and everything it started; its step."""
+    """Wait until the run has written its first checkpoint (either format), then kill the run and everything it
+    started; its step."""
     deadline = time.monotonic() + 300
-    while not (run / "checkpoint.pt").exists():
+    while not has_checkpoint(run):
         assert proc.poll() is None, "the run ended before its first checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.05)
     kill_tree(proc)
-    return torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+    step = checkpoint_step(run)
+    assert step is not None
+    return step
 
 
 def test_run_writes_config_index_checkpoint_metrics_and_plot(reference_run):
