@@ -13,7 +13,7 @@ from typing import Annotated, Any, cast
 import typer
 
 from evaluation.protocol import HELP as EVAL_PROTOCOL
-from pipeline.core.errors import DataProblem, UserError, os_error_line
+from pipeline.core.errors import STOPPED_STATUS, DataProblem, Stopped, UserError, os_error_line
 
 app = typer.Typer(
     name="tcjepa",
@@ -608,6 +608,8 @@ def train(
     shard_within_node: Annotated[
         bool | None, config_option("shard_within_node", "--shard-within-node/--no-shard-within-node")
     ] = None,
+    init: Annotated[str | None, config_option("init")] = None,
+    log: Annotated[list[str] | None, config_option("log")] = None,
     resume: Annotated[
         bool, typer.Option(help="Require a checkpoint in --out to continue from (resuming is automatic anyway).")
     ] = False,
@@ -660,6 +662,8 @@ def train(
         "checkpoint_activations": checkpoint_activations,
         "fsdp": fsdp,
         "shard_within_node": shard_within_node,
+        "init": init,
+        "log": log,
     }
     cfg = apply(cfg, {k: v for k, v in flags.items() if v is not None}, "command line")
     cfg = apply(cfg, parse_set(set_ or []), "--set")
@@ -834,7 +838,8 @@ def demo(
 
 def main() -> None:
     """Console-script entry point: bad usage, `UserError` and I/O failures become one `error:` line (exit 2),
-    `DataProblem` one `problem:` line (exit 1)."""
+    `DataProblem` one `problem:` line (exit 1), `Stopped` (a preempted run, its checkpoint written) one `stopped:`
+    line (exit 75)."""
     # click's UsageError, as the click that typer ships defines it (BadParameter's base)
     usage_error = cast(type[Exception], typer.BadParameter.__base__)
     try:
@@ -851,6 +856,9 @@ def main() -> None:
     except DataProblem as exc:
         typer.echo(f"problem: {exc}", err=True)
         sys.exit(1)
+    except Stopped as exc:
+        typer.echo(f"stopped: {exc}", err=True)
+        sys.exit(STOPPED_STATUS)
     except OSError as exc:
         if exc.errno is None:
             raise

@@ -71,8 +71,9 @@ def torchrun(*args: object, launch: tuple[str, ...] = ("--standalone", "--nproc-
 def run_command(
     command: list[str], check: bool = True, timeout: float = 600, **kwargs: Any
 ) -> subprocess.CompletedProcess:
-    """Run `command` in the repository, capturing its text output; with `check`, a failure shows its stderr."""
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, **kwargs)
+    """Run `command` in the repository (or `cwd=`), capturing its text output; with `check`, a failure shows its
+    stderr."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **{"cwd": REPO, **kwargs})
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(command[1:])} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
@@ -100,7 +101,7 @@ def start(command: list[str], quiet: bool = False, **kwargs: Any) -> subprocess.
         if quiet
         else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     )
-    return subprocess.Popen(command, cwd=REPO, start_new_session=True, **streams, **kwargs)
+    return subprocess.Popen(command, start_new_session=True, **{"cwd": REPO, **streams, **kwargs})
 
 
 def start_tcjepa(*args: object, quiet: bool = False, **kwargs: Any) -> subprocess.Popen:

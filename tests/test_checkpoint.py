@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.core.errors import UserError
-from train.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint
+from train.checkpoint import CHECKPOINT, HISTORY, kept_steps, load_checkpoint, save_checkpoint, save_encoders
 
 
 def _state(step: int) -> dict:
@@ -49,7 +49,8 @@ def test_a_save_that_fills_the_disk_raises_the_os_error_and_keeps_the_last_check
     with _file_size_limit(4096), pytest.raises(OSError, match="File too large"):
         save_checkpoint(tmp_path, _state(2))
     assert (tmp_path / CHECKPOINT).read_bytes() == before, "the previous checkpoint is intact"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT], "no half-written temporary is left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT, HISTORY], "no half-written temporary is left"
+    assert [p.name for p in (tmp_path / HISTORY).iterdir()] == ["step-00000001.pt"]
 
 
 def test_a_killed_saves_temporary_is_removed_by_the_next_save(tmp_path):
@@ -66,3 +67,31 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="cannot be read .*move it away to start over") as caught:
         load_checkpoint(tmp_path)
     assert "\n" not in str(caught.value)
+
+
+def test_the_newest_checkpoints_and_every_nth_are_kept(tmp_path):
+    assert kept_steps(list(range(1, 11)), keep=2, every_keep=4) == {4, 8, 9, 10}
+    assert kept_steps([5, 10], keep=1, every_keep=0) == {10}
+    for step in range(1, 8):
+        save_encoders(tmp_path, {"target_encoder": {"w": torch.full((2,), float(step))}}, step, {"lr": 0.1})
+        save_checkpoint(tmp_path, _state(step), keep=2, every_keep=3)
+    kept = sorted(p.name for p in (tmp_path / HISTORY).iterdir())
+    assert kept == [f"step-{s:08d}.{kind}" for s in (3, 6, 7) for kind in ("pt", "target_encoder.safetensors")]
+    assert (tmp_path / CHECKPOINT).samefile(tmp_path / HISTORY / "step-00000007.pt"), "the newest costs no space"
+    assert torch.load(tmp_path / HISTORY / "step-00000003.pt", weights_only=True)["step"] == 3
+    assert load_checkpoint(tmp_path)["step"] == 7
+
+
+def test_encoders_are_safetensors_with_their_step(tmp_path):
+    from safetensors import safe_open
+
+    save_encoders(
+        tmp_path, {"target_encoder": {"w": torch.arange(3.0)}, "context_encoder": {"w": torch.ones(3)}}, 9, {}
+    )
+    with safe_open(str(tmp_path / "target_encoder.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "9" and torch.equal(f.get_tensor("w"), torch.arange(3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoints",
+        "context_encoder.safetensors",
+        "target_encoder.safetensors",
+    ]

@@ -3,35 +3,49 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import (
+    EXACT_STEPS,
     LOSS_KEYS,
     REFERENCE_STEPS,
+    TINY_TRAIN,
+    assert_close_runs,
     kill_tree,
     metrics,
     run_command,
+    sets,
+    start,
     start_tcjepa,
     tcjepa,
     torchrun,
     train_args,
 )
+from train.checkpoint import checkpoint_step, has_checkpoint
 
 
 def _wait_for_checkpoint(proc, run: Path) -> int:
-    """Wait until the run has written its first checkpoint, then kill the run and everything it started; its step."""
+    """Wait until the run has written its first checkpoint (either format), then kill the run and everything it
+    started; its step."""
     deadline = time.monotonic() + 300
-    while not (run / "checkpoint.pt").exists():
+    while not has_checkpoint(run):
         assert proc.poll() is None, "the run ended before its first checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.05)
     kill_tree(proc)
-    return torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+    step = checkpoint_step(run)
+    assert step is not None
+    return step
 
 
 def test_run_writes_config_index_checkpoint_metrics_and_plot(reference_run):
@@ -154,6 +168,157 @@ def test_a_bad_setting_is_one_line_from_deep_inside_the_trainer(tmp_path, synth_
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-1] == "error: patch_size 7 does not divide image_size 64", proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# TINY_TRAIN without its explicit val_images and min_context, textless: a first run at the automatic settings.
+FIRST_RUN = [
+    *("--conditioning", "none", "--model", "vit_tiny", "--batch-size", "8", "--no-progress"),
+    *sets("depth=2", "predictor_width=96", "predictor_depth=2", "num_workers=0"),
+]
+
+
+@pytest.fixture(scope="module")
+def twenty_images(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synth20")
+    tcjepa("synth", "--out", out, "--n-images", 20, "--seed", 5)
+    return out / "images"
+
+
+@pytest.mark.slow
+def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retry_is_accepted(tmp_path, twenty_images):
+    """20 images at the default settings, patch 16 on 64 px: a validation set of 10% and a min_context scaled to the
+    4×4 grid, each said in one line; an explicit impossible value is refused in one line and leaves no config, so the
+    corrected command runs into the same --out."""
+    run = tmp_path / "run"
+    small = ["train", twenty_images, "--out", run, *FIRST_RUN, "--patch-size", "16", "--image-size", "64"]
+    refused = tcjepa(*small, "--steps", "2", "--set", "val_images=20", check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+        "error: val_images 20: only 20 images, so at most 19 can be held out"
+    ), refused.stderr
+    assert not (run / "config.yaml").exists()
+    done = tcjepa(*small, "--steps", "2")
+    said = done.stderr.splitlines()
+    assert any(line.startswith("val_images: 2 of the 20 images held out for validation") for line in said), said
+    assert any(line.startswith("min_context: 1 patch(es) on the 4×4 grid") for line in said), said
+    assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 2
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert (saved["val_images"], saved["min_context"]) == (0, 0), "the config keeps what was asked: automatic"
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["config"]["min_context"] == 1
+
+
+@pytest.mark.slow
+def test_a_first_run_at_the_default_patch_size_on_twenty_images_trains(tmp_path, twenty_images):
+    done = tcjepa("train", twenty_images, "--out", tmp_path / "run", *FIRST_RUN, "--image-size", "64", "--steps", "1")
+    assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 1
+
+
+@pytest.mark.slow
+def test_a_run_started_with_relative_paths_resumes_from_another_directory(tmp_path, synth_dir):
+    """Paths in the saved config are absolute: a run started in one directory with relative paths continues from
+    another with nothing but its --out."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    images = os.path.relpath(synth_dir / "images", here)
+    args = ["train", images, "--out", "run", *TINY_TRAIN, "--conditioning", "none", *REFERENCE_STEPS]
+    killed_at = _wait_for_checkpoint(start_tcjepa(*args, quiet=True, cwd=here), here / "run")
+    assert killed_at < 12
+    assert yaml.safe_load((here / "run" / "config.yaml").read_text())["images"] == [str(synth_dir / "images")]
+    resumed = tcjepa("train", "--out", os.path.relpath(here / "run", elsewhere), "--resume", cwd=elsewhere)
+    assert f"at step {killed_at}" in resumed.stderr
+    assert [m["step"] for m in metrics(here / "run") if "val_loss_predict" in m] == [4, 8, 12]
+
+
+def _signal_once_training(proc, run: Path, process: Any) -> None:
+    """Send SIGUSR1 to `process` (the run or one of its workers) once the run has logged a training step."""
+    deadline = time.monotonic() + 300
+    while not any("loss" in m for m in (metrics(run) if (run / "metrics.jsonl").exists() else [])):
+        assert proc.poll() is None, "the run ended before it trained"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+
+
+@pytest.mark.slow
+def test_a_preempted_run_checkpoints_exits_75_and_resumes_to_the_uninterrupted_end(
+    tmp_path, synth_dir, annotated_cache, annotated_store, reference_run
+):
+    """SIGUSR1 (Slurm's warning before the time limit): the step finishes, a checkpoint is written, the command exits
+    75 with one `stopped:` line; the same command then ends where an uninterrupted run ends, metrics and weights."""
+    run = tmp_path / "preempted"
+    args = train_args(synth_dir / "images", annotated_cache, annotated_store, run, *REFERENCE_STEPS)
+    proc = start_tcjepa(*args)
+    _signal_once_training(proc, run, proc)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: SIGUSR1 received: stopped after step "), err[-3000:]
+    stopped_at = int(last.split("after step ")[1].split(" of 12")[0])
+    assert stopped_at < 12, "the signal came too late to test a resume"
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == stopped_at
+    resumed = tcjepa(*args)
+    assert f"resuming {run} at step {stopped_at}" in resumed.stderr
+    got, want = metrics(run), metrics(reference_run)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got, want):
+        for key in (*LOSS_KEYS, "lr", "wd", "ema", "val_loss_predict", "val_rankme"):
+            assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
+    mine = torch.load(run / "checkpoint.pt", weights_only=True)
+    theirs = torch.load(reference_run / "checkpoint.pt", weights_only=True)
+    for part in ("model", "target"):
+        assert all(torch.equal(mine[part][k], theirs[part][k]) for k in theirs[part]), part
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_signal_to_one_process_under_torchrun_stops_every_rank_after_the_same_step(
+    tmp_path, synth_dir, annotated_cache, annotated_store, exact_run
+):
+    """Only rank 1 gets SIGUSR1: the ranks agree (an all-reduced flag), both stop after the same step with one
+    checkpoint, and the run continues on one process as if it had never stopped."""
+    import psutil
+
+    run = tmp_path / "agreed"
+    args = train_args(synth_dir / "images", annotated_cache, annotated_store, run, *EXACT_STEPS)
+    proc = start(torchrun(*args))
+    deadline = time.monotonic() + 300
+    rank_1 = None
+    while rank_1 is None:
+        assert proc.poll() is None and time.monotonic() < deadline
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with suppress(psutil.Error):
+                if child.environ().get("RANK") == "1" and "pipeline" in child.cmdline():
+                    rank_1 = child
+        time.sleep(0.05)
+    _signal_once_training(proc, run, rank_1)
+    _, err = proc.communicate(timeout=300)
+    stops = [line for line in err.splitlines() if line.startswith("stopped: SIGUSR1 received")]
+    assert len(stops) == 2 and len(set(stops)) == 1, err[-4000:]
+    stopped_at = int(stops[0].split("after step ")[1].split(" of 8")[0])
+    assert stopped_at < 8 and torch.load(run / "checkpoint.pt", weights_only=True)["step"] == stopped_at
+    tcjepa(*args)
+    assert_close_runs(metrics(exact_run), metrics(run))
+
+
+@pytest.mark.slow
+def test_checkpoints_keep_the_newest_and_every_nth_with_the_encoders_as_safetensors(tmp_path, synth_dir):
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    every = sets("log_every=1", "val_every=5", "checkpoint_every=1", "checkpoint_keep=2", "checkpoint_every_keep=2")
+    tcjepa(*train_args(synth_dir / "images", None, None, run, "--conditioning", "none", "--steps", "5", *every))
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    names = ("pt", "context_encoder.safetensors", "target_encoder.safetensors")
+    assert kept == sorted(f"step-{s:08d}.{n}" for s in (2, 4, 5) for n in names)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    target, context = load_file(run / "target_encoder.safetensors"), load_file(run / "context_encoder.safetensors")
+    assert target.keys() == state["target"].keys() and all(
+        torch.equal(v, state["target"][k]) for k, v in target.items()
+    )
+    assert all(torch.equal(v, state["model"][f"encoder.{k}"]) for k, v in context.items())
+    assert len(context) == len([k for k in state["model"] if k.startswith("encoder.")])
+    exported = json.loads(tcjepa("export", run, "--out", tmp_path / "export").stdout)
+    assert exported["step"] == 5
 
 
 def test_resume_needs_a_checkpoint(tmp_path, synth_dir):

@@ -63,7 +63,7 @@ def test_an_old_runs_value_is_read_as_what_it_meant(capsys):
         ({"target_scale": [0.3, 0.2]}, "mask settings: target_scale must be ordered"),
         ({"steps": 0}, "steps must be at least 1, got 0"),
         ({"min_coverage": 1.5}, "min_coverage must be in [0, 1]"),
-        ({"num_workers": -1}, "warmup_steps and num_workers must be >= 0"),
+        ({"num_workers": -1}, "warmup_steps, num_workers, val_images and min_context must be >= 0"),
         ({"lambda_sparse": -0.1}, "lambda_sparse and beta_consistency must be >= 0"),
         ({"crop_scale": [0.5, 1.5]}, "crop_scale must satisfy 0 < low <= high <= 1"),
         ({"cache": None}, "conditioning cross needs --cache and --store (or use --conditioning none)"),
@@ -156,3 +156,55 @@ def test_a_directory_that_is_not_a_run_is_refused(tmp_path, synth_dir):
     with pytest.raises(UserError, match="is a non-empty directory that is not a tcjepa run"):
         run_training(cfg, tmp_path / "mine", progress=False)
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
+def test_automatic_settings_fit_a_small_folder_and_say_so(capsys):
+    from train.config import resolve_automatic
+
+    small = resolve_automatic(TrainConfig(patch_size=16, image_size=64), 20)
+    assert (small.val_images, small.min_context) == (2, 1)
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith("val_images: 2 of the 20 images held out for validation (automatic")
+    assert said[1].startswith("min_context: 1 patch(es) on the 4×4 grid (automatic")
+    large = resolve_automatic(TrainConfig(), 100_000, say=False)
+    assert (large.val_images, large.min_context) == (32, 10), "the defaults of I-JEPA's 14×14 grid are kept"
+    assert resolve_automatic(TrainConfig(patch_size=8, image_size=64), 5, say=False).val_images == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_explicit_settings_are_honoured_or_refused_in_one_line(capsys):
+    from train.config import resolve_automatic
+
+    kept = resolve_automatic(TrainConfig(val_images=7, min_context=2, patch_size=16, image_size=64), 20)
+    assert (kept.val_images, kept.min_context) == (7, 2) and capsys.readouterr().err == ""
+    for cfg, n, message in (
+        (TrainConfig(val_images=20), 20, "val_images 20: only 20 images, so at most 19 can be held out"),
+        (TrainConfig(), 1, "only 1 image(s) indexed: training needs at least 2"),
+    ):
+        with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+            resolve_automatic(cfg, n)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(UserError) as caught:
+        validate(TrainConfig(conditioning="none", patch_size=16, image_size=64, min_context=12))
+    assert str(caught.value).startswith(
+        "min_context 12 was given explicitly: mask settings leave no context on this 4×4"
+    )
+    validate(TrainConfig(conditioning="none", patch_size=16, image_size=64))
+
+
+def test_local_paths_become_absolute_and_urls_stay(tmp_path, monkeypatch):
+    from train.config import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hfdir").mkdir()
+    cfg = absolute_paths(
+        TrainConfig(
+            images=["imgs", "hf:hfdir[train]", "hf:org/name", "s3://b/x.tar"],
+            cache="c",
+            store="s3://b/store",
+            init="../w.pth.tar",
+        )
+    )
+    assert cfg.images == [str(tmp_path / "imgs"), f"hf:{tmp_path / 'hfdir'}[train]", "hf:org/name", "s3://b/x.tar"]
+    assert (cfg.cache, cfg.store, cfg.mirror) == (str(tmp_path / "c"), "s3://b/store", None)
+    assert cfg.init == str(tmp_path.parent / "w.pth.tar")

@@ -1,11 +1,16 @@
 """Checkpoints: written atomically, loaded with `weights_only=True`, never silently skipped.
 
 Two formats, one per run:
-- `checkpoint.pt` (one process, DDP): plain full state dicts, the step and the resolved config, written by rank 0;
+- `checkpoint.pt` (one process, DDP): plain full state dicts, the step and the resolved config, written by rank 0,
+  also named `checkpoints/step-N.pt` (hard links: no extra space), of which the newest `checkpoint_keep` and every
+  `checkpoint_every_keep`-th are kept;
 - `sharded_checkpoint/` (FSDP): each process writes its own shards with `torch.distributed.checkpoint` (DCP), so a
   1 B-parameter model and its optimizer state are never gathered on one rank; `latest.json` names the newest
   complete one (with its step and config) and is written only after every shard is. DCP reshards on load, so such
   a run resumes on any number of processes.
+
+Either way the two encoders also go to `target_encoder.safetensors` and `context_encoder.safetensors` beside them
+(and `checkpoints/step-N.NAME.safetensors`), readable without torch.
 
 `load_checkpoint` gives full state dicts whatever the format (evaluation reads runs through it). A checkpoint that
 exists but cannot be read stops the run with a clear message (the reference code swallowed such errors and
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -32,6 +38,10 @@ from pipeline.core.fsutil import atomic_write_bytes, fsync_dir
 CHECKPOINT = "checkpoint.pt"
 SHARDED = "sharded_checkpoint"
 LATEST = "latest.json"
+HISTORY = "checkpoints"  # step-N.pt (and step-N.NAME.safetensors): the checkpoints kept
+ENCODERS = ("target_encoder", "context_encoder")
+ENCODER_SUFFIX = ".safetensors"
+ENCODER_FORMAT = "tcjepa-encoder-state"
 
 
 class _WriteErrorKeeper:
@@ -52,12 +62,52 @@ class _WriteErrorKeeper:
         self.file.flush()
 
 
-def save_checkpoint(run: Path, state: dict[str, Any]) -> Path:
-    """Write `run/checkpoint.pt` via a temporary file, fsync and rename: a crash leaves the previous one intact."""
+def _link_or_copy(source: Path, link: Path) -> None:
+    """`link` names `source`'s bytes: a hard link (no space), or a copy where the file system has none."""
+    link.unlink(missing_ok=True)  # left by a run killed after linking this very step
+    try:
+        os.link(source, link)
+    except OSError:
+        shutil.copyfile(source, link)
+
+
+def _history_step(path: Path) -> int | None:
+    match = re.fullmatch(r"step-(\d+)(\..*)?", path.name)
+    return int(match.group(1)) if match else None
+
+
+def kept_steps(steps: list[int], keep: int, every_keep: int) -> set[int]:
+    """The checkpoints to keep: the newest `keep`, and every step that is a multiple of `every_keep` (when > 0)."""
+    newest = sorted(steps)[-keep:] if keep > 0 else []
+    return set(newest) | {s for s in steps if every_keep > 0 and s % every_keep == 0}
+
+
+def prune_history(directory: Path, keep: int, every_keep: int) -> None:
+    """Remove the files (or directories) `step-N*` of `directory` whose step `kept_steps` does not keep."""
+    if not directory.is_dir():
+        return
+    entries = [(p, _history_step(p)) for p in directory.iterdir()]
+    steps = [step for _, step in entries if step is not None]
+    kept = kept_steps(sorted(set(steps)), keep, every_keep)
+    for path, step in entries:
+        if step is not None and step not in kept:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def save_checkpoint(run: Path, state: dict[str, Any], keep: int = 2, every_keep: int = 0) -> Path:
+    """Write `run/checkpoint.pt` via a temporary file, fsync and rename: a crash leaves the previous one intact.
+
+    The same bytes are also named `checkpoints/step-N.pt` (a hard link); the newest `keep` of those, and every
+    `every_keep`-th step, are kept, the others removed.
+    """
     final = run / CHECKPOINT
     tmp = run / f".{CHECKPOINT}.{os.getpid()}.tmp"
     for stale in run.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed while saving
         stale.unlink(missing_ok=True)
+    history = run / HISTORY
     try:
         with open(tmp, "wb") as f:
             writer = _WriteErrorKeeper(f)
@@ -69,12 +119,39 @@ def save_checkpoint(run: Path, state: dict[str, Any]) -> Path:
                 raise
             f.flush()
             os.fsync(f.fileno())
+        history.mkdir(exist_ok=True)
+        _link_or_copy(tmp, history / f"step-{int(state['step']):08d}.pt")
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(run)
+    prune_history(history, keep, every_keep)
     return final
+
+
+def save_encoders(run: Path, encoders: dict[str, dict[str, torch.Tensor]], step: int, config: dict[str, Any]) -> None:
+    """Each encoder's state dict (`target_encoder`, `context_encoder`) as `run/NAME.safetensors`, for tools that
+    read weights without torch.load, and under `checkpoints/step-N.NAME.safetensors` (pruned with the checkpoints).
+
+    The step and the run's config go in the files' metadata. Written before `checkpoint.pt`, so a checkpoint's
+    encoders are there whenever it is.
+    """
+    from safetensors.torch import save_file
+
+    history = run / HISTORY
+    history.mkdir(exist_ok=True)
+    metadata = {"format": ENCODER_FORMAT, "step": str(step), "config": json.dumps(config)}
+    for name, state in encoders.items():
+        tmp = run / f".{name}{ENCODER_SUFFIX}.tmp"
+        try:
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+            _link_or_copy(tmp, history / f"step-{step:08d}.{name}{ENCODER_SUFFIX}")
+            os.replace(tmp, run / f"{name}{ENCODER_SUFFIX}")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    fsync_dir(run)
 
 
 def _damaged(path: Path, exc: Exception) -> UserError:
@@ -135,9 +212,12 @@ def _one_process_meant() -> Iterator[None]:
         yield
 
 
-def save_sharded_checkpoint(run: Path, state: dict[str, Any], step: int, config: dict[str, Any]) -> Path:
+def save_sharded_checkpoint(
+    run: Path, state: dict[str, Any], step: int, config: dict[str, Any], keep: int = 2, every_keep: int = 0
+) -> Path:
     """Every process writes its shards of `state` (DTensor or plain state dicts) to `sharded_checkpoint/step-N/`;
-    then rank 0 points `latest.json` at it and removes older ones. A collective: every rank calls it.
+    then rank 0 points `latest.json` at it and removes the older ones `kept_steps` does not keep. A collective:
+    every rank calls it.
 
     A run killed while saving leaves `latest.json` on the previous, complete checkpoint.
     """
@@ -157,9 +237,7 @@ def save_sharded_checkpoint(run: Path, state: dict[str, Any], step: int, config:
         dcp.save(state, checkpoint_id=target, no_dist=not distributed)
     if main:  # dcp.save returns once the metadata, written after every rank's shards, is on disk
         atomic_write_bytes(root / LATEST, json.dumps({"step": step, "dir": name, "config": config}).encode())
-        for old in root.glob("step-*"):
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
+        prune_history(root, keep, every_keep)
     return target
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import sys
 import types
 import typing
@@ -21,8 +22,16 @@ import yaml
 from pipeline.core.devices import DEVICE_HELP
 from pipeline.core.errors import UserError
 from pipeline.core.keyvalues import parse_key_values
+from pipeline.core.sources import HF_PREFIX
 from train.choices import CONDITIONING, CONTEXT_EQUALISE, DECODERS, LOSSES, MODELS, POOLING, VIT_SIZES
-from train.masks import MaskConfig
+from train.masks import MaskConfig, sample_masks
+
+# The automatic validation set: this many images, or 10% of them when that is fewer.
+DEFAULT_VAL_IMAGES = 32
+# The automatic min_context: I-JEPA's 10 context patches on its 14×14 grid, scaled to the run's grid.
+REFERENCE_MIN_CONTEXT, REFERENCE_GRID_PATCHES = 10, 14 * 14
+# Steps whose masks `validate` draws to refuse mask settings that leave no context before anything is built.
+MASK_CHECK_STEPS = 8
 
 # Values an older tcjepa wrote that mean something else now: (key, old value) -> (new value, why).
 RENAMED_VALUES: dict[tuple[str, Any], tuple[Any, str]] = {
@@ -68,7 +77,10 @@ class TrainConfig:
         8, "N: captions per image per step (a random N of those available when there are more)"
     )
     max_words: int = setting(128, "longest caption, in tokens, fed to the predictor (longer ones are cut)")
-    val_images: int = setting(32, "images held out for the fixed validation batch")
+    val_images: int = setting(
+        0,
+        f"images held out for the fixed validation batch (0: automatic, min({DEFAULT_VAL_IMAGES}, 10% of the images))",
+    )
     crop_scale: tuple[float, float] = setting((0.3, 1.0), "random resized crop: range of the crop's area fraction")
     crop_ratio: tuple[float, float] = setting(
         (0.75, 1.3333333333333333), "random resized crop: range of the crop's aspect ratio"
@@ -114,7 +126,9 @@ class TrainConfig:
     )
     context_aspect: tuple[float, float] = setting(MaskConfig.context_aspect, "context block aspect ratio")
     min_context: int = setting(
-        MaskConfig.min_context, "fewest context patches an image may keep after removing targets"
+        0,
+        "fewest context patches an image may keep after removing targets (0: automatic, I-JEPA's 10 per 14×14 grid "
+        "scaled to this grid, at least 1)",
     )
     context_equalise: str = setting(
         MaskConfig.context_equalise,
@@ -166,9 +180,26 @@ class TrainConfig:
         False, "with fsdp: HSDP, parameters sharded across a node's GPUs and replicated across nodes (2-D mesh)"
     )
     ddp_bucket_mb: int = setting(25, "DDP gradient bucket size in MiB (bigger: fewer all-reduces, less overlap)")
-    log_every: int = setting(10, "steps between metrics.jsonl lines")
+    log_every: int = setting(
+        10,
+        "steps between metrics.jsonl lines (and, with --no-progress, lines on stderr: loss terms, lr, images/s, ETA)",
+    )
+    log: list[str] = setting(
+        [],
+        "also send the metrics to: tensorboard (event files in RUN/tensorboard; pip install tensorboard), wandb "
+        "(Weights & Biases, project tcjepa; WANDB_MODE=offline works without an account)",
+    )
     val_every: int = setting(100, "steps between validation passes")
     checkpoint_every: int = setting(200, "steps between checkpoints")
+    checkpoint_keep: int = setting(2, "checkpoints kept: the newest this many (older ones are removed)")
+    checkpoint_every_keep: int = setting(
+        0, "also keep for good every checkpoint whose step is a multiple of this (as I-JEPA's -epN; 0: none)"
+    )
+    init: str | None = setting(
+        None,
+        "start from these weights instead of random ones: a tcjepa run directory, a `tcjepa export` directory or an "
+        "official I-JEPA checkpoint (.pth.tar); a run that has a checkpoint resumes from it instead",
+    )
 
     @property
     def text_cache(self) -> str:
@@ -197,8 +228,11 @@ RUNTIME_ONLY = {
     "shard_within_node",
     "ddp_bucket_mb",
     "log_every",
+    "log",
     "val_every",
     "checkpoint_every",
+    "checkpoint_keep",
+    "checkpoint_every_keep",
     "images",
     "cache",
     "store",
@@ -301,6 +335,30 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
 
 
+def absolute_paths(config: TrainConfig) -> TrainConfig:
+    """`config` with its local paths (images, an `hf:` local data directory, cache, store, mirror, init) made
+    absolute, so that the saved config resumes from any directory; URLs and hub ids stay as they are."""
+    from pipeline.core.remote import is_remote
+
+    def absolute(location: str | None) -> str | None:
+        if location is None or is_remote(location):
+            return location
+        if location.startswith(HF_PREFIX):
+            body = location[len(HF_PREFIX) :]
+            name, bracket, split = body.partition("[")
+            return f"{HF_PREFIX}{os.path.abspath(name)}{bracket}{split}" if Path(name).exists() else location
+        return os.path.abspath(os.path.expanduser(location))
+
+    return dataclasses.replace(
+        config,
+        images=[str(absolute(p)) for p in config.images],
+        cache=absolute(config.cache),
+        store=absolute(config.store),
+        mirror=absolute(config.mirror),
+        init=absolute(config.init),
+    )
+
+
 def differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     """Keys (other than runtime-only ones) whose value differs between a saved run and this config."""
     now, saved = to_dict(current), upgrade(saved)
@@ -327,6 +385,7 @@ POSITIVE = (
     "log_every",
     "val_every",
     "checkpoint_every",
+    "checkpoint_keep",
     "accum_steps",
     "ddp_bucket_mb",
 )
@@ -342,8 +401,10 @@ def validate(config: TrainConfig) -> None:
             raise UserError(f"{key} must be at least 1, got {getattr(config, key)}")
     if config.image_size % config.patch_size:
         raise UserError(f"patch_size {config.patch_size} does not divide image_size {config.image_size}")
-    if config.warmup_steps < 0 or config.num_workers < 0 or config.val_images < 1:
-        raise UserError("warmup_steps and num_workers must be >= 0 and val_images >= 1")
+    if min(config.warmup_steps, config.num_workers, config.val_images, config.min_context) < 0:
+        raise UserError("warmup_steps, num_workers, val_images and min_context must be >= 0 (0: automatic)")
+    if config.checkpoint_every_keep < 0:
+        raise UserError(f"checkpoint_every_keep must be >= 0 (0: none), got {config.checkpoint_every_keep}")
     if not 0.0 <= config.min_coverage <= 1.0:
         raise UserError(f"min_coverage must be in [0, 1], got {config.min_coverage}")
     if config.lambda_sparse < 0 or config.beta_consistency < 0:
@@ -375,14 +436,62 @@ def validate(config: TrainConfig) -> None:
     if config.conditioning != "none" and not (config.cache and config.store):
         raise UserError(f"conditioning {config.conditioning} needs --cache and --store (or use --conditioning none)")
     try:
-        MaskConfig(
-            config.num_targets,
-            config.target_scale,
-            config.target_aspect,
-            config.context_scale,
-            config.context_aspect,
-            config.min_context,
-            config.context_equalise,
-        )
+        masks = mask_settings(config)
     except ValueError as exc:
         raise UserError(f"mask settings: {exc}") from None
+    grid = (config.image_size // config.patch_size,) * 2
+    for step in range(MASK_CHECK_STEPS):
+        try:
+            sample_masks(masks, grid, config.seed, step, config.batch_size)
+        except ValueError as exc:
+            given = f"min_context {config.min_context} was given explicitly: " if config.min_context else ""
+            raise UserError(f"{given}{exc}") from None
+
+
+def mask_settings(config: TrainConfig) -> MaskConfig:
+    """The run's mask settings, with an automatic `min_context` resolved for its grid."""
+    return MaskConfig(
+        config.num_targets,
+        config.target_scale,
+        config.target_aspect,
+        config.context_scale,
+        config.context_aspect,
+        config.min_context or automatic_min_context(config.image_size // config.patch_size),
+        config.context_equalise,
+    )
+
+
+def automatic_min_context(grid_side: int) -> int:
+    """I-JEPA's 10 context patches of 196, scaled to a `grid_side`² grid (4×4: 1, 8×8: 3, 14×14: 10)."""
+    return max(1, round(REFERENCE_MIN_CONTEXT * grid_side * grid_side / REFERENCE_GRID_PATCHES))
+
+
+def resolve_automatic(config: TrainConfig, n_images: int, say: bool = True) -> TrainConfig:
+    """`config` with its automatic settings (0) chosen for this data and grid, each said in one stderr line when
+    `say`; an explicit value that cannot work with `n_images` is refused in one line."""
+    if n_images < 2:
+        raise UserError(f"only {n_images} image(s) indexed: training needs at least 2 (one is held out for validation)")
+    val_images, min_context = config.val_images, config.min_context
+    if val_images >= n_images:
+        raise UserError(
+            f"val_images {val_images}: only {n_images} images, so at most {n_images - 1} can be held out for "
+            "validation; lower val_images, or set it to 0 for the automatic min(32, 10%)"
+        )
+    lines = []
+    if val_images == 0:
+        val_images = max(1, min(DEFAULT_VAL_IMAGES, n_images // 10))
+        lines.append(
+            f"val_images: {val_images} of the {n_images} images held out for validation (automatic: "
+            f"min({DEFAULT_VAL_IMAGES}, 10%); set val_images to choose)"
+        )
+    if min_context == 0:
+        side = config.image_size // config.patch_size
+        min_context = automatic_min_context(side)
+        lines.append(
+            f"min_context: {min_context} patch(es) on the {side}×{side} grid (automatic: 10 per 14×14, scaled; "
+            "set min_context to choose)"
+        )
+    if say:
+        for line in lines:
+            print(line, file=sys.stderr)
+    return dataclasses.replace(config, val_images=val_images, min_context=min_context)

@@ -30,7 +30,7 @@ import torch
 from embedding_cache.reader import EmbeddingReader, Spans
 from pipeline.core.images import MIN_SIDE, ImagePolicy, open_image, oriented_size
 from pipeline.core.sources import ImageReader
-from train.config import TrainConfig
+from train.config import TrainConfig, mask_settings
 from train.data_index import TrainIndex
 from train.images import EncodedImages, crop_resize, device_decodable
 from train.masks import MaskConfig, Masks, sample_masks
@@ -46,15 +46,7 @@ VALIDATION_STEP = 2**62
 
 
 def mask_config(cfg: TrainConfig) -> MaskConfig:
-    return MaskConfig(
-        cfg.num_targets,
-        cfg.target_scale,
-        cfg.target_aspect,
-        cfg.context_scale,
-        cfg.context_aspect,
-        cfg.min_context,
-        cfg.context_equalise,
-    )
+    return mask_settings(cfg)
 
 
 def split_images(n: int, val_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,12 +13,14 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -35,21 +37,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pipeline.core.devices import resolve_device
-from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.errors import DataProblem, Stopped, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from train.checkpoint import (
     checkpoint_step,
+    has_checkpoint,
     load_full_checkpoint,
     load_sharded_into,
     save_checkpoint,
+    save_encoders,
     save_sharded_checkpoint,
     sharded_checkpoint,
 )
-from train.config import TrainConfig, differences, to_dict, validate
+from train.config import TrainConfig, absolute_paths, differences, resolve_automatic, to_dict, validate
 from train.data import StepBatches, device_decoding, split_images
 from train.data_index import TrainIndex, build_index, verify_images
+from train.initial import initialise
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, plot_curves
+from train.reporting import Progress, check_loggers
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import TrainStep, make_optimizer, on_device, use_tensor_cores
 from train.validation import validate_in_chunks
@@ -59,6 +65,8 @@ CONFIG = "config.yaml"
 INDEX = "index.parquet"
 TEXT_ENCODER = "text_encoder.json"
 T = TypeVar("T")
+# What Slurm (`--signal`) and Kubernetes send before they kill a job: finish the step, checkpoint, exit 75.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @dataclass
@@ -117,10 +125,12 @@ def agreed(rt: Runtime, step: Callable[[], T], on: bool) -> T | None:
 
 
 def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None) -> FileLock | None:
-    """Create RUN, lock it (rank 0) and save the resolved config; refuse a RUN made with a different config.
+    """Create RUN and lock it (rank 0); refuse a RUN made with a different config.
 
     The lock (an flock, gone with the process even on SIGKILL) stops a second trainer
-    from writing into a run that is still going.
+    from writing into a run that is still going. `config.yaml` is written later, by `save_config`, once the
+    settings proved valid on the data: a RUN without it holds at most what a refused start left (its index and
+    text-encoder record), which is removed here so that a corrected retry into the same RUN starts clean.
     """
     saved_path = run / CONFIG
     if saved_path.exists():
@@ -131,7 +141,7 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
             raise UserError(f"{run} holds a run with another config ({details}); use a new --out or the same settings")
 
     def claim() -> FileLock:
-        if not saved_path.exists() and run.exists() and any(p.name != ".lock" for p in run.iterdir()):
+        if not saved_path.exists() and run.exists() and any(not _left_by_a_start(p) for p in run.iterdir()):
             raise UserError(f"--out {run} is a non-empty directory that is not a tcjepa run; choose a new directory")
         run.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(run / ".lock"))
@@ -141,12 +151,31 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
             raise UserError(
                 f"{run} is in use by another `tcjepa train` (it holds {run / '.lock'}); wait for it or stop it"
             ) from None
-        atomic_write_bytes(saved_path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())
+        if not saved_path.exists():
+            for leftover in run.iterdir():
+                if leftover.name != ".lock":
+                    leftover.unlink()
         if store_dir is not None:
             check_text_encoder(store_dir, cfg.store, run)
         return lock
 
     return agreed(rt, claim, on=rt.main)
+
+
+def _left_by_a_start(path: Path) -> bool:
+    """What a start refused before it saved its config leaves in RUN: the lock, the index, the encoder record and
+    their temporaries."""
+    name = path.name
+    return path.is_file() and (
+        name in (".lock", INDEX, TEXT_ENCODER) or name.startswith((f".{INDEX}.", f".{TEXT_ENCODER}."))
+    )
+
+
+def save_config(cfg: TrainConfig, run: Path, rt: Runtime) -> None:
+    """Write RUN/config.yaml (the settings as asked, automatic ones as 0): the mark of a run whose settings work."""
+    agreed(
+        rt, lambda: atomic_write_bytes(run / CONFIG, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode()), rt.main
+    )
 
 
 def check_text_encoder(store_dir: Path, given: str | None, run: Path) -> None:
@@ -258,12 +287,56 @@ def text_width(cfg: TrainConfig) -> int | None:
     return EmbeddingStore(cfg.text_store).width
 
 
+class StopRequests:
+    """Records a stop signal (SIGTERM, SIGUSR1) while training, and lets every process agree on it after a step.
+
+    The handler only notes the signal; the loop asks `agreed()` after each step. Under torchrun the processes
+    all-reduce their flags (on a CPU gloo group, so no GPU stream is waited for) and stop after the same step
+    even when the signal reached them at different steps.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.signal: int | None = None
+        self.group = None
+        if rt.world > 1:
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        """Stop signals are noted, not fatal, inside the block; the previous handlers come back after it."""
+        previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def agreed(self) -> int | None:
+        """The stop signal any process received (the highest number), or None to go on."""
+        if self.rt.world == 1:
+            return self.signal
+        flag = torch.tensor([self.signal or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item()) or None
+
+
+def _ignore_stop_signals(worker: int) -> None:
+    """DataLoader workers leave stop signals sent to the whole process group to the trainer, which ends them."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class Trainer:
     """One training run on this process: joins the process group, builds the index (rank 0), the models, the data
     and the optimizer, and resumes from the run's checkpoint when there is one. `run()` trains."""
 
     def __init__(self, cfg: TrainConfig, run: Path, progress: bool = True) -> None:
         validate(cfg)
+        check_loggers(cfg.log)
         self.run_dir = run
         self.progress = progress
         self.rt = start_runtime(cfg)
@@ -272,15 +345,20 @@ class Trainer:
                 f"each of the {self.rt.world} processes gets {cfg.batch_size // self.rt.world} images per step, not "
                 f"divisible by accum_steps {cfg.accum_steps}"
             )
+        cfg = absolute_paths(cfg)
         for_index = inputs_for_index(cfg, self.rt)
         self.run_lock = prepare_run(
             cfg, run, self.rt, Path(for_index.text_store) if cfg.conditioning != "none" else None
         )
         self.index = load_or_build_index(for_index, run, self.rt, progress)
+        for_index = resolve_automatic(for_index, len(self.index.refs), say=self.rt.main)
+        save_config(cfg, run, self.rt)
         self.cfg = cfg = inputs_for_training(cfg, for_index, self.index, self.rt)
         train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(cfg, text_width(cfg))
+        if cfg.init is not None and not has_checkpoint(run):
+            initialise(Path(cfg.init), self.model, self.target, say=self.rt.main)
         self.model.to(self.rt.device)
         self.target.to(self.rt.device)
         self.dataset = StepBatches(
@@ -300,6 +378,7 @@ class Trainer:
         self.train_module = wrap_models(self.model, self.target, cfg, self.rt.device)
         self.optimizer = make_optimizer(self.model, cfg, self.rt.device)
         self.step = TrainStep(self.model, self.train_module, self.target, self.optimizer, cfg, self.rt.device)
+        self.stops = StopRequests(self.rt)
         self.start_step = self._resume()
         if self.start_step and self.rt.main:
             print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
@@ -334,19 +413,28 @@ class Trainer:
         return step
 
     def _save(self, step: int) -> None:
-        """FSDP: every process writes its shards (no gather); otherwise rank 0 writes full state dicts."""
-        if self.cfg.fsdp:
-            save_sharded_checkpoint(self.run_dir, self._sharded_state(), step, to_dict(self.cfg))
+        """FSDP: every process writes its shards (no gather); otherwise rank 0 writes full state dicts. Either way
+        rank 0 also writes the two encoders as safetensors (under FSDP gathered to it, on CPU: the encoders only)."""
+        cfg = self.cfg
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=full))
+        target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
+        if self.rt.main:
+            context = {k.removeprefix("encoder."): v for k, v in model.items() if k.startswith("encoder.")}
+            save_encoders(self.run_dir, {"target_encoder": target, "context_encoder": context}, step, to_dict(cfg))
+        if cfg.fsdp:
+            save_sharded_checkpoint(
+                self.run_dir, self._sharded_state(), step, to_dict(cfg), cfg.checkpoint_keep, cfg.checkpoint_every_keep
+            )
         elif self.rt.main:
-            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = {
-                "model": get_model_state_dict(self.model, options=full),
-                "target": get_model_state_dict(self.target, options=full),
+                "model": model,
+                "target": target,
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
                 "step": step,
-                "config": to_dict(self.cfg),
+                "config": to_dict(cfg),
             }
-            save_checkpoint(self.run_dir, state)
+            save_checkpoint(self.run_dir, state, cfg.checkpoint_keep, cfg.checkpoint_every_keep)
         barrier(self.rt)
 
     def _set_schedules(self, step: int) -> float:
@@ -366,6 +454,7 @@ class Trainer:
             pin_memory=self.rt.device.type == "cuda",
             prefetch_factor=4 if workers else None,
             persistent_workers=False,
+            worker_init_fn=_ignore_stop_signals,
         )
 
     def _mean_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
@@ -375,21 +464,27 @@ class Trainer:
         return values
 
     def run(self) -> list[dict[str, Any]]:
-        """Train from the start step to the last, logging, validating and checkpointing on schedule.
+        """Train from the start step to the last, logging, validating and checkpointing on schedule; on a stop
+        signal, finish the step, checkpoint and raise `Stopped`."""
+        progress = (
+            Progress(self.run_dir, to_dict(self.cfg), self.start_step, self.cfg.steps, self.progress, self.cfg.log)
+            if self.rt.main
+            else None
+        )
+        with self.stops.listening():
+            self._train(progress)
+        self._finish(progress)
+        return self.metrics.read() if self.rt.main else []
 
-        The host reads the device only where it logs (`log_every`), validates or checkpoints: a step itself queues
-        its work and moves on.
+    def _train(self, progress: Progress | None) -> None:
+        """The steps. The host reads the device only where it logs (`log_every`), validates or checkpoints: a step
+        itself queues its work and moves on.
         """
         cfg, rt = self.cfg, self.rt
         sums = torch.zeros(4, device=rt.device)
         replaced = 0
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
-        bar = None
-        if rt.main and self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr)
         self.train_module.train()
         batches = on_device(self._loader(), rt.device, cfg.accum_steps)
         for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
@@ -398,8 +493,8 @@ class Trainer:
             logged_steps += 1
             images_seen += cfg.batch_size
             replaced += batch.replaced
-            if bar is not None:
-                bar.update(1)
+            if progress is not None:
+                progress.step()
             if done % cfg.log_every == 0 or done == cfg.steps:
                 means = self._mean_across_ranks(sums / logged_steps).tolist()
                 if rt.world > 1:
@@ -421,29 +516,47 @@ class Trainer:
                     "images_per_s": images_seen / elapsed,
                     "images_replaced": replaced,
                 }
-                if rt.main:
+                if progress is not None:
                     self.metrics.append(record)
+                    progress.logged(record)
                 sums.zero_()
                 replaced = 0
                 logged_steps, images_seen, tick = 0, 0, time.perf_counter()
             if done % cfg.val_every == 0 or done == cfg.steps:
                 # Every rank validates (FSDP's forward is collective); rank 0 writes.
                 record = {"step": done, **self.validate()}
-                if rt.main:
+                if progress is not None:
                     self.metrics.append(record)
+                    progress.logged(record)
                     plot_curves(self.run_dir)
                 tick = time.perf_counter()
-            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-                if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
-                    self._stop_non_finite(done)
-                self._save(done)
-        if bar is not None:
-            bar.close()
+            saved = done % cfg.checkpoint_every == 0 or done == cfg.steps
+            if saved:
+                self._checkpoint(done, sums)
+            stop = self.stops.agreed() if done < cfg.steps else None
+            if stop is not None:
+                if not saved:
+                    self._checkpoint(done, sums)
+                self._finish(progress)
+                raise Stopped(
+                    f"{signal.Signals(stop).name} received: stopped after step {done} of {cfg.steps} with a "
+                    f"checkpoint in {self.run_dir}; run the same command again to continue"
+                )
+
+    def _checkpoint(self, step: int, sums: torch.Tensor) -> None:
+        """Save a checkpoint, unless the losses since the last log are not finite (then stop, keeping the last)."""
+        if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
+            self._stop_non_finite(step)
+        self._save(step)
+
+    def _finish(self, progress: Progress | None) -> None:
+        """Close the progress display and loggers, unlock RUN, leave the process group."""
+        if progress is not None:
+            progress.close()
         if self.run_lock is not None:
             self.run_lock.release()
-        if rt.world > 1:
+        if self.rt.world > 1:
             dist.destroy_process_group()
-        return self.metrics.read() if rt.main else []
 
     def _stop_non_finite(self, step: int) -> None:
         last = checkpoint_step(self.run_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 
 class UserError(Exception):
@@ -15,6 +16,15 @@ class UserError(Exception):
 
 class DataProblem(Exception):
     """`verify` found a cache or store inconsistent: the CLI prints ``problem: <message>`` and exits with status 1."""
+
+
+class Stopped(Exception):
+    """A long command stopped on request (SIGTERM, SIGUSR1: what Slurm and Kubernetes send before a kill) after
+    saving its progress. The CLI prints ``stopped: <message>`` and exits with `STOPPED_STATUS`, on which a job
+    script requeues; the same command then continues."""
+
+
+STOPPED_STATUS = os.EX_TEMPFAIL  # 75, sysexits.h: a temporary failure, try again
 
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
