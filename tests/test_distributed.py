@@ -90,7 +90,7 @@ def test_hsdp_on_two_nodes_of_two_equals_one(tmp_path, synth_dir, annotated_cach
     assert len(_shard_sizes(run)) == 4  # every process wrote its shards (replicas dedup: some may be empty)
 
 
-def test_a_sharded_checkpoint_resumes_on_exact_run_and_serves_eval_and_export(
+def test_a_sharded_checkpoint_resumes_on_one_process_and_serves_eval_and_export(
     tmp_path, synth_dir, annotated_cache, annotated_store, exact_run
 ):
     """Stopped under torchrun (2 processes, FSDP) after a checkpoint, the run continues on 1 process as if it had never
