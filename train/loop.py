@@ -487,61 +487,66 @@ class Trainer:
         tick, images_seen = time.perf_counter(), 0
         self.train_module.train()
         batches = on_device(self._loader(), rt.device, cfg.accum_steps)
-        for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
-            sums += self.step(micro, self._set_schedules(step))
-            done = step + 1
-            logged_steps += 1
-            images_seen += cfg.batch_size
-            replaced += batch.replaced
-            if progress is not None:
-                progress.step()
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                means = self._mean_across_ranks(sums / logged_steps).tolist()
-                if rt.world > 1:
-                    count = torch.tensor(float(replaced), device=rt.device)
-                    dist.all_reduce(count, op=dist.ReduceOp.SUM)
-                    replaced = int(count.item())
-                if not all(math.isfinite(v) for v in means):
-                    self._stop_non_finite(done)
-                elapsed = time.perf_counter() - tick
-                record = {
-                    "step": done,
-                    "loss": means[0],
-                    "loss_predict": means[1],
-                    "loss_sparse": means[2],
-                    "loss_consistency": means[3],
-                    "lr": self.lr(step),
-                    "wd": self.wd(step),
-                    "ema": self.ema(step),
-                    "images_per_s": images_seen / elapsed,
-                    "images_replaced": replaced,
-                }
+        try:
+            for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
+                sums += self.step(micro, self._set_schedules(step))
+                done = step + 1
+                logged_steps += 1
+                images_seen += cfg.batch_size
+                replaced += batch.replaced
                 if progress is not None:
-                    self.metrics.append(record)
-                    progress.logged(record)
-                sums.zero_()
-                replaced = 0
-                logged_steps, images_seen, tick = 0, 0, time.perf_counter()
-            if done % cfg.val_every == 0 or done == cfg.steps:
-                # Every rank validates (FSDP's forward is collective); rank 0 writes.
-                record = {"step": done, **self.validate()}
-                if progress is not None:
-                    self.metrics.append(record)
-                    progress.logged(record)
-                    plot_curves(self.run_dir)
-                tick = time.perf_counter()
-            saved = done % cfg.checkpoint_every == 0 or done == cfg.steps
-            if saved:
-                self._checkpoint(done, sums)
-            stop = self.stops.agreed() if done < cfg.steps else None
-            if stop is not None:
-                if not saved:
+                    progress.step()
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    means = self._mean_across_ranks(sums / logged_steps).tolist()
+                    if rt.world > 1:
+                        count = torch.tensor(float(replaced), device=rt.device)
+                        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+                        replaced = int(count.item())
+                    if not all(math.isfinite(v) for v in means):
+                        self._stop_non_finite(done)
+                    elapsed = time.perf_counter() - tick
+                    record = {
+                        "step": done,
+                        "loss": means[0],
+                        "loss_predict": means[1],
+                        "loss_sparse": means[2],
+                        "loss_consistency": means[3],
+                        "lr": self.lr(step),
+                        "wd": self.wd(step),
+                        "ema": self.ema(step),
+                        "images_per_s": images_seen / elapsed,
+                        "images_replaced": replaced,
+                    }
+                    if progress is not None:
+                        self.metrics.append(record)
+                        progress.logged(record)
+                    sums.zero_()
+                    replaced = 0
+                    logged_steps, images_seen, tick = 0, 0, time.perf_counter()
+                if done % cfg.val_every == 0 or done == cfg.steps:
+                    # Every rank validates (FSDP's forward is collective); rank 0 writes.
+                    record = {"step": done, **self.validate()}
+                    if progress is not None:
+                        self.metrics.append(record)
+                        progress.logged(record)
+                        plot_curves(self.run_dir)
+                    tick = time.perf_counter()
+                saved = done % cfg.checkpoint_every == 0 or done == cfg.steps
+                if saved:
                     self._checkpoint(done, sums)
-                self._finish(progress)
-                raise Stopped(
-                    f"{signal.Signals(stop).name} received: stopped after step {done} of {cfg.steps} with a "
-                    f"checkpoint in {self.run_dir}; run the same command again to continue"
-                )
+                stop = self.stops.agreed() if done < cfg.steps else None
+                if stop is not None:
+                    if not saved:
+                        self._checkpoint(done, sums)
+                    self._finish(progress)
+                    raise Stopped(
+                        f"{signal.Signals(stop).name} received: stopped after step {done} of {cfg.steps} with a "
+                        f"checkpoint in {self.run_dir}; run the same command again to continue"
+                    )
+        finally:
+            # Ends the DataLoader's workers now, on an error too: they ignore stop signals, so multiprocessing's
+            # exit handler, which ends children with SIGTERM and then waits for them, must not be left to do it.
+            batches.close()
 
     def _checkpoint(self, step: int, sums: torch.Tensor) -> None:
         """Save a checkpoint, unless the losses since the last log are not finite (then stop, keeping the last)."""
