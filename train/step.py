@@ -13,7 +13,7 @@ ahead of the compute that needs them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -123,7 +123,9 @@ def micro_batches(batch: Batch, k: int) -> list[Batch]:
     return [batch.rows(i * size, (i + 1) * size) for i in range(k)]
 
 
-def on_device(batches: Iterable[Batch], device: torch.device, k: int) -> Iterator[tuple[Batch, list[DeviceBatch]]]:
+def on_device(
+    batches: Iterable[Batch], device: torch.device, k: int
+) -> Generator[tuple[Batch, list[DeviceBatch]], None, None]:
     """Each batch with its `k` micro-batches on `device`; on CUDA, the copies of step s + 1 are queued on a side stream
     before step s's compute, so they overlap it. On CPU the same iteration with plain copies (no streams)."""
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
