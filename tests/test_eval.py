@@ -123,10 +123,16 @@ def test_dense_probe_reads_per_patch_classes_and_skips_unlabelled_patches():
 def test_average_precision_by_hand_with_ties():
     """Scores 0.9, 0.8, 0.8, 0.4, 0.4, 0.4, 0.1 with positives at 0.9, one 0.8, one 0.4 and 0.1 (4 positives).
     Thresholds high to low: precision 1/1, 2/3 (the tied 0.8s pass together), 3/6, 4/7, each gaining a quarter of
-    the recall: AP = (1 + 2/3 + 1/2 + 4/7) / 4 = 0.68452 (scikit-learn's average_precision_score gives the same)."""
+    the recall: AP = (1 + 2/3 + 1/2 + 4/7) / 4 = 0.68452, as scikit-learn's average_precision_score defines it."""
     scores = np.array([0.9, 0.8, 0.8, 0.4, 0.4, 0.4, 0.1])
     truth = np.array([1, 0, 1, 1, 0, 0, 1], dtype=bool)
     assert average_precision(scores, truth)[0] == pytest.approx((1 + 2 / 3 + 1 / 2 + 4 / 7) / 4)
+    from sklearn.metrics import average_precision_score
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # ties and all: the reference agrees on random rankings too
+        many, hits = rng.integers(0, 5, 40) / 4, rng.random(40) < 0.3
+        assert average_precision(many, hits)[0] == pytest.approx(average_precision_score(hits, many))
     # the tie matters: with the positive 0.8 ranked first of its pair, AP would be (1 + 1 + 1/2 + 4/7) / 4
     assert average_precision(scores + [0, 0, 1e-9, 0, 0, 0, 0], truth)[0] == pytest.approx((1 + 1 + 1 / 2 + 4 / 7) / 4)
     columns = np.stack([scores, -scores, scores], axis=1)
