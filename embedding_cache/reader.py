@@ -278,8 +278,11 @@ class EmbeddingReader:
             self._keys = StoreKeys(self._store)
         return self._keys
 
-    def positions(self, segment_ids: Sequence[str]) -> np.ndarray:
-        """The position in this store of each of `segment_ids` (int32); each must be published here."""
+    def positions(self, segment_ids: Sequence[str], partial: bool = False) -> np.ndarray:
+        """The position in this store of each of `segment_ids` (int32); each must be published here, unless
+        `partial` (a node's mirror of its partitions' segments): then -1 for one it does not hold."""
+        if partial:
+            return np.asarray([self._position.get(s, -1) for s in segment_ids], dtype=np.int32)
         missing = [s for s in segment_ids if s not in self._position]
         if missing:
             raise UserError(

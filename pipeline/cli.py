@@ -601,6 +601,7 @@ def train(
     split: Annotated[str | None, config_option("split")] = None,
     compile_: Annotated[bool | None, config_option("compile", "--compile/--no-compile")] = None,
     accum_steps: Annotated[int | None, config_option("accum_steps")] = None,
+    partitions: Annotated[int | None, config_option("partitions")] = None,
     checkpoint_activations: Annotated[
         bool | None, config_option("checkpoint_activations", "--checkpoint-activations/--no-checkpoint-activations")
     ] = None,
@@ -659,6 +660,7 @@ def train(
         "split": split,
         "compile": compile_,
         "accum_steps": accum_steps,
+        "partitions": partitions,
         "checkpoint_activations": checkpoint_activations,
         "fsdp": fsdp,
         "shard_within_node": shard_within_node,

@@ -48,11 +48,20 @@ FIXTURE_MARKERS = {
 }
 
 
+# Under pytest-xdist (`make test`), each worker builds the session fixtures it needs. Tests that share one too costly
+# to build twice, or a resource one machine holds once, run in one worker: the first matching group here.
+XDIST_GROUPS = {"vllm_engine": "vllm", "trained_t5": "trained-t5", "ray": "ray"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in item.fixturenames and item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
+        for name, group in XDIST_GROUPS.items():
+            if name in item.fixturenames or item.get_closest_marker(name) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
 
 
 # --- running the CLI --------------------------------------------------------------------------------------------
@@ -72,8 +81,20 @@ def run_command(
     command: list[str], check: bool = True, timeout: float = 600, **kwargs: Any
 ) -> subprocess.CompletedProcess:
     """Run `command` in the repository (or `cwd=`), capturing its text output; with `check`, a failure shows its
-    stderr."""
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, **{"cwd": REPO, **kwargs})
+    stderr. Past `timeout` it is ended with every process it started (subprocess.run ends only the first), and
+    the test fails with its stderr."""
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **{"cwd": REPO, **kwargs}
+    )
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_family(child)
+        raise AssertionError(
+            f"{' '.join(map(str, command[1:]))} still running after {timeout} s; its stderr:\n"
+            f"{(child.communicate()[1] or '')[-3000:]}"
+        ) from None
+    proc = subprocess.CompletedProcess(command, child.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(command[1:])} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
@@ -110,12 +131,22 @@ def start_tcjepa(*args: object, quiet: bool = False, **kwargs: Any) -> subproces
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[str, str]]:
-    """Wait for processes started with pipes; each must succeed. Their (stdout, stderr)."""
+    """Wait for processes started with pipes; each must succeed. Their (stdout, stderr). Past `timeout` (for all
+    together) every one is ended with what it started, and the test fails with the end of each one's stderr."""
+    deadline = time.monotonic() + timeout
     outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
-        outs.append((out, err))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, err[-3000:]
+            outs.append((out, err))
+    except subprocess.TimeoutExpired:
+        tails = []
+        for p in procs:
+            if p.poll() is None:
+                _end_family(p)
+            tails.append((p.communicate()[1] or "")[-2000:])
+        raise AssertionError(f"still running after {timeout} s; their stderr:\n" + "\n---\n".join(tails)) from None
     return outs
 
 
@@ -162,6 +193,11 @@ def kill_tree(proc: subprocess.Popen) -> None:
     Stopped first, so none can start another; torchrun's workers and Ray's actors live in sessions of their own,
     which is why a process group is not enough.
     """
+    _end_family(proc)
+    proc.communicate() if proc.stdout is not None and not proc.stdout.closed else proc.wait()
+
+
+def _end_family(proc: subprocess.Popen) -> None:
     import psutil
 
     family = freeze_tree(proc)
@@ -169,7 +205,6 @@ def kill_tree(proc: subprocess.Popen) -> None:
         with suppress(psutil.NoSuchProcess):
             p.send_signal(signal.SIGKILL)
     psutil.wait_procs(family, timeout=60)
-    proc.communicate() if proc.stdout is not None and not proc.stdout.closed else proc.wait()
 
 
 def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
@@ -507,33 +542,43 @@ def vector_store(tmp_path_factory, annotated_cache) -> Path:
 TRAINED_T5_STEPS = 600
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _trained_t5_build(request, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path] | None]:
-    """Start `trained_t5`'s build when the session begins, if a selected test needs it.
-
-    The build trains the tiny T5 for minutes on one thread (it pins torch to one thread, for bit-identical weights);
-    started first, it runs on the second core while the other tests run, and is done when its test comes.
-    """
-    if not any("trained_t5" in item.fixturenames for item in request.session.items):
-        yield None
-        return
-    synth = request.getfixturevalue("synth_dir")
+def _start_trained_t5(tmp_path_factory: pytest.TempPathFactory, synth: Path) -> tuple[subprocess.Popen, Path]:
     out = tmp_path_factory.mktemp("trained-t5")
     corpus = ["--t5-corpus", synth / "captions.jsonl", "--t5-steps", TRAINED_T5_STEPS]
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
         command = cli("tiny-models", "--out", out / "models", *corpus)
         proc = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=stdout, stderr=stderr)
+    return proc, out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trained_t5_build(request, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path] | None]:
+    """Start `trained_t5`'s build when the session begins, if a selected test needs it.
+
+    The build trains the tiny T5 for minutes on one thread (it pins torch to one thread, for bit-identical weights);
+    started first, it runs on the second core while the other tests run, and is done when its test comes. Under
+    pytest-xdist every worker collects every test, so the worker that gets the test builds it when it is asked for.
+    """
+    wanted = any("trained_t5" in item.fixturenames for item in request.session.items)
+    if os.environ.get("PYTEST_XDIST_WORKER") or not wanted:
+        yield None
+        return
+    proc, out = _start_trained_t5(tmp_path_factory, request.getfixturevalue("synth_dir"))
     yield proc, out
     if proc.poll() is None:
         kill_tree(proc)
 
 
 @pytest.fixture(scope="session")
-def trained_t5(_trained_t5_build) -> tuple[Path, dict]:
+def trained_t5(_trained_t5_build, tmp_path_factory, synth_dir) -> tuple[Path, dict]:
     """`tcjepa tiny-models --t5-corpus` (the session's captions, TRAINED_T5_STEPS steps): (its directory, the JSON
     it printed)."""
-    proc, out = _trained_t5_build
-    proc.wait(timeout=1200)
+    proc, out = _trained_t5_build or _start_trained_t5(tmp_path_factory, synth_dir)
+    try:
+        proc.wait(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
     assert proc.returncode == 0, (out / "stderr").read_text()[-3000:]
     return out / "models", json.loads((out / "stdout").read_text().strip().splitlines()[-1])
 

@@ -16,6 +16,7 @@ from embedding_cache.remote_store import mirror_store
 from pipeline.core.errors import DataProblem
 from pipeline.core.remote import mirror_path
 from tests.conftest import (
+    EXACT_STEPS,
     REPO,
     TINY_TRAIN,
     assert_close_runs,
@@ -163,13 +164,8 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
     )
     # Two nodes of one process each (two torchrun agents meeting at a c10d rendezvous), each with its own HOME and
     # so its own default mirror, as on two machines.
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    rendezvous = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d")
-    rendezvous += ("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "subset")
     args = ["train", subset, "--cache", f"s3://{BUCKET}/cache", "--store", url, "--out", tmp_path / "remote", *common]
-    command = torchrun(*args, launch=rendezvous)
+    command = torchrun(*args, launch=_rendezvous("subset"))
     nodes = [start(command, env={**env, "HOME": str(tmp_path / f"node{k}")}) for k in range(2)]
     errs = [err for _, err in finish(nodes, timeout=300)]
     assert sum("1 new of 1 segments this run needs (the store has 2)" in err for err in errs) == 2, errs
@@ -181,6 +177,79 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
             mirror_path(url, mirrors, suffix="-keys").exists() == mirror_path(f"s3://{BUCKET}/cache", mirrors).exists()
         ), "only the node of rank 0 reads the store's keys and the cache, to build the index"
     assert_close_runs(metrics(tmp_path / "local"), metrics(tmp_path / "remote"))
+
+
+def _rendezvous(name: str) -> tuple[str, ...]:
+    """torchrun's launch options for two nodes of one process each, meeting at a c10d rendezvous on loopback."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    endpoint = ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name)
+    return ("--nnodes", "2", "--nproc-per-node", "1", *endpoint)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_partitioned_nodes_read_only_their_segments_and_match_one_node_and_resume_on_one(
+    tmp_path, s3, synth_dir, annotated_cache, annotated_store
+):
+    """A remote store of four segments (the captions of four groups of 10 images) and `--partitions 4`: two nodes
+    train exactly as one does, each fetching only its two partitions' segments; stopped at step 4, the run
+    continues on one node (which fetches the rest) as if it had never stopped."""
+    from captioning.cache import CaptionCache
+    from embedding_cache.reader import EmbeddingReader
+    from embedding_cache.remote_store import RemoteEmbeddingStore
+    from embedding_cache.store import EmbeddingStore, TokenLayout
+    from train.data_index import TrainIndex
+    from train.partitions import node_partitions, node_segments, partition_run
+
+    _, env = s3
+    images = sorted((synth_dir / "images").iterdir())
+    table = CaptionCache(annotated_cache).read_captions(columns=["image_sha256", "text_sha256"]).to_pylist()
+    local = EmbeddingStore(annotated_store)
+    reader = EmbeddingReader(annotated_store)
+    url = f"s3://{BUCKET}/four-segment-store"
+    remote = RemoteEmbeddingStore.open_or_create(url, local.encoder, local.width, tmp_path / "writer")
+    written: set[str] = set()
+    for group in range(4):
+        shas = {hashlib.sha256(p.read_bytes()).hexdigest() for p in images[10 * group : 10 * (group + 1)]}
+        keys = sorted({row["text_sha256"] for row in table if row["image_sha256"] in shas} - written)
+        written |= set(keys)
+        writer = remote.new_segment(TokenLayout(64, 4))
+        for key in keys:
+            writer.append(bytes.fromhex(key), reader.get_key(bytes.fromhex(key)))
+        writer.finish()
+        remote.publish(writer)
+
+    keep = ["--partitions", "4", "--set", "checkpoint_keep=4"]
+    args = ["train", synth_dir / "images", "--cache", f"s3://{BUCKET}/cache", "--store", url, *TINY_TRAIN]
+    args += [*EXACT_STEPS, *keep]
+    tcjepa(*args, "--out", tmp_path / "one", env={**env, "HOME": str(tmp_path / "one-node")})
+    command = torchrun(*args, "--out", tmp_path / "two", launch=_rendezvous("partitions"))
+    nodes = [start(command, env={**env, "HOME": str(tmp_path / f"node{k}")}) for k in range(2)]
+    errs = [err for _, err in finish(nodes, timeout=400)]
+    assert_close_runs(metrics(tmp_path / "one"), metrics(tmp_path / "two"))
+
+    index = TrainIndex.load(tmp_path / "two" / "index.parquet")
+    split = partition_run(index, 4, 8, 0, by_segment=True)
+    for k in range(2):
+        expected = node_segments(index, split, node_partitions(k, 2, 4))
+        fetched = mirror_path(url, tmp_path / f"node{k}" / ".cache" / "tcjepa" / "mirror") / "segments"
+        assert sorted(p.parent.name for p in fetched.glob("*/tokens")) == sorted(expected.names)
+        assert len(expected.names) == 2 and expected.shared == 0, "the groups share no caption text"
+        said = f"node {k} of 2: partitions {2 * k}–{2 * k + 1} of 4, 2 of the 4 store segments the run reads, 0 of"
+        assert any(said in err for err in errs), errs
+
+    # Back to the checkpoint of step 4 (as if the two nodes had stopped there), then on one node.
+    run = tmp_path / "two"
+    shutil.copy(run / "checkpoints" / "step-00000004.pt", run / "checkpoint.pt")
+    for later in (6, 8):
+        for path in (run / "checkpoints").glob(f"step-{later:08d}.*"):
+            path.unlink()
+    resumed = tcjepa(*args, "--out", run, env={**env, "HOME": str(tmp_path / "node0")})
+    assert "resuming" in resumed.stderr and "2 new of 4 segments this run needs" in resumed.stderr
+    assert_close_runs(metrics(tmp_path / "one"), metrics(run))
 
 
 def test_damaged_remote_files_are_never_used(tmp_path, s3):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -21,6 +22,7 @@ from tests.conftest import (
     REFERENCE_STEPS,
     TINY_TRAIN,
     assert_close_runs,
+    cli,
     kill_tree,
     metrics,
     run_command,
@@ -99,6 +101,22 @@ def test_a_failure_on_rank_0_stops_every_rank_with_its_message(tmp_path, synth_d
     proc = run_command(torchrun(*args), check=False, timeout=300)
     assert proc.returncode != 0 and "is a non-empty directory that is not a tcjepa run" in proc.stderr
     assert "another process of this run failed" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_error_in_a_data_loader_worker_ends_the_run_in_one_line(
+    tmp_path, synth_dir, annotated_cache, annotated_store
+):
+    """A worker that raises (here: the store's token files were removed after the index was built) ends the run;
+    its workers, which ignore stop signals, must not keep it from exiting."""
+    store = tmp_path / "store"
+    shutil.copytree(annotated_store, store)
+    for shard in store.glob("segments/*/tokens/c/**/*"):
+        if shard.is_file():
+            shard.unlink()
+    args = train_args(synth_dir / "images", annotated_cache, store, tmp_path / "run", "--steps", "2")
+    proc = run_command(cli(*args), check=False, timeout=240)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "DataLoader worker" in proc.stderr and "No such file" in proc.stderr, proc.stderr[-2000:]
 
 
 BLOCK_TEXT_MODELS = """

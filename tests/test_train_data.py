@@ -16,9 +16,10 @@ from embedding_cache.store import EmbeddingStore, TokenLayout
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.sources import ImageRef
 from train.config import TrainConfig
-from train.data import Batch, StepBatches, crop_box, split_images
+from train.data import Batch, StepBatches, crop_box
 from train.data_index import TrainIndex, build_index, verify_images
 from train.jepa import build_models, ema_update, param_groups
+from train.partitions import split_partitions
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import to_device
 
@@ -160,7 +161,7 @@ def test_an_index_whose_store_changed_is_refused(setup, tmp_path, synth_dir, ann
     shutil.copytree(tmp_path / "anew", store)
     with pytest.raises(UserError, match=f"no longer holds 2 of the segments .*delete {run / INDEX} to rebuild"):
         load_or_build_index(cfg, run, rt)
-    with pytest.raises(UserError, match="no longer holds 2 segment"):
+    with pytest.raises(UserError, match=r"does not hold segment .* which the run index reads; the store was changed"):
         StepBatches(index, np.arange(len(index)), cfg, (8, 8))[0]
     (run / INDEX).unlink()
     rebuilt = load_or_build_index(cfg, run, rt)
@@ -169,7 +170,8 @@ def test_an_index_whose_store_changed_is_refused(setup, tmp_path, synth_dir, ann
 
 def test_every_image_is_seen_once_per_epoch(setup):
     index, cfg = setup
-    train_ids, val_ids = split_images(len(index), 8, cfg.seed)
+    split = split_partitions(np.zeros(len(index), np.int32), 1, 8, cfg.seed)
+    train_ids, val_ids = split.train_ids, split.val_ids
     assert not set(train_ids) & set(val_ids) and len(train_ids) + len(val_ids) == len(index)
     data = StepBatches(index, train_ids, cfg, (8, 8))
     per_epoch = len(train_ids) // cfg.batch_size  # 32 training images, 8 per step

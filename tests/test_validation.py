@@ -37,7 +37,7 @@ def test_rankme_from_summed_gram_matrices_is_rankme_of_the_stacked_features():
 
 @pytest.mark.parametrize(("n", "chunk", "world"), [(10, 3, 1), (10, 3, 2), (4, 2, 4), (7, 16, 3), (12, 4, 3)])
 def test_chunks_cover_every_image_once_and_every_process_runs_as_many(n, chunk, world):
-    shares = [chunks_of(n, chunk, rank, world) for rank in range(world)]
+    shares = [chunks_of([0, n], chunk, rank, world) for rank in range(world)]
     assert len({len(s) for s in shares}) == 1, "FSDP's forwards are collective"
     counted = np.zeros(n)
     for share in shares:

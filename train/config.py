@@ -146,6 +146,11 @@ class TrainConfig:
     beta_consistency: float = setting(0.5, "β, weight of the cross-layer consistency regulariser (cross mode)")
     # optimisation
     batch_size: int = setting(64, "global batch size (all ranks together; divisible by the number of processes)")
+    partitions: int = setting(
+        1,
+        "canonical partitions of the images, along store segments or tar shards: each node of N (N dividing P) reads "
+        "and mirrors only its P/N partitions, and every step is the same on any such N (batch_size divisible by P)",
+    )
     steps: int = setting(1000, "optimizer steps in the whole run")
     lr: float = setting(1e-3, "peak learning rate")
     start_lr: float = setting(2e-4, "learning rate at step 0 (linear warmup to lr)")
@@ -381,6 +386,7 @@ POSITIVE = (
     "predictor_width",
     "num_targets",
     "batch_size",
+    "partitions",
     "steps",
     "log_every",
     "val_every",
@@ -428,6 +434,11 @@ def validate(config: TrainConfig) -> None:
             )
     if config.shard_within_node and not config.fsdp:
         raise UserError("shard_within_node shards with FSDP: set fsdp too (--fsdp --shard-within-node)")
+    if config.batch_size % config.partitions:
+        raise UserError(
+            f"batch_size {config.batch_size} is not divisible by partitions {config.partitions} (each partition "
+            "gives batch_size / partitions rows of every step)"
+        )
     if config.batch_size % config.accum_steps:
         raise UserError(
             f"batch_size {config.batch_size} is not divisible by accum_steps {config.accum_steps} "

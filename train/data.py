@@ -1,9 +1,9 @@
 """Training batches: item `s` of `StepBatches` is this process's share of step s's global batch.
 
 Everything random is keyed by (seed, step, global sample position): which image
-(an epoch permutation keyed by (seed, epoch)), its crop, which of its captions,
-and the masks (drawn for the whole global batch, see `train.masks`). A run is
-therefore reproducible, resumes at any step without replay, and gives every
+(row block p of a step holds partition p's images, each partition's in a seeded order per pass over it, see
+`train.partitions`), its crop, which of its captions, and the masks (drawn for the whole global batch, see
+`train.masks`). A run is therefore reproducible, resumes at any step without replay, and gives every
 sample the same crop, captions and masks whatever the number of processes.
 
 Images are read through `pipeline.core.sources.ImageReader`; their sha256 is checked
@@ -22,39 +22,30 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from embedding_cache.reader import EmbeddingReader, Spans
+from pipeline.core.errors import UserError
 from pipeline.core.images import MIN_SIDE, ImagePolicy, open_image, oriented_size
 from pipeline.core.sources import ImageReader
 from train.config import TrainConfig, mask_settings
 from train.data_index import TrainIndex
 from train.images import EncodedImages, crop_resize, device_decodable
 from train.masks import MaskConfig, Masks, sample_masks
+from train.partitions import PartitionSchedule
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-# Third words of per-purpose generator seeds, so streams keyed by the same (seed, step) differ.
-_ORDER_STREAM = 0x6F726465  # "orde"
+# The third word of the per-sample generators' seeds, so that they differ from other streams keyed by (seed, step).
 _SAMPLE_STREAM = 0x73616D70  # "samp"
-_SPLIT_STREAM = 0x73706C69  # "spli"
 # The validation batch's masks: a step no run reaches.
 VALIDATION_STEP = 2**62
 
 
 def mask_config(cfg: TrainConfig) -> MaskConfig:
     return mask_settings(cfg)
-
-
-def split_images(n: int, val_images: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train ids, held-out validation ids), a fixed random split keyed by the seed."""
-    if n <= val_images:
-        raise ValueError(f"only {n} images: cannot hold out {val_images} for validation (lower val_images)")
-    order = np.random.default_rng([seed, _SPLIT_STREAM]).permutation(n)
-    return np.sort(order[val_images:]), np.sort(order[:val_images])
 
 
 def crop_box(
@@ -279,7 +270,10 @@ def normalise(images: torch.Tensor) -> torch.Tensor:
 
 
 class StepBatches(torch.utils.data.Dataset):
-    """Map-style dataset over steps: `dataset[step]` is this rank's `Batch` for that step."""
+    """Map-style dataset over steps: `dataset[step]` is this rank's `Batch` for that step.
+
+    `image_ids` are the training images; `partition_of` gives each index image's partition (None: one partition).
+    """
 
     def __init__(
         self,
@@ -290,6 +284,7 @@ class StepBatches(torch.utils.data.Dataset):
         rank: int = 0,
         world: int = 1,
         device_decode: bool = False,
+        partition_of: np.ndarray | None = None,
     ) -> None:
         if cfg.batch_size % world:
             raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {world} processes")
@@ -304,7 +299,12 @@ class StepBatches(torch.utils.data.Dataset):
         self.device_decode = device_decode
         self.caption_spans = self._locate_captions() if self.text else None
         self._segment_positions: np.ndarray | None = None  # index segment -> position in the opened store
-        self._train_pool = np.unique(self.image_ids)
+        train = np.unique(self.image_ids)
+        count = 1 if partition_of is None else cfg.partitions
+        part = np.zeros(len(train), np.int64) if partition_of is None else np.asarray(partition_of)[train]
+        self.schedule = PartitionSchedule([train[part == p] for p in range(count)], cfg.batch_size, cfg.seed)
+        # An unusable image is replaced by one of its own partition (its node reads that partition's files).
+        self._pools = [self.schedule.members[p] for p in self.schedule.partition_of_row(self.rows).tolist()]
         self._images: ImageReader | None = None
         self._store: EmbeddingReader | None = None
         self._buffers: BatchBuffers | None = None
@@ -327,47 +327,40 @@ class StepBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.cfg.steps
 
-    @lru_cache(maxsize=2)  # noqa: B019 - one epoch's permutation, reused by every step of the epoch
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.cfg.seed, epoch, _ORDER_STREAM]).permutation(len(self.image_ids))
-
     def images_of_step(self, step: int) -> np.ndarray:
-        """Index ids of this rank's samples at `step` (global positions step·B + j, epochs back to back)."""
-        n = len(self.image_ids)
-        positions = step * self.cfg.batch_size + np.arange(self.rows.start, self.rows.stop)
-        out = np.empty(len(positions), dtype=np.int64)
-        for epoch in np.unique(positions // n).tolist():
-            pick = positions // n == epoch
-            out[pick] = self.image_ids[self._epoch_order(epoch)[positions[pick] % n]]
-        return out
+        """Index ids of this rank's samples at `step`: its rows of the step's global batch."""
+        return self.schedule.images(step, self.rows)
 
     def __getitem__(self, step: int) -> Batch:
         ids = self.images_of_step(step)
         positions = np.arange(self.rows.start, self.rows.stop)
         rngs = [np.random.default_rng([self.cfg.seed, step, int(j), _SAMPLE_STREAM]) for j in positions]
         masks = sample_masks(self.masks, self.grid, self.cfg.seed, step, self.cfg.batch_size, self.rows)
-        return self.make_batch(ids, rngs, masks, self._train_pool)
+        return self.make_batch(ids, rngs, masks, self._pools)
 
-    def validation_batch(self, image_ids: np.ndarray, rows: slice | None = None) -> Batch:
+    def validation_batch(self, image_ids: np.ndarray, rows: slice | None = None, within: slice | None = None) -> Batch:
         """Rows `rows` (default all) of the fixed validation batch of `image_ids`: whole images resized (no crop),
-        masks from a step no run reaches (each row's those of the whole batch), the first N captions."""
+        masks from a step no run reaches (each row's those of the whole batch), the first N captions. An unusable
+        image is replaced by one of the rows `within` (default all: its partition's)."""
         ids = np.asarray(image_ids, dtype=np.int64)
         rows = rows if rows is not None else slice(0, len(ids))
         masks = sample_masks(self.masks, self.grid, self.cfg.seed, VALIDATION_STEP, len(ids), rows)
         picked = ids[rows]
-        return self.make_batch(picked, [None] * len(picked), masks, np.unique(ids))
+        pool = np.unique(ids[within if within is not None else slice(None)])
+        return self.make_batch(picked, [None] * len(picked), masks, [pool] * len(picked))
 
     def make_batch(
-        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None], masks: Masks, pool: np.ndarray
+        self, ids: np.ndarray, rngs: Sequence[np.random.Generator | None], masks: Masks, pools: Sequence[np.ndarray]
     ) -> Batch:
-        """Images `ids` (each replaced, when unusable, by the next usable image of `pool`), their captions, `masks`.
+        """Images `ids` (each replaced, when unusable, by the next usable image of its row's pool), their captions,
+        `masks`.
 
         A replaced image brings its own captions: pixels and text always belong to the same image.
         """
         size = self.cfg.image_size
         if self.text and self._store is None:
             self._store = EmbeddingReader(self.cfg.text_store)
-            self._segment_positions = self._store.positions(self.index.segments)
+            self._segment_positions = self._store.positions(self.index.segments, partial=True)
         space = lease = None
         if torch.utils.data.get_worker_info() is not None:  # in a DataLoader worker: one reused shared buffer
             if self._buffers is None:
@@ -377,7 +370,7 @@ class StepBatches(torch.utils.data.Dataset):
         images = arena.empty((len(ids), 3, size, size), torch.uint8)
         encoded = EncodedImages([], [], [], [])
         used = np.empty(len(ids), dtype=np.int64)
-        for k, (i, rng) in enumerate(zip(ids.tolist(), rngs)):
+        for k, (i, rng, pool) in enumerate(zip(ids.tolist(), rngs, pools)):
             used[k] = self._image(i, rng, pool, images[k], encoded, k)
         replaced = int((used != ids).sum())
         batch = Batch(
@@ -498,6 +491,13 @@ class StepBatches(torch.utils.data.Dataset):
             return Spans(none, np.zeros(len(numbers), np.int64), np.zeros(len(numbers), np.int32))
         picked = np.where(present, numbers, 0)
         segment = np.where(present, self._segment_positions[spans.segment[picked]], -1).astype(np.int32)
+        absent = present & (segment < 0)
+        if absent.any():
+            name = self.index.segments[int(spans.segment[picked[absent][0]])]
+            raise UserError(
+                f"{self.cfg.text_store} does not hold segment {name}, which the run index reads; the store was changed "
+                "since the index was made (delete the run's index.parquet to rebuild it), or a mirror was cut short"
+            )
         return Spans(segment, spans.start[picked], np.where(present, spans.length[picked], 0).astype(np.int32))
 
 

@@ -50,11 +50,19 @@ from train.checkpoint import (
     sharded_checkpoint,
 )
 from train.config import TrainConfig, absolute_paths, differences, resolve_automatic, to_dict, validate
-from train.data import StepBatches, device_decoding, split_images
+from train.data import StepBatches, device_decoding
 from train.data_index import TrainIndex, build_index, verify_images
 from train.initial import initialise
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, plot_curves
+from train.partitions import (
+    PartitionSplit,
+    check_layout,
+    node_count,
+    node_partitions,
+    node_segments,
+    partition_run,
+)
 from train.reporting import Progress, check_loggers
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import TrainStep, make_optimizer, on_device, use_tensor_cores
@@ -80,12 +88,21 @@ class Runtime:
         return self.rank == 0
 
 
+def local_rank() -> int:
+    """This process's number on its node (torchrun's LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def processes_per_node(world: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE (all processes on one node without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
 def start_runtime(cfg: TrainConfig) -> Runtime:
     """Join the torchrun process group when there is one, and pick this process's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(cfg.device, local_rank)
+    device = resolve_device(cfg.device, local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         use_tensor_cores()
@@ -224,13 +241,13 @@ def inputs_for_index(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
     )
 
 
-def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIndex, rt: Runtime) -> TrainConfig:
-    """The store to train from: a remote one's segments that hold the index's captions, fetched once per node
-    (local rank 0) before any reading, and nothing else of it. (The cache is read only to build the index.)
+def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, segments: list[str], rt: Runtime) -> TrainConfig:
+    """The store to train from: of a remote one, the `segments` this node reads (those holding its partitions'
+    captions), fetched once per node (local rank 0) before any reading, and nothing else of it. (The cache is read
+    only to build the index.)
 
     Those segments are named in the index, which rank 0 resolved from the keys mirror, so no process reads
-    even the store's keys here. Every node needs the same segments: rows are drawn by global sample index, so over
-    an epoch every rank touches every indexed image.
+    even the store's keys here.
     """
     from embedding_cache.remote_store import local_store
     from pipeline.core.remote import is_remote, mirror_path
@@ -238,12 +255,42 @@ def inputs_for_training(cfg: TrainConfig, for_index: TrainConfig, index: TrainIn
     if not is_remote(cfg.store):
         return for_index
     mirror = Path(cfg.mirror) if cfg.mirror else None
-    agreed(
-        rt,
-        lambda: local_store(cfg.text_store, mirror, only=index.segments),
-        on=int(os.environ.get("LOCAL_RANK", "0")) == 0,
-    )
+    agreed(rt, lambda: local_store(cfg.text_store, mirror, only=segments), on=local_rank() == 0)
     return replace(for_index, store=str(mirror_path(cfg.store, mirror)))
+
+
+def partition(cfg: TrainConfig, index: TrainIndex, rt: Runtime) -> tuple[PartitionSplit, int, list[str]]:
+    """The run's partitions and split, the number of node groups that share them out (the nodes; 1 with one
+    partition: then every node serves it), and the store segments this node reads. The first process of each node
+    says what its node reads."""
+    try:
+        nodes = node_count(rt.world, processes_per_node(rt.world))
+        sharing = nodes if cfg.partitions > 1 else 1
+        check_layout(cfg.partitions, cfg.batch_size, sharing)
+        text = cfg.conditioning != "none"
+        split = partition_run(index, cfg.partitions, cfg.val_images, cfg.seed, by_segment=text)
+    except ValueError as exc:
+        raise UserError(f"partitions: {exc}") from None
+    if nodes > 1 and sharing == 1 and rt.main:
+        print(
+            f"partitions 1: each of the {nodes} nodes reads the whole store; --partitions P (a multiple of {nodes}) "
+            f"has each read 1/{nodes} of it",
+            file=sys.stderr,
+        )
+    if not text:
+        return split, sharing, []
+    node = rt.rank // (rt.world // sharing)
+    parts = node_partitions(node, sharing, cfg.partitions)
+    reads = node_segments(index, split, parts)
+    if local_rank() == 0 and cfg.partitions > 1:
+        served = f"{parts.start}" if len(parts) == 1 else f"{parts.start}–{parts.stop - 1}"
+        print(
+            f"node {node} of {sharing}: partitions {served} of {cfg.partitions}, {len(reads.names)} of the "
+            f"{len(index.segments)} store segments the run reads, {reads.shared} of them only for captions its images "
+            "share with other partitions' images",
+            file=sys.stderr,
+        )
+    return split, sharing, reads.names
 
 
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool = True) -> TrainIndex:
@@ -324,6 +371,13 @@ class StopRequests:
         return int(flag.item()) or None
 
 
+def end_workers(loader: Iterator[Any]) -> None:
+    """End a DataLoader iterator's worker processes now (torch's iterators have no public way to)."""
+    shutdown = getattr(loader, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def _ignore_stop_signals(worker: int) -> None:
     """DataLoader workers leave stop signals sent to the whole process group to the trainer, which ends them."""
     for sig in STOP_SIGNALS:
@@ -353,8 +407,8 @@ class Trainer:
         self.index = load_or_build_index(for_index, run, self.rt, progress)
         for_index = resolve_automatic(for_index, len(self.index.refs), say=self.rt.main)
         save_config(cfg, run, self.rt)
-        self.cfg = cfg = inputs_for_training(cfg, for_index, self.index, self.rt)
-        train_ids, self.val_ids = split_images(len(self.index.refs), cfg.val_images, cfg.seed)
+        self.split, self.nodes, segments = partition(for_index, self.index, self.rt)
+        self.cfg = cfg = inputs_for_training(cfg, for_index, segments, self.rt)
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(cfg, text_width(cfg))
         if cfg.init is not None and not has_checkpoint(run):
@@ -363,12 +417,13 @@ class Trainer:
         self.target.to(self.rt.device)
         self.dataset = StepBatches(
             self.index,
-            train_ids,
+            self.split.train_ids,
             cfg,
             self.model.encoder.grid,
             self.rt.rank,
             self.rt.world,
             device_decode=device_decoding(cfg, self.rt.device),
+            partition_of=self.split.partition_of,
         )
         self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
         self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
@@ -486,7 +541,8 @@ class Trainer:
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
         self.train_module.train()
-        batches = on_device(self._loader(), rt.device, cfg.accum_steps)
+        loader = iter(self._loader())
+        batches = on_device(loader, rt.device, cfg.accum_steps)
         try:
             for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
                 sums += self.step(micro, self._set_schedules(step))
@@ -544,9 +600,12 @@ class Trainer:
                         f"checkpoint in {self.run_dir}; run the same command again to continue"
                     )
         finally:
-            # Ends the DataLoader's workers now, on an error too: they ignore stop signals, so multiprocessing's
-            # exit handler, which ends children with SIGTERM and then waits for them, must not be left to do it.
+            # Ends the DataLoader's workers now, on an error too (one raised in a worker included: torch ends them
+            # only once the iterator is collected, which the traceback holding it delays). They ignore stop signals,
+            # so multiprocessing's exit handler, which ends children with SIGTERM and then waits, must not be left
+            # to do it.
             batches.close()
+            end_workers(loader)
 
     def _checkpoint(self, step: int, sums: torch.Tensor) -> None:
         """Save a checkpoint, unless the losses since the last log are not finite (then stop, keeping the last)."""
@@ -576,7 +635,18 @@ class Trainer:
         self.model.eval()
         rt = self.rt
         chunk = self.cfg.batch_size // rt.world
-        out = validate_in_chunks(self.step, self.target, self.dataset, self.val_ids, chunk, rt.rank, rt.world)
+        split = self.split
+        out = validate_in_chunks(
+            self.step,
+            self.target,
+            self.dataset,
+            split.val_ids,
+            chunk,
+            rt.rank,
+            rt.world,
+            split.val_bounds.tolist(),
+            self.nodes,
+        )
         self.model.train()
         return out
 
@@ -625,7 +695,7 @@ def shard(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torc
 
     world = dist.get_world_size()
     if cfg.shard_within_node:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_node = processes_per_node(world)
         if world % per_node:
             raise UserError(f"shard_within_node: {world} processes are not whole nodes of {per_node}")
         mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
