@@ -31,9 +31,11 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Everything (what CI runs): lint, then every tier.
+# Everything (what CI runs): lint, then every tier, in two worker processes. Alone the suite keeps one core of two
+# busy on average (its tests wait on the processes they start); tests that share a costly session resource (the vLLM
+# engine, the trained tiny T5, a Ray instance) run in one worker (their xdist_group, set in tests/conftest.py).
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The unit tier: >= 100 tests in under 90 s on 2 cores, no test over 60 s.
 test-fast: venv
