@@ -34,8 +34,10 @@ lint: venv
 # Everything (what CI runs): lint, then every tier, in two worker processes. Alone the suite keeps one core of two
 # busy on average (its tests wait on the processes they start); tests that share a costly session resource (the vLLM
 # engine, the trained tiny T5, a Ray instance) run in one worker (their xdist_group, set in tests/conftest.py).
+# Torch runs on one thread in every test and every process a test starts: two workers on two cores, each with
+# OpenMP threads spinning while they wait, would oversubscribe them.
 test: lint
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The unit tier: >= 100 tests in under 90 s on 2 cores, no test over 60 s.
 test-fast: venv
