@@ -103,15 +103,6 @@ class PartitionSplit:
     val_ids: np.ndarray  # validation ids, partition-major, sorted within a partition
     val_bounds: np.ndarray  # int64 [P+1]: partition p's validation rows are val_ids[val_bounds[p]:val_bounds[p+1]]
 
-    def members(self) -> list[np.ndarray]:
-        """Each partition's training ids, sorted."""
-        part = self.partition_of[self.train_ids]
-        return [self.train_ids[part == p] for p in range(self.count)]
-
-    def val_rows(self, partitions: range) -> slice:
-        """The validation rows of a contiguous range of partitions (a node's)."""
-        return slice(int(self.val_bounds[partitions.start]), int(self.val_bounds[partitions.stop]))
-
 
 def split_partitions(partition_of: np.ndarray, count: int, val_images: int, seed: int) -> PartitionSplit:
     """Hold out `val_images` images, as evenly as the partitions allow (the first `val_images mod P` partitions one
