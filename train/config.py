@@ -67,7 +67,7 @@ class TrainConfig:
     store: str | None = setting(None, "embedding store made by `tcjepa embed` from that cache")
     mirror: str | None = setting(
         None,
-        "local directory for copies of a cache or store given as an fsspec URL (s3://...); "
+        "local directory for copies of a cache, store or image tar shards given as fsspec URLs (s3://...); "
         "default ~/.cache/tcjepa/mirror",
     )
     recipes: list[str] = setting(
