@@ -17,12 +17,12 @@ from pipeline.core.sources import ImageRef, list_images
 from tests.conftest import (
     TINY_TRAIN,
     assert_close_runs,
+    cli,
     finish,
     metrics,
     s3_bucket,
     sets,
     start,
-    tcjepa,
     torchrun,
     two_nodes,
 )
@@ -114,6 +114,11 @@ def test_a_fetched_shard_is_checked_against_the_index_and_a_killed_fetch_resumes
     copy = shard_mirror(url, mirror)
     assert (done.shards, done.fetched, done.bytes) == (1, 1, len(good)) and copy.read_bytes() == good
     assert fetch_shards(members, mirror).fetched == 0, "a checked copy is not fetched again"
+    damaged = bytearray(good)
+    damaged[refs[0].offset] ^= 0xFF
+    copy.write_bytes(bytes(damaged))
+    assert fetch_shards(members, mirror).fetched == 0, "a copy once checked is trusted on later starts"
+    assert fetch_shards(members, mirror, recheck=True).fetched == 1 and copy.read_bytes() == good, "unless rechecked"
 
     # Killed mid-download: what it left is continued (the same bytes) or, when it is not the shard, fetched afresh.
     for left in (good[: len(good) // 2], b"\0" * (len(good) // 3)):
@@ -159,12 +164,12 @@ def test_partitioned_nodes_fetch_only_their_shards_and_train_as_on_the_local_cop
     url = f"s3://{BUCKET}/e2e"
     bucket.put(str(shards), f"{BUCKET}/e2e", recursive=True)
 
-    common = [*TINY_TRAIN, "--conditioning", "none", "--partitions", "4", "--steps", "4"]
-    common += sets("log_every=1", "val_every=2", "checkpoint_every=4", "bf16=false")
-    tcjepa("train", shards, "--out", tmp_path / "local", *common)
+    common = [*TINY_TRAIN, "--conditioning", "none", "--partitions", "4", "--steps", "3"]
+    common += sets("log_every=1", "val_every=2", "checkpoint_every=3", "bf16=false")
+    one = start(cli("train", shards, "--out", tmp_path / "local", *common))
     command = torchrun("train", url, "--out", tmp_path / "remote", *common, launch=two_nodes("tars"))
     nodes = [start(command, env={**s3_env, "HOME": str(tmp_path / f"node{k}")}) for k in range(2)]
-    errs = [err for _, err in finish(nodes, timeout=300)]
+    errs = [err for _, err in finish([*nodes, one], timeout=300)[:2]]
     assert_close_runs(metrics(tmp_path / "local"), metrics(tmp_path / "remote"))
 
     index = TrainIndex.load(tmp_path / "remote" / "index.parquet")
