@@ -4,7 +4,9 @@ Images come from `list_images` (random access, no bytes read). Each image's
 sha256 comes from the caption cache's source id → image_sha256 record when the
 cache has one, because hashing millions of images costs a full pass over the
 data; a random sample of those records is checked against the bytes, since
-another folder may reuse the same relative names. Captions are joined by
+another folder may reuse the same relative names (members of tar shards on object
+storage are read for this by byte range; training reads only each node's local
+copies, `train.loop.images_for_training`). Captions are joined by
 sha256 and kept as embedding-store *keys* (text_sha256), and resolved once, here, to
 where their tokens lie: (segment, first token row, length) columns (`Spans`), so no
 rank or DataLoader worker ever builds a key index. Published segments never change, so
