@@ -549,8 +549,11 @@ def train(
         ),
     ],
     images: Annotated[
-        list[Path] | None,
-        typer.Argument(help="Image sources, as for `tcjepa caption` (the same ones the cache was made from)."),
+        list[str] | None,
+        typer.Argument(
+            help="Image sources, as for `tcjepa caption` (the same ones the cache was made from); tar shards may be "
+            "fsspec URLs (s3://bucket/shard.tar, or a prefix holding .tar shards), fetched per node into the mirror."
+        ),
     ] = None,
     cache: Annotated[
         str | None,
@@ -635,7 +638,7 @@ def train(
     if config is not None:
         cfg = apply(cfg, load_yaml(config), str(config))
     flags = {
-        "images": [str(p) for p in images] if images else None,
+        "images": list(images) if images else None,
         "cache": cache,
         "store": store,
         "recipes": recipe,

@@ -11,6 +11,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,6 +76,15 @@ def cli(*args: object) -> list[str]:
 def torchrun(*args: object, launch: tuple[str, ...] = ("--standalone", "--nproc-per-node", "2")) -> list[str]:
     """The command line of `torchrun LAUNCH -m pipeline ARGS` (default: two processes on this host)."""
     return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "pipeline", *map(str, args)]
+
+
+def two_nodes(name: str) -> tuple[str, ...]:
+    """torchrun's launch options for two nodes of one process each, meeting at a c10d rendezvous on loopback."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    endpoint = ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name)
+    return ("--nnodes", "2", "--nproc-per-node", "1", *endpoint)
 
 
 def run_command(
@@ -625,6 +635,20 @@ def s3_server() -> Iterator[dict[str, str]]:
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
     }
     server.stop()
+
+
+def s3_bucket(server: dict[str, str], name: str) -> Any:
+    """An s3fs file system on the session's S3 server (`s3_server`), with the bucket `name` made."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        key=server["AWS_ACCESS_KEY_ID"],
+        secret=server["AWS_SECRET_ACCESS_KEY"],
+        endpoint_url=server["AWS_ENDPOINT_URL"],
+        skip_instance_cache=True,
+    )
+    fs.mkdir(name)
+    return fs
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from train.partitions import (
     image_groups,
     node_partitions,
     node_segments,
+    node_shards,
     partition_run,
     split_partitions,
 )
@@ -140,6 +141,25 @@ def test_images_without_text_are_grouped_by_their_tar_shard():
     parts = assign_partitions(groups, 2)
     assert len(set(parts[4:8])) == 1 and len(set(parts[8:])) == 1 and parts[4] != parts[8]
     assert np.bincount(parts).tolist() == [6, 6], "the loose files even the partitions out"
+
+
+def test_a_node_fetches_the_remote_shards_its_images_lie_in_and_counts_the_shared_ones():
+    """Partitions drawn across shards (as store segments draw them, with text): a node's shards are those holding any
+    of its images; loose files and local shards are never fetched."""
+    refs = [ImageRef(f"f{i}", "file", f"/d/f{i}.png") for i in range(2)]
+    refs += [ImageRef(f"l{i}", "tar", "/d/local.tar", 512 * i, 100) for i in range(2)]
+    refs += [ImageRef(f"r{i}", "tar", f"s3://b/p/shard-{i // 4}.tar", 512 * i, 100) for i in range(12)]
+    index = TrainIndex(refs, ["0" * 64] * 16, np.zeros(17, np.int64), np.zeros((0, 32), np.uint8), [], {})
+    # partition 0: shard-0 whole and half of shard-1; partition 1: the other half of shard-1 and shard-2 whole
+    parts = np.array([0, 1, 0, 1, *([0] * 4), 0, 0, 1, 1, *([1] * 4)])
+    split = split_partitions(parts, 2, 2, seed=0)
+    first = node_shards(index, split, range(0, 1))
+    assert first.urls == ["s3://b/p/shard-0.tar", "s3://b/p/shard-1.tar"] and first.total == 3
+    assert [r.tolist() for r in first.rows] == [[4, 5, 6, 7], [8, 9]] and first.shared == 1
+    second = node_shards(index, split, range(1, 2))
+    assert second.urls == ["s3://b/p/shard-1.tar", "s3://b/p/shard-2.tar"] and second.shared == 1
+    both = node_shards(index, split, range(0, 2))
+    assert len(both.urls) == 3 and both.shared == 0 and sum(len(r) for r in both.rows) == 12
 
 
 @pytest.fixture(scope="module")

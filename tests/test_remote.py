@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import socket
 
 import numpy as np
 import pytest
@@ -24,10 +23,12 @@ from tests.conftest import (
     finish,
     kill_when,
     metrics,
+    s3_bucket,
     start,
     start_tcjepa,
     tcjepa,
     torchrun,
+    two_nodes,
 )
 
 pytestmark = pytest.mark.s3
@@ -37,15 +38,7 @@ BUCKET = "tcjepa-test"
 @pytest.fixture(scope="module")
 def uploaded(s3_server, annotated_cache, annotated_store):
     """The session's cache and store uploaded as plain trees (as `aws s3 sync` would), once per module."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(
-        key=s3_server["AWS_ACCESS_KEY_ID"],
-        secret=s3_server["AWS_SECRET_ACCESS_KEY"],
-        endpoint_url=s3_server["AWS_ENDPOINT_URL"],
-        skip_instance_cache=True,
-    )
-    fs.mkdir(BUCKET)
+    fs = s3_bucket(s3_server, BUCKET)
     fs.put(str(annotated_cache), f"{BUCKET}/cache", recursive=True)
     fs.put(str(annotated_store), f"{BUCKET}/store", recursive=True)
     return fs
@@ -165,7 +158,7 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
     # Two nodes of one process each (two torchrun agents meeting at a c10d rendezvous), each with its own HOME and
     # so its own default mirror, as on two machines.
     args = ["train", subset, "--cache", f"s3://{BUCKET}/cache", "--store", url, "--out", tmp_path / "remote", *common]
-    command = torchrun(*args, launch=_rendezvous("subset"))
+    command = torchrun(*args, launch=two_nodes("subset"))
     nodes = [start(command, env={**env, "HOME": str(tmp_path / f"node{k}")}) for k in range(2)]
     errs = [err for _, err in finish(nodes, timeout=300)]
     assert sum("1 new of 1 segments this run needs (the store has 2)" in err for err in errs) == 2, errs
@@ -177,15 +170,6 @@ def test_training_fetches_only_the_segments_that_hold_its_captions(
             mirror_path(url, mirrors, suffix="-keys").exists() == mirror_path(f"s3://{BUCKET}/cache", mirrors).exists()
         ), "only the node of rank 0 reads the store's keys and the cache, to build the index"
     assert_close_runs(metrics(tmp_path / "local"), metrics(tmp_path / "remote"))
-
-
-def _rendezvous(name: str) -> tuple[str, ...]:
-    """torchrun's launch options for two nodes of one process each, meeting at a c10d rendezvous on loopback."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    endpoint = ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name)
-    return ("--nnodes", "2", "--nproc-per-node", "1", *endpoint)
 
 
 @pytest.mark.slow
@@ -226,7 +210,7 @@ def test_partitioned_nodes_read_only_their_segments_and_match_one_node_and_resum
     args = ["train", synth_dir / "images", "--cache", f"s3://{BUCKET}/cache", "--store", url, *TINY_TRAIN]
     args += [*EXACT_STEPS, *keep]
     tcjepa(*args, "--out", tmp_path / "one", env={**env, "HOME": str(tmp_path / "one-node")})
-    command = torchrun(*args, "--out", tmp_path / "two", launch=_rendezvous("partitions"))
+    command = torchrun(*args, "--out", tmp_path / "two", launch=two_nodes("partitions"))
     nodes = [start(command, env={**env, "HOME": str(tmp_path / f"node{k}")}) for k in range(2)]
     errs = [err for _, err in finish(nodes, timeout=400)]
     assert_close_runs(metrics(tmp_path / "one"), metrics(tmp_path / "two"))

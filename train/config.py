@@ -58,13 +58,16 @@ class TrainConfig:
 
     # data
     images: list[str] = setting(
-        [], "image sources (folders, .parquet, HF datasets dirs, .tar shards), as for `tcjepa caption`"
+        [],
+        "image sources (folders, .parquet, HF datasets dirs, .tar shards), as for `tcjepa caption`; tar shards may be "
+        "fsspec URLs (s3://bucket/shard.tar, or a prefix holding .tar shards): each node fetches the shards of its "
+        "partitions into --mirror, checked against the index, and reads only those copies",
     )
     cache: str | None = setting(None, "caption cache directory (needed unless conditioning is none)")
     store: str | None = setting(None, "embedding store made by `tcjepa embed` from that cache")
     mirror: str | None = setting(
         None,
-        "local directory for copies of a cache or store given as an fsspec URL (s3://...); "
+        "local directory for copies of a cache, store or image tar shards given as fsspec URLs (s3://...); "
         "default ~/.cache/tcjepa/mirror",
     )
     recipes: list[str] = setting(

@@ -4,7 +4,9 @@ Images come from `list_images` (random access, no bytes read). Each image's
 sha256 comes from the caption cache's source id → image_sha256 record when the
 cache has one, because hashing millions of images costs a full pass over the
 data; a random sample of those records is checked against the bytes, since
-another folder may reuse the same relative names. Captions are joined by
+another folder may reuse the same relative names (members of tar shards on object
+storage are read for this by byte range; training reads only each node's local
+copies, `train.loop.images_for_training`). Captions are joined by
 sha256 and kept as embedding-store *keys* (text_sha256), and resolved once, here, to
 where their tokens lie: (segment, first token row, length) columns (`Spans`), so no
 rank or DataLoader worker ever builds a key index. Published segments never change, so
@@ -24,7 +26,7 @@ import json
 import random
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar, overload
@@ -39,6 +41,8 @@ from embedding_cache.reader import Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.remote import is_remote
+from pipeline.core.remote_tars import read_images
 from pipeline.core.sources import ImageReader, ImageRef, list_images
 
 FORMAT = "tcjepa-train-index"
@@ -135,6 +139,14 @@ class ImageRefs(_Columnar[ImageRef]):
 
     def _item(self, row: int) -> ImageRef:
         return ImageRef(*(column[row].as_py() for column in self._columns))
+
+    def with_paths(self, paths: Mapping[str, str]) -> ImageRefs:
+        """These refs with the files named in `paths` read from where it maps them (a node's local copies of tar
+        shards on object storage): only the path column's dictionary changes, not a row."""
+        column = self.table.column("path").combine_chunks()
+        dictionary = pa.array([paths.get(p, p) for p in column.dictionary.to_pylist()], pa.string())
+        remapped = pa.DictionaryArray.from_arrays(column.indices, dictionary)
+        return ImageRefs(self.table.set_column(self.table.schema.get_field_index("path"), "path", remapped))
 
 
 class HexDigests(_Columnar[str]):
@@ -283,28 +295,37 @@ class TrainIndex:
         )
 
 
-def _hash_refs(refs: list[ImageRef], reader: ImageReader, progress: bool, what: str) -> list[str | None]:
-    """sha256 of each image's bytes, None for one that cannot be read."""
+def _hash_refs(refs: list[ImageRef], progress: bool, what: str) -> list[str | None]:
+    """sha256 of each image's bytes, None for one that cannot be read (tar members on object storage read by byte
+    range)."""
     from tqdm import tqdm
 
-    out: list[str | None] = []
-    for ref in tqdm(refs, desc=what, unit="image", disable=not progress or not refs, dynamic_ncols=True):
-        try:
-            out.append(hashlib.sha256(reader.read(ref)).hexdigest())
-        except OSError:
-            out.append(None)
-    return out
+    return [
+        None if data is None else hashlib.sha256(data).hexdigest()
+        for data in tqdm(
+            read_images(refs),
+            total=len(refs),
+            desc=what,
+            unit="image",
+            disable=not progress or not refs,
+            dynamic_ncols=True,
+        )
+    ]
 
 
 def verify_images(index: TrainIndex, progress: bool = True, threads: int = 8) -> None:
     """Hash every image of `index` and stop, in one line, at the first whose bytes differ from the sha256 recorded
     when the index was built (`tcjepa train --verify-images`). Training itself hashes nothing: this pass is how a
-    changed source is caught, rather than on every read. An unreadable image passes here; the loader replaces it."""
+    changed source is caught, rather than on every read. An unreadable image passes here; the loader replaces it.
+
+    Tar shards on object storage are left to the fetch of each node's shards, which checks every member it uses."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tqdm import tqdm
 
     reader = ImageReader()
+    refs = [ref for ref in index.refs if not is_remote(ref.path)]
+    recorded = [sha for ref, sha in zip(index.refs, index.sha256) if not is_remote(ref.path)]
 
     def sha(ref: ImageRef) -> str | None:
         try:
@@ -313,13 +334,13 @@ def verify_images(index: TrainIndex, progress: bool = True, threads: int = 8) ->
             return None
 
     with ThreadPoolExecutor(threads) as pool:
-        hashes = pool.map(sha, index.refs)
-        bar = tqdm(hashes, total=len(index.refs), desc="verifying images", unit="image", disable=not progress)
-        for ref, recorded, actual in zip(index.refs, index.sha256, bar):
-            if actual is not None and actual != recorded:
+        hashes = pool.map(sha, refs)
+        bar = tqdm(hashes, total=len(refs), desc="verifying images", unit="image", disable=not progress or not refs)
+        for ref, indexed, actual in zip(refs, recorded, bar):
+            if actual is not None and actual != indexed:
                 raise DataProblem(
                     f"image {ref.source_id} changed since the run's index was built (sha256 {actual[:12]}, indexed "
-                    f"{recorded[:12]}); restore it, or delete the run's index.parquet to rebuild the index"
+                    f"{indexed[:12]}); restore it, or delete the run's index.parquet to rebuild the index"
                 )
 
 
@@ -345,10 +366,9 @@ def _image_sha256(
     refs: list[ImageRef], recorded: dict[str, str], verify_sample: int, progress: bool
 ) -> list[str | None]:
     """Each image's sha256: the cache's record, checked on a random sample, else hashed from the bytes."""
-    reader = ImageReader()
     known = [i for i, r in enumerate(refs) if r.source_id in recorded]
     sample = random.sample(known, min(verify_sample, len(known)))
-    actual = _hash_refs([refs[i] for i in sample], reader, progress, "verifying image hashes")
+    actual = _hash_refs([refs[i] for i in sample], progress, "verifying image hashes")
     differ = sum(a is not None and a != recorded[refs[i].source_id] for i, a in zip(sample, actual))
     if differ:
         print(
@@ -357,10 +377,10 @@ def _image_sha256(
             f"(another folder with the same file names?); hashing every image",
             file=sys.stderr,
         )
-        return _hash_refs(refs, reader, progress, "hashing images")
+        return _hash_refs(refs, progress, "hashing images")
     shas: list[str | None] = [recorded.get(r.source_id) for r in refs]
     unknown = [i for i, s in enumerate(shas) if s is None]
-    for i, sha in zip(unknown, _hash_refs([refs[i] for i in unknown], reader, progress, "hashing images")):
+    for i, sha in zip(unknown, _hash_refs([refs[i] for i in unknown], progress, "hashing images")):
         shas[i] = sha
     for i, sha in zip(sample, actual):  # an unreadable sampled image is left out like any other
         shas[i] = sha
@@ -400,7 +420,7 @@ def _rejected(cache: CaptionCache, captioned: set[str]) -> dict[str, str]:
 
 
 def build_index(
-    inputs: list[Path],
+    inputs: Sequence[str | Path],
     cache: Path | None,
     store: Path | None,
     recipes: list[str],

@@ -51,7 +51,7 @@ from train.checkpoint import (
 )
 from train.config import TrainConfig, absolute_paths, differences, resolve_automatic, to_dict, validate
 from train.data import StepBatches, device_decoding
-from train.data_index import TrainIndex, build_index, verify_images
+from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index, verify_images
 from train.initial import initialise
 from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, plot_curves
@@ -61,6 +61,7 @@ from train.partitions import (
     node_count,
     node_partitions,
     node_segments,
+    node_shards,
     partition_run,
 )
 from train.reporting import Progress, check_loggers
@@ -279,8 +280,7 @@ def partition(cfg: TrainConfig, index: TrainIndex, rt: Runtime) -> tuple[Partiti
         )
     if not text:
         return split, sharing, []
-    node = rt.rank // (rt.world // sharing)
-    parts = node_partitions(node, sharing, cfg.partitions)
+    node, parts = serving(rt, sharing, cfg.partitions)
     reads = node_segments(index, split, parts)
     if local_rank() == 0 and cfg.partitions > 1:
         served = f"{parts.start}" if len(parts) == 1 else f"{parts.start}–{parts.stop - 1}"
@@ -293,6 +293,51 @@ def partition(cfg: TrainConfig, index: TrainIndex, rt: Runtime) -> tuple[Partiti
     return split, sharing, reads.names
 
 
+def serving(rt: Runtime, sharing: int, count: int) -> tuple[int, range]:
+    """This process's node among the `sharing` that share the partitions out, and the partitions that node serves."""
+    node = rt.rank // (rt.world // sharing)
+    return node, node_partitions(node, sharing, count)
+
+
+def images_for_training(cfg: TrainConfig, index: TrainIndex, split: PartitionSplit, sharing: int, rt: Runtime) -> None:
+    """Of tar shards on object storage, those holding this node's partitions' images (training and validation) are
+    fetched once per node (local rank 0) into the local mirror, each checked member by member against the index's
+    sha256 before it is used; then every process reads its images from those copies (`index.refs` points there).
+    No process reads an image over the network while training."""
+    from pipeline.core.remote_tars import ShardMembers, fetch_shards, shard_mirror
+
+    node, parts = serving(rt, sharing, cfg.partitions)
+    shards = node_shards(index, split, parts)
+    if not shards.urls:
+        return
+    refs = ImageRefs.of(index.refs)
+    mirror = Path(cfg.mirror) if cfg.mirror else None
+
+    def fetch() -> None:
+        columns = refs.table
+        members = {
+            url: ShardMembers(
+                columns.column("offset").take(rows).to_numpy(),
+                columns.column("size").take(rows).to_numpy(),
+                HexDigests.of(index.sha256).values[rows],
+                columns.column("source_id").take(rows),
+            )
+            for url, rows in zip(shards.urls, shards.rows)
+        }
+        done = fetch_shards(members, mirror, recheck=cfg.verify_images)
+        who = f"node {node} of {sharing}: " if sharing > 1 else ""
+        shared = f", {shards.shared} of them holding other partitions' images too" if shards.shared else ""
+        where = ", ".join(map(str, done.directories))
+        print(
+            f"{who}{done.shards} of the {shards.total} image shards the run reads ({done.bytes / 1e6:.1f} MB, "
+            f"{done.fetched} fetched now, each image checked against the index){shared} in {where}",
+            file=sys.stderr,
+        )
+
+    agreed(rt, fetch, on=local_rank() == 0)
+    index.refs = refs.with_paths({url: str(shard_mirror(url, mirror)) for url in shards.urls})
+
+
 def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool = True) -> TrainIndex:
     """The image ↔ caption ↔ store join, with every caption's span in the store, built once by rank 0 and saved
     beside the run; a saved one whose store no longer holds its segments is refused (rank 0 checks). With
@@ -302,8 +347,7 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool
 
     def build() -> None:
         cache = Path(cfg.text_cache) if cfg.conditioning != "none" else None
-        images = [Path(p) for p in cfg.images]
-        index = build_index(images, cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column, split=cfg.split)
+        index = build_index(cfg.images, cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column, split=cfg.split)
         print(index.coverage_line(), file=sys.stderr)
         index.save(path)
 
@@ -408,6 +452,7 @@ class Trainer:
         for_index = resolve_automatic(for_index, len(self.index.refs), say=self.rt.main)
         save_config(cfg, run, self.rt)
         self.split, self.nodes, segments = partition(for_index, self.index, self.rt)
+        images_for_training(for_index, self.index, self.split, self.nodes, self.rt)
         self.cfg = cfg = inputs_for_training(cfg, for_index, segments, self.rt)
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(cfg, text_width(cfg))

@@ -206,3 +206,36 @@ def node_segments(index: TrainIndex, split: PartitionSplit, partitions: range) -
     used = used[used >= 0]
     ours = np.unique(image_groups(index, by_segment=True)[mine])
     return NodeSegments([index.segments[s] for s in used.tolist()], int(np.isin(used, ours, invert=True).sum()))
+
+
+@dataclass(frozen=True)
+class NodeShards:
+    """The tar shards on object storage one node reads: those holding an image of its partitions."""
+
+    urls: list[str]
+    rows: list[np.ndarray]  # for each, the index ids of the node's images in it (training and validation)
+    total: int  # remote shards the whole run reads
+    shared: int  # of the node's, shards that also hold other partitions' images (with text, partitions follow segments)
+
+
+def node_shards(index: TrainIndex, split: PartitionSplit, partitions: range) -> NodeShards:
+    """The remote tar shards the node serving `partitions` reads, each with its images there (without text the
+    partitions follow the shards, so these are exactly its partitions' shards)."""
+    from pipeline.core.remote import is_remote
+
+    paths = ImageRefs.of(index.refs).table.column("path").combine_chunks()
+    remote = np.array([is_remote(p) for p in paths.dictionary.to_pylist()], dtype=bool)
+    codes = paths.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    on_remote = remote[codes] if len(remote) else np.zeros(len(codes), bool)
+    mine = (split.partition_of >= partitions.start) & (split.partition_of < partitions.stop)
+    ids = np.flatnonzero(mine & on_remote)
+    order = np.argsort(codes[ids], kind="stable")
+    used, starts = np.unique(codes[ids][order], return_index=True)
+    groups = np.split(ids[order], starts[1:]) if len(ids) else []
+    others = np.unique(codes[~mine & on_remote])
+    return NodeShards(
+        [paths.dictionary[int(c)].as_py() for c in used.tolist()],
+        groups,
+        len(np.unique(codes[on_remote])),
+        int(np.isin(used, others).sum()),
+    )

@@ -74,7 +74,7 @@ def remote_error(url: str, exc: Exception) -> UserError:
     return UserError(f"{url}: {type(exc).__name__}: {detail[:200]}")
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
+def filesystem(url: str) -> tuple[Any, str]:
     import fsspec
 
     try:
@@ -94,12 +94,12 @@ def writable_filesystem(url: str, option: str) -> tuple[Any, str]:
             f"{option} {url}: tcjepa writes to object storage only through S3's conditional put (s3://); "
             f"give a local directory and upload the finished tree, or use an s3:// URL"
         )
-    return _filesystem(url)
+    return filesystem(url)
 
 
 def remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
     """The file system and root of `url`, refusing a URL whose root lacks `marker`."""
-    fs, root = _filesystem(url)
+    fs, root = filesystem(url)
     if not remote_call(url, fs.exists, f"{root}/{marker}"):
         raise UserError(f"{url} is not {what} (no {marker})")
     return fs, root

@@ -28,10 +28,10 @@ import os
 import sys
 import tarfile
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from pipeline.core.errors import UserError
 
@@ -457,29 +457,42 @@ def _skip_warning(label: str, problem: str) -> None:
     print(f"warning: {label}: {problem}; its images are left out", file=sys.stderr)
 
 
-def _tar_refs(path: Path, label: str) -> Iterator[ImageRef]:
+def _tar_refs(path: Path, label: str) -> list[ImageRef]:
     """Regular image members of an uncompressed tar shard, from the headers alone."""
     try:
         with open(path, "rb") as f:
-            compressed = f.read(6).startswith(COMPRESSED_MAGIC)
-        tar = None if compressed else tarfile.open(path, mode="r:")
-    except (tarfile.TarError, OSError) as exc:
+            return tar_member_refs(f, label, os.path.abspath(path), str(path))
+    except OSError as exc:
         _skip_warning(label, f"unreadable tar shard ({exc})")
-        return
-    if tar is None:
+        return []
+
+
+def tar_member_refs(f: BinaryIO, label: str, where: str, shown: str) -> list[ImageRef]:
+    """Refs of the regular image members of the uncompressed tar shard open as `f` (seekable: only the headers are
+    read), with source ids ``label::member`` and `where` as their path; a compressed shard (named `shown`) is refused.
+    """
+    compressed = f.read(6).startswith(COMPRESSED_MAGIC)
+    if compressed:
         raise UserError(
-            f"{path}: compressed tar shard; training reads images at random offsets, so decompress it first (e.g. "
+            f"{shown}: compressed tar shard; training reads images at random offsets, so decompress it first (e.g. "
             "gunzip -k) and pass the .tar"
         )
-    where = os.path.abspath(path)
+    f.seek(0)
+    try:
+        tar = tarfile.open(fileobj=f, mode="r:")
+    except tarfile.TarError as exc:
+        _skip_warning(label, f"unreadable tar shard ({exc})")
+        return []
+    refs: list[ImageRef] = []
     with tar:
         try:
             for member in tar:
                 # links and sparse members have no contiguous data to pread; iter_images reports links as errors
                 if member.name.lower().endswith(IMAGE_SUFFIXES) and member.isreg() and not member.issparse():
-                    yield ImageRef(f"{label}::{member.name}", "tar", where, member.offset_data, member.size)
-        except (tarfile.TarError, OSError, EOFError) as exc:
+                    refs.append(ImageRef(f"{label}::{member.name}", "tar", where, member.offset_data, member.size))
+        except (tarfile.TarError, EOFError) as exc:
             _skip_warning(label, f"tar shard ends early or is corrupt ({exc}); members after the damage")
+    return refs
 
 
 def _parquet_refs(path: Path, column: str | None, label: str) -> list[ImageRef]:
@@ -510,25 +523,44 @@ def _hf_spec_refs(spec: str, column: str | None) -> list[ImageRef]:
     return [ImageRef(f"{spec}::{row}", "hf", spec, row, column=name) for row in range(ds.num_rows)]
 
 
-def list_images(inputs: list[Path], image_column: str | None = None, split: str = DEFAULT_SPLIT) -> list[ImageRef]:
+def list_images(
+    inputs: Sequence[str | Path], image_column: str | None = None, split: str = DEFAULT_SPLIT
+) -> list[ImageRef]:
     """Same images, same order, same source ids as iter_images, without reading image bytes.
 
     Tar shards are listed from their headers, Parquet files from their metadata. Entries
     iter_images yields only as errors (links in tar shards, unreadable shards) are left
     out; a file or table cell that turns out unreadable fails in `ImageReader.read`.
+
+    An input may also be a URL (``s3://...``) of a tar shard, or of a prefix holding tar shards: such shards are
+    listed as a local folder's are (source ids ``relative/path.tar::member``), their headers read by byte range, and
+    their refs keep the shard's URL as their path (`pipeline.core.remote_tars`).
     """
+    from pipeline.core.remote import is_remote
+
+    local = iter(_check_inputs([Path(i) for i in inputs if not is_remote(str(i))], split))
+    remote = [str(i) for i in inputs if is_remote(str(i))]
+    shards: dict[str, list[ImageRef]] = {}
+    if remote:
+        from pipeline.core.remote_tars import list_remote_tars
+
+        shards = list_remote_tars(remote)
     refs: list[ImageRef] = []
-    for path, kind, label in _leaves(_check_inputs(inputs, split)):
-        if kind == "hf":
-            refs.extend(_hf_spec_refs(label, image_column))
-        elif kind == "hf-dataset":
-            refs.extend(_hf_refs(path, image_column))
-        elif kind == "parquet":
-            refs.extend(_parquet_refs(path, image_column, label))
-        elif kind == "tar":
-            refs.extend(_tar_refs(path, label))
-        else:
-            refs.append(ImageRef(label, "file", os.path.abspath(path)))
+    for given in inputs:
+        if is_remote(str(given)):
+            refs.extend(shards[str(given)])
+            continue
+        for path, kind, label in _leaves([next(local)]):
+            if kind == "hf":
+                refs.extend(_hf_spec_refs(label, image_column))
+            elif kind == "hf-dataset":
+                refs.extend(_hf_refs(path, image_column))
+            elif kind == "parquet":
+                refs.extend(_parquet_refs(path, image_column, label))
+            elif kind == "tar":
+                refs.extend(_tar_refs(path, label))
+            else:
+                refs.append(ImageRef(label, "file", os.path.abspath(path)))
     return refs
 
 
