@@ -15,6 +15,7 @@ from evaluation.features import extract_features, load_run, load_trained_encoder
 from evaluation.labels import dense_probe_name, patch_labels, read_labels
 from evaluation.preprocess import CentreCrop, centre_crop, resize_and_crop
 from evaluation.probes import (
+    AttentiveProbe,
     Split,
     attentive_probe,
     average_precision,
@@ -182,6 +183,28 @@ def test_attentive_probe_finds_the_one_token_that_matters():
     result = attentive_probe(patches, y, split, seed=0, device=torch.device("cpu"))
     assert result.metrics["top1"] >= 0.9
     assert set(result.validation) == {"lr=0.001", "lr=0.003", "lr=0.01"}
+
+
+@pytest.mark.parametrize(("dim", "heads"), [(16, 4), (192, 8), (3, 3)])
+def test_attentive_probe_attends_as_multihead_attention_does_in_values_and_gradients(dim, heads):
+    """The probe computes its one query's attention query first; `nn.MultiheadAttention` (its own parameters) is the
+    reference."""
+    torch.manual_seed(0)
+    probe = AttentiveProbe(dim, heads, classes=5)
+    with torch.no_grad():  # biases away from their zero init, so that their terms are tested too
+        probe.attn.in_proj_bias.normal_()
+        probe.attn.out_proj.bias.normal_()
+    kv = torch.randn(6, 11, dim)
+    query = probe.query.expand(len(kv), -1, -1)
+    fast, reference = probe.attend(kv), probe.attn(query, kv, kv, need_weights=False)[0]
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    params = [probe.query, probe.attn.in_proj_weight, probe.attn.in_proj_bias, probe.attn.out_proj.weight]
+    upstream = torch.randn_like(reference)
+    for got, want in zip(
+        torch.autograd.grad((fast * upstream).sum(), params, allow_unused=True),
+        torch.autograd.grad((reference * upstream).sum(), params),
+    ):
+        torch.testing.assert_close(torch.zeros_like(want) if got is None else got, want, rtol=1e-4, atol=1e-5)
 
 
 # --- labels ------------------------------------------------------------------------------
