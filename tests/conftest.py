@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -484,26 +485,49 @@ def caption_rows(cache: Path, recipe: str | None = None) -> list[dict]:
 # --- session fixtures --------------------------------------------------------------------------------------------
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """The directory `name`, made by `build(directory)` once per test session and then only read.
+
+    Under pytest-xdist every worker process would build its own copy of a session fixture; here the first worker to
+    ask builds it in the session's common temporary directory (the workers' base directories' parent) while the
+    others wait on its lock, and all of them use that one. A build that failed leaves no `.done` mark: the next
+    worker to ask builds it again (and fails as loudly). Only for fixtures no test writes into.
+    """
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
+    shared.mkdir(exist_ok=True)
+    out, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("synth")
-    tcjepa("synth", "--out", out, "--n-images", 40, "--seed", 3)
-    return out
+    return built_once(
+        tmp_path_factory, "synth", lambda out: tcjepa("synth", "--out", out, "--n-images", 40, "--seed", 3)
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """`DIR/t5` (random tiny T5) and `DIR/vlm` (random tiny Qwen2-VL), built through the CLI."""
-    out = tmp_path_factory.mktemp("tiny")
-    tcjepa("tiny-models", "--out", out)
-    return out
+    return built_once(tmp_path_factory, "tiny", lambda out: tcjepa("tiny-models", "--out", out))
 
 
 @pytest.fixture(scope="session")
 def annotated_cache(tmp_path_factory, synth_dir) -> Path:
-    cache = tmp_path_factory.mktemp("cache") / "cache"
-    tcjepa("caption", "--cache", cache, "--annotations", synth_dir / "captions.jsonl")
-    return cache
+    annotations = synth_dir / "captions.jsonl"
+    out = built_once(
+        tmp_path_factory, "cache", lambda out: tcjepa("caption", "--cache", out / "cache", "--annotations", annotations)
+    )
+    return out / "cache"
 
 
 # The embedding settings of `annotated_store`: small chunks and shards, so captions cross both.
@@ -513,10 +537,14 @@ SMALL_STORE = ["--chunk-tokens", "64", "--shard-chunks", "4", "--window", "64", 
 @pytest.fixture(scope="session")
 def annotated_store(tmp_path_factory, annotated_cache, tiny_models) -> Path:
     """Embeddings (random tiny T5) of every caption of `annotated_cache`, in small chunks and shards."""
-    path = tmp_path_factory.mktemp("store") / "store"
-    done = tcjepa("embed", "--cache", annotated_cache, "--store", path, "--model", tiny_models / "t5", *SMALL_STORE)
-    (path.parent / "embed.stdout").write_text(done.stdout)  # what the command said, for test_embed
-    return path
+
+    def build(out: Path) -> None:
+        done = tcjepa(
+            "embed", "--cache", annotated_cache, "--store", out / "store", "--model", tiny_models / "t5", *SMALL_STORE
+        )
+        (out / "embed.stdout").write_text(done.stdout)  # what the command said, for test_embed
+
+    return built_once(tmp_path_factory, "store", build) / "store"
 
 
 VECTOR_WIDTH = 16
@@ -615,9 +643,10 @@ def reference_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store)
 @pytest.fixture(scope="session")
 def exact_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store) -> Path:
     """`EXACT_STEPS` on one process: what runs on two processes (DDP, FSDP, a resumed one) must match."""
-    run = tmp_path_factory.mktemp("runs") / "exact"
-    tcjepa(*train_args(synth_dir / "images", annotated_cache, annotated_store, run, *EXACT_STEPS))
-    return run
+    args = (synth_dir / "images", annotated_cache, annotated_store)
+    return (
+        built_once(tmp_path_factory, "exact", lambda out: tcjepa(*train_args(*args, out / "run", *EXACT_STEPS))) / "run"
+    )
 
 
 @pytest.fixture(scope="session")
