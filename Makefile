@@ -39,9 +39,10 @@ lint: venv
 test: lint
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
-# The unit tier: >= 100 tests in under 90 s on 2 cores, no test over 60 s.
+# The unit tier: >= 100 tests in under 90 s on 2 cores, no test over 60 s; two workers, one torch thread each, as
+# `make test` runs.
 test-fast: venv
-	$(PY) -m pytest -m "$(UNIT_TIER)" --timeout 60 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 -m "$(UNIT_TIER)" --timeout 60 $(PYTEST_ARGS)
 
 # The whole suite under coverage.py (the processes the tests start included: [tool.coverage] in pyproject.toml),
 # then line coverage per file and in total; exits as pytest did.

@@ -202,7 +202,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        tcjepa("synth", "--out", tmp / "synth", "--n", args.images, "--seed", args.seed)
+        tcjepa("synth", "--out", tmp / "synth", "--n-images", args.images, "--seed", args.seed)
         tcjepa("caption", "--cache", tmp / "cache", "--annotations", tmp / "synth" / "captions.jsonl")
         models = args.models
         if models is None:

@@ -30,7 +30,7 @@ from evaluation.probes import (
 )
 from evaluation.protocol import LINEAR_LRS, LINEAR_WDS
 from pipeline.core.sources import list_images
-from tests.conftest import tcjepa
+from tests.conftest import another_t5, tcjepa
 
 
 @pytest.fixture(scope="module")
@@ -607,8 +607,7 @@ def test_viz_draws_word_maps_and_error_maps(tmp_path, cross_run, synth_dir, tiny
     assert all(w["word"] in words for w in result["top_words"])
 
 
-def test_viz_refuses_a_text_model_other_than_the_stores(tmp_path, cross_run, synth_dir):
-    tcjepa("tiny-models", "--out", tmp_path / "other", "--seed", "1")
+def test_viz_refuses_a_text_model_other_than_the_stores(tmp_path, cross_run, synth_dir, tiny_models):
     done = tcjepa(
         "viz",
         cross_run,
@@ -617,7 +616,7 @@ def test_viz_refuses_a_text_model_other_than_the_stores(tmp_path, cross_run, syn
         "--captions",
         "a red circle",
         "--text-model",
-        tmp_path / "other" / "t5",
+        another_t5(tiny_models, tmp_path / "other"),
         "--out",
         tmp_path / "viz.png",
         check=False,

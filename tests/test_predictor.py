@@ -187,7 +187,7 @@ def _wiring_batch(g: torch.Generator, words: torch.Tensor, colours: torch.Tensor
     return context, text, target
 
 
-def _train_predictor(conditioning: str, steps: int = 250) -> tuple[float, float, float]:
+def _train_predictor(conditioning: str, steps: int = 150) -> tuple[float, float, float]:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     words = torch.randn(28, 16, generator=g)  # 8 colour words + 20 fillers, fixed "T5 outputs"

@@ -12,7 +12,7 @@ from embedding_cache.reader import EmbeddingReader
 from evaluation.viz import encode_captions
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
-from tests.conftest import tcjepa
+from tests.conftest import another_t5, tcjepa
 
 
 @pytest.mark.parametrize("codec_args", [["--store-dtype", "int8"], ["--store-dtype", "int8", "--project-dim", "16"]])
@@ -42,5 +42,4 @@ def test_fresh_captions_match_an_int8_or_projected_store(tmp_path, annotated_cac
     cosine = (fresh * kept).sum(1) / np.linalg.norm(fresh, axis=1) / np.linalg.norm(kept, axis=1)
     assert cosine.min() > 0.999, cosine.min()
     with pytest.raises(UserError, match="is not the encoder that made"):
-        tcjepa("tiny-models", "--out", tmp_path / "other", "--seed", "1")
-        encode_captions([["a caption"]], tmp_path / "other" / "t5", store)
+        encode_captions([["a caption"]], another_t5(tiny_models, tmp_path / "other"), store)
