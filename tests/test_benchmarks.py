@@ -1,0 +1,42 @@
+"""The benchmarks that build on the training data path run, at a tiny size, and end with their JSON line.
+
+They call the trainer's own classes (`TrainIndex`, `StepBatches`, `EmbeddingReader`), so a change there that a
+benchmark missed would otherwise surface only at the next `make bench`, as `benchmarks.loader` once did.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import python_module
+
+
+def _result(*args: object) -> dict:
+    done = python_module(*args, timeout=900)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_loader_benchmark_measures_both_paths_for_both_codecs():
+    result = _result(
+        "benchmarks.loader",
+        *("--images", 8, "--distinct-captions", 16, "--words", 8, "--d-text", 32, "--images-per-step", 4),
+        *("--e2e-batches", 2, "--e2e-rounds", 1, "--captions", 500, "--d-model", 16, "--images-per-batch", 8),
+        *("--batches", 2, "--rounds", 1),
+    )
+    assert result["benchmark"] == "loader"
+    for codec in ("float16", "int8"):
+        assert result[f"{codec}_loader_images_per_core_s"] > 0 and result[f"{codec}_reference_images_per_core_s"] > 0
+    assert result["reader_captions_per_s"] > 0 and result["zarr_captions_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_startup_benchmark_reports_the_keys_the_issue_names():
+    result = _result(
+        "benchmarks.startup",
+        *("--captions", 200, "--segments", 2, "--dim", 4, "--tokens-per-caption", 2, "--batches", 5, "--repeats", 1),
+    )
+    keys = {"captions", "segments", "index_build_s", "worker_open_s", "worker_rss_mb", "open_files"}
+    assert keys <= set(result) and result["captions"] >= 200
