@@ -44,11 +44,13 @@ test: lint
 test-fast: venv
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 -m "$(UNIT_TIER)" --timeout 60 $(PYTEST_ARGS)
 
-# The whole suite under coverage.py (the processes the tests start included: [tool.coverage] in pyproject.toml),
-# then line coverage per file and in total; exits as pytest did.
+# The whole suite under coverage.py (the processes the tests start included, the xdist workers among them:
+# [tool.coverage] in pyproject.toml), in two workers as `make test` runs it, then line coverage per file and in
+# total; exits as pytest did.
 coverage: venv
 	rm -rf .coverage-data && mkdir -p .coverage-data
-	status=0; $(PY) -m coverage run -m pytest $(PYTEST_ARGS) || status=$$?; \
+	status=0; OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m coverage run -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) \
+		|| status=$$?; \
 	$(PY) -m coverage combine -q && $(PY) -m coverage report --sort=cover; exit $$status
 
 demo: venv
