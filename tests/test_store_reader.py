@@ -125,6 +125,7 @@ def frozen_heap():
     its own objects: in a full run each call otherwise walks every earlier test's heap (5 s instead of 0.5 s)."""
     gc.freeze()
     yield
+    gc.unfreeze()
 
 
 def test_shard_files_are_mapped_lazily_and_never_more_than_the_bound(tmp_path, frozen_heap):
@@ -148,7 +149,6 @@ def test_shard_files_are_mapped_lazily_and_never_more_than_the_bound(tmp_path, f
             most = max(most, _open_files_under(tmp_path / "s"))
     assert 0 < most <= 2 and len(reader.files) <= 2
     assert reader.files.opened > 6, "files dropped by the bound were mapped again when needed"
-    gc.unfreeze()
 
 
 def test_spans_of_keys_are_where_the_key_lookup_points(tmp_path):

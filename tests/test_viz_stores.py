@@ -41,5 +41,6 @@ def test_fresh_captions_match_an_int8_or_projected_store(tmp_path, annotated_cac
     fresh, kept = encoded.tokens[0, 0, :length].numpy(), stored.astype(np.float32)
     cosine = (fresh * kept).sum(1) / np.linalg.norm(fresh, axis=1) / np.linalg.norm(kept, axis=1)
     assert cosine.min() > 0.999, cosine.min()
+    other = another_t5(tiny_models, tmp_path / "other")
     with pytest.raises(UserError, match="is not the encoder that made"):
-        encode_captions([["a caption"]], another_t5(tiny_models, tmp_path / "other"), store)
+        encode_captions([["a caption"]], other, store)
