@@ -52,7 +52,7 @@ from typing import Any
 
 from benchmarks.common import print_result, tcjepa  # first: sets the offline environment
 from embedding_cache.store import EmbeddingStore
-from evaluation.summary import floor_figures, run_figures
+from evaluation.summary import floor_figures, recorded_floor_inputs, run_figures
 from pipeline.devkit.scenes import (
     SCENE_CAPTIONS,
     SCENE_IMAGES,
@@ -257,13 +257,35 @@ def store_for(work: Path, variant: str) -> Path:
     return store
 
 
+def probes_report(run: Path) -> Path:
+    return run / "eval" / "probes.json"
+
+
+def floors_source(runs: Path, seed: int, probes: list[str]) -> Path | None:
+    """A report of this experiment's runs with `seed` and `probes` that records its floors' inputs. The runs of
+    one experiment share the encoder architecture, images and labels, so one measurement of the floors serves
+    them all (`tcjepa eval --floors-from` checks that it does)."""
+    for report in sorted(runs.glob(f"*-s{seed}/eval/probes.json")):
+        inputs = recorded_floor_inputs(report)
+        if inputs is not None and set(inputs["probes"]) == set(probes):
+            return report
+    return None
+
+
 def run_one(
-    runs: Path, work: Path, settings: dict[str, Any], variant: str, masks: str, seed: int, probes: list[str]
+    runs: Path,
+    work: Path,
+    settings: dict[str, Any],
+    variant: str,
+    masks: str,
+    seed: int,
+    probes: list[str],
+    floors_from: Path | None = None,
 ) -> dict[str, Any]:
     """Train (or resume, or reuse) one run in `runs` and probe it (or reuse its report); returns its figures and
-    floors."""
+    floors. `floors_from`: the report of a run of the same encoder and seed, whose floors the probes reuse."""
     run = runs / f"{variant}-{masks}-s{seed}"
-    report_path = run / "eval" / "probes.json"
+    report_path = probes_report(run)
     timing_path = run / "ablation-timing.json"
     steps = settings["steps"]
     report = json.loads(report_path.read_text()) if report_path.exists() else None
@@ -288,6 +310,7 @@ def run_one(
             "--no-progress",
             "--report",
             report_path,
+            *(["--floors-from", floors_from] if floors_from is not None else []),
         )
         timing = {"train_s": round(t1 - t0, 1), "eval_s": round(time.perf_counter() - t1, 1)}
         timing_path.write_text(json.dumps(timing) + "\n")
@@ -511,7 +534,10 @@ def main() -> None:
         for variant in args.variants or experiment.variants:
             seeds = args.seeds if variant in DIFFERENCE else args.ablation_seeds or args.seeds[:1]
             run_settings = {**settings, **VARIANTS[variant], **MASKS[masks]}
-            runs[(variant, masks)] = {s: run_one(folder, work, run_settings, variant, masks, s, probes) for s in seeds}
+            runs[(variant, masks)] = {
+                s: run_one(folder, work, run_settings, variant, masks, s, probes, floors_source(folder, s, probes))
+                for s in seeds
+            }
     table = {g: summarise([r["figures"] for r in by_seed.values()]) for g, by_seed in runs.items()}
     floors = {
         g: {f: summarise([r["floors"][f] for r in by_seed.values()]) for f in by_seed[min(by_seed)]["floors"]}

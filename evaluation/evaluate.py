@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from evaluation import protocol
-from evaluation.features import Features, extract_features
+from evaluation.features import FEATURE_SETS, Features, architecture, extract_features, images_digest, load_run
 from evaluation.labels import Labels, dense_probe_name, folder_labels, patch_labels, read_labels
 from evaluation.preprocess import describe as describe_preprocessing
 from evaluation.probes import (
@@ -37,6 +37,7 @@ from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.sources import ImageRef, list_images
+from train.config import TrainConfig
 from train.data import IMAGENET_MEAN, IMAGENET_STD
 
 PROBES = ("linear", "knn", "dense", "multilabel", "attentive")
@@ -60,6 +61,7 @@ class EvalConfig:
     num_workers: int = 2  # DataLoader processes decoding images
     report: Path | None = None
     progress: bool = True
+    floors_from: Path | None = None  # an earlier report whose floors are reused when they were measured alike
 
 
 def _labelled_images(cfg: EvalConfig) -> tuple[list[ImageRef], Labels, str]:
@@ -142,6 +144,41 @@ def _probe_all(
     return {k: v.to_dict() for k, v in results.items()}
 
 
+def floor_inputs(
+    cfg: EvalConfig, run_config: TrainConfig, refs: list[ImageRef], labels: Labels, probes: tuple[str, ...]
+) -> dict[str, Any]:
+    """Everything the floors' probe results depend on: the encoder architecture (the random baseline), the
+    labelled images in order, the labels, the probes, the split and the seed, and the protocol. Two runs of the
+    same architecture evaluated alike have the same floors; a report records these so that another can reuse them."""
+    return {
+        "architecture": architecture(run_config),
+        "images": images_digest(run_config.image_size, refs),
+        "labels": labels.digest(),
+        "probes": list(probes),
+        "split": {"test_fraction": cfg.test_fraction, "val_fraction": cfg.val_fraction},
+        "seed": cfg.seed,
+        "protocol": protocol.describe(),
+    }
+
+
+def reused_floors(path: Path, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The floors of the report at `path` (`--floors-from`), refused unless they were measured on the same
+    `floor_inputs`."""
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"--floors-from {path}: not a readable eval report ({exc})") from None
+    if not isinstance(earlier, dict) or "floor_inputs" not in earlier or any(f not in earlier for f in FLOORS):
+        raise UserError(f"--floors-from {path}: not a report of `tcjepa eval` with its floors and their inputs")
+    different = [key for key in inputs if earlier["floor_inputs"].get(key) != inputs[key]]
+    if different:
+        raise UserError(
+            f"--floors-from {path}: its floors were measured with other {', '.join(different)}; "
+            "leave --floors-from out to measure this run's own"
+        )
+    return {floor: earlier[floor] for floor in FLOORS}
+
+
 def one_line(report: dict[str, Any]) -> str:
     """The report as one table row: step, each probe's metrics with its floors in brackets, split sizes."""
     parts = [f"step {report['step']}"]
@@ -179,15 +216,19 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
     if "multilabel" in probes and not supported["multilabel"]:
         raise UserError(f'--probe multilabel needs each image\'s set of labels ("tags" in {where})')
     need_patches = "dense" in probes or "attentive" in probes
+    labelled = [refs[i] for i in labels.image_index]
+    inputs = floor_inputs(cfg, load_run(cfg.run).config, labelled, labels, probes)
+    reused = reused_floors(cfg.floors_from, inputs) if cfg.floors_from is not None else None
     sets = extract_features(
         cfg.run,
-        [refs[i] for i in labels.image_index],
+        labelled,
         with_patches=need_patches,
         device=cfg.device,
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         progress=cfg.progress,
         seed=cfg.seed,
+        sets=("encoder",) if reused else FEATURE_SETS,
     )
     features = sets["encoder"]
     usable = np.flatnonzero(features.decoded)
@@ -203,7 +244,8 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
     try:
         split = _split(labels, usable, cfg)
         results = {
-            key: _probe_all(probes, sets[key], labels, dense, split, cfg.seed, device) for key in ("encoder", *FLOORS)
+            which: _probe_all(probes, feature_set, labels, dense, split, cfg.seed, device)
+            for which, feature_set in sets.items()
         }
     except ValueError as exc:
         raise UserError(f"eval: {exc}") from None
@@ -229,7 +271,9 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
             },
         },
         "probes": results["encoder"],
-        **{floor: {"what": what, "probes": results[floor]} for floor, what in FLOORS.items()},
+        **(reused or {floor: {"what": what, "probes": results[floor]} for floor, what in FLOORS.items()}),
+        "floor_inputs": inputs,
+        **({"floors_from": str(cfg.floors_from)} if reused else {}),
     }
     out = cfg.report or Path(cfg.run) / EVAL_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -150,10 +150,10 @@ def _stat(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def cache_key(step: int, image_size: int, refs: list[ImageRef]) -> str:
-    """Digest of what the features depend on: checkpoint step, image size and crop, each image's place and
-    file stat."""
-    h = hashlib.sha256(f"step={step};size={image_size};crop={CROP_FRACTION};n={len(refs)}\n".encode())
+def images_digest(image_size: int, refs: list[ImageRef]) -> str:
+    """Digest of what any feature set of `refs` depends on besides the encoder: image size and crop, and each
+    image's place and file stat, in order."""
+    h = hashlib.sha256(f"size={image_size};crop={CROP_FRACTION};n={len(refs)}\n".encode())
     stats: dict[str, tuple[int, int]] = {}
     for ref in refs:
         if ref.path not in stats:
@@ -161,7 +161,17 @@ def cache_key(step: int, image_size: int, refs: list[ImageRef]) -> str:
         h.update(
             f"{ref.source_id}\0{ref.kind}\0{ref.path}\0{ref.offset}\0{ref.size}\0{ref.column}\0{stats[ref.path]}\n".encode()
         )
-    return h.hexdigest()[:16]
+    return h.hexdigest()
+
+
+def cache_key(step: int, image_size: int, refs: list[ImageRef]) -> str:
+    """The feature cache's folder name: digest of the checkpoint step and :func:`images_digest`."""
+    return hashlib.sha256(f"step={step};{images_digest(image_size, refs)}".encode()).hexdigest()[:16]
+
+
+def architecture(config: TrainConfig) -> dict[str, Any]:
+    """The encoder's architecture as the run's config gives it: what the random baseline is built from."""
+    return {k: getattr(config, k) for k in ("model", "image_size", "patch_size", "width", "depth", "heads")}
 
 
 @dataclass
@@ -240,13 +250,17 @@ def extract_features(
     num_workers: int = 2,
     progress: bool = True,
     seed: int = 0,
+    sets: tuple[str, ...] = FEATURE_SETS,
 ) -> dict[str, Features]:
-    """The `FEATURE_SETS` of `refs` (the run's target encoder, the seeded random baseline, pixels), from the
-    cache when it has them, else extracted in one pass over the images and cached."""
+    """The feature `sets` of `refs` (of `FEATURE_SETS`: the run's target encoder, the seeded random baseline,
+    pixels), from the cache when it has them, else extracted in one pass over the images and cached."""
+    unknown = [name for name in sets if name not in FEATURE_SETS]
+    if unknown:
+        raise ValueError(f"unknown feature set {unknown[0]!r}; choose from {', '.join(FEATURE_SETS)}")
     trained = load_run(run)
     cfg, grid = trained.config, trained.grid
     directory = Path(run) / FEATURES_DIR / cache_key(trained.step, cfg.image_size, refs)
-    folders = {name: directory / set_directory(name, seed) for name in FEATURE_SETS}
+    folders = {name: directory / set_directory(name, seed) for name in sets}
     found = {name: _load(folder, with_patches, trained.step, grid) for name, folder in folders.items()}
     missing = [name for name, features in found.items() if features is None]
     if missing:
@@ -262,7 +276,7 @@ def extract_features(
             seed,
             str(run),
         )
-    out = {name: found[name] or _load(folders[name], with_patches, trained.step, grid) for name in FEATURE_SETS}
+    out = {name: found[name] or _load(folders[name], with_patches, trained.step, grid) for name in sets}
     assert all(f is not None for f in out.values())
     return out  # type: ignore[return-value]
 

@@ -23,6 +23,7 @@ Class folders (`--train DIR/train --val DIR/val`, the ImageNet layout
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -67,6 +68,18 @@ class Labels:
     @property
     def has_tags(self) -> bool:
         return bool(self.tagged.any())
+
+    def digest(self) -> str:
+        """sha256 of everything a probe reads from the labels: classes, per-cell maps, tags and the split."""
+        h = hashlib.sha256()
+        for part in (self.classes, self.cell_size, self.split, self.tag_names, sorted(self.cell_maps)):
+            h.update(json.dumps(part).encode() + b"\0")
+        for array in (self.label, self.tags, self.tagged):
+            h.update(f"{array.dtype}{array.shape}".encode() + np.ascontiguousarray(array).tobytes())
+        for name in sorted(self.cell_maps):
+            for cells in self.cell_maps[name]:
+                h.update(b"-" if cells is None else f"{cells.dtype}{cells.shape}".encode() + cells.tobytes())
+        return h.hexdigest()
 
 
 def _line_error(path: Path, number: int, why: str) -> UserError:

@@ -3,6 +3,8 @@ and speed (from metrics)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from evaluation.protocol import FLOORS
@@ -27,6 +29,16 @@ def probe_figures(probes: dict[str, Any]) -> dict[str, float]:
 def floor_figures(report: dict[str, Any]) -> dict[str, dict[str, float]]:
     """`probe_figures` of each floor of the report (random-init encoder, raw pixels)."""
     return {floor: probe_figures(report[floor]["probes"]) for floor in FLOORS if floor in report}
+
+
+def recorded_floor_inputs(report: Path) -> dict[str, Any] | None:
+    """The `floor_inputs` that the report at `report` records (None when there is no such report, or it was written
+    before reports recorded them): whether it can lend its floors to another evaluation."""
+    try:
+        inputs = json.loads(Path(report).read_text()).get("floor_inputs")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return inputs if isinstance(inputs, dict) else None
 
 
 def validation_figures(metrics: list[dict[str, Any]]) -> dict[str, float]:

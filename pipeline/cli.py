@@ -751,6 +751,14 @@ def eval_(
         typer.Option(help="Where to write the JSON report (default RUN/eval/<labels name, or DIR's name>.json)."),
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar while extracting features.")] = True,
+    floors_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="An earlier report (another run of the same architecture, evaluated on the same images, labels, "
+            "probes and seed) whose floors this report reuses instead of measuring them again; refused if they "
+            "were measured otherwise."
+        ),
+    ] = None,
 ) -> None:
     from evaluation.evaluate import PROBES, EvalConfig, evaluate, one_line
 
@@ -771,6 +779,7 @@ def eval_(
         report=report,
         progress=progress,
         probes=probes or PROBES,
+        floors_from=floors_from,
     )
     result = evaluate(cfg, default_probes=probes is None)
     typer.echo(one_line(result))

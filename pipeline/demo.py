@@ -3,8 +3,9 @@
 synth → tiny-models → import the scenes' true captions → embed → caption (the tiny
 random VLM through vLLM, to show the real path runs; its captions are junk by
 construction and stay in their own recipe, which is not embedded) → train `none`
-and `cross` (same seed, same steps) → eval both → a summary table and plots. Each step is a real command
-run in this process and is skipped (or resumed) when its output is already there.
+and `cross` (same seed, same steps) → eval both → a summary table with the floors,
+and plots. Each step is a real command run in this process and is skipped (or
+resumed) when its output is already there.
 
 The training configuration is sized for ~10 minutes on 2 cores and printed at the
 start; it departs from the paper's on purpose (see `SCENE_TRAINING`).
@@ -17,11 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from evaluation.summary import run_figures
+from evaluation.summary import floor_figures, recorded_floor_inputs, run_figures
 from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_RECIPE, SCENE_T5_STEPS, SCENE_TRAINING, announce, prepare_scenes
 
 DEMO_VLM_IMAGES = 32
-MODES = ("none", "cross")
+MODES = ("none", "cross")  # `cross` reuses the floors that `none`'s evaluation measured
+FLOOR_NAMES = {"baseline": "random init", "pixels": "pixels"}
 
 
 def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:
@@ -50,8 +52,10 @@ def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:
 
 
 def _train_and_eval(
-    out: Path, mode: str, steps: int, seed: int, timings: dict[str, float]
+    out: Path, mode: str, steps: int, seed: int, timings: dict[str, float], floors_from: Path | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Train one mode and probe it; `floors_from`: the other mode's report, whose floors (same encoder
+    architecture, images and seed) are reused."""
     from evaluation.evaluate import EvalConfig, evaluate
     from train.config import TrainConfig, apply
     from train.loop import run_training
@@ -69,14 +73,21 @@ def _train_and_eval(
     report = json.loads(done.read_text()) if done.exists() else None
     if report is None or [report["step"]] != last:
         report = evaluate(
-            EvalConfig(run=run, images=[data / "images"], labels=data / "labels.jsonl", seed=seed, progress=False)
+            EvalConfig(
+                run=run,
+                images=[data / "images"],
+                labels=data / "labels.jsonl",
+                seed=seed,
+                progress=False,
+                floors_from=floors_from,
+            )
         )
     timings[f"eval_{mode}_s"] = time.perf_counter() - t
     return metrics, report
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The summary as a Markdown table."""
+    """The summary as a Markdown table: one row per mode, then one per floor (its probes only)."""
     cols = [
         ("mode", "mode", "{}"),
         ("linear", "linear", "{:.3f}"),
@@ -91,7 +102,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("images_per_s", "images/s", "{:.0f}"),
     ]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt.format(r[key]) for key, _, fmt in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt.format(r[key]) if key in r else "–" for key, _, fmt in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -140,10 +151,17 @@ def run_demo(
     timings: dict[str, float] = {}
     model_stats = prepare_scenes(out, n_images, t5_steps, seed, timings)
     caption_with_vlm(out, timings)
-    results = {mode: _train_and_eval(out, mode, train_steps, seed, timings) for mode in MODES}
+    results: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
+    for mode in MODES:
+        lender = out / "runs" / MODES[0] / "eval" / "labels.json"
+        reuse = mode != MODES[0] and recorded_floor_inputs(lender) is not None
+        results[mode] = _train_and_eval(out, mode, train_steps, seed, timings, lender if reuse else None)
     rows = [{"mode": mode, **run_figures(*results[mode])} for mode in MODES]
+    floors = [
+        {"mode": f"floor: {FLOOR_NAMES[f]}", **figures} for f, figures in floor_figures(results[MODES[0]][1]).items()
+    ]
     plot_comparison({mode: r[0] for mode, r in results.items()}, out / "comparison.png")
-    summary_table = table(rows)
+    summary_table = table(rows + floors)
     (out / "summary.md").write_text(summary_table + "\n")
     print(summary_table, flush=True)
     info = CaptionCache.open_or_create(out / "cache").info()
@@ -155,6 +173,7 @@ def run_demo(
         "t5_probe_accuracy": model_stats.get("t5_probe_accuracy"),
         "train_config": {**SCENE_TRAINING, "steps": train_steps},
         "results": rows,
+        "floors": floors,
         "plots": [str(out / "comparison.png"), *(str(out / "runs" / m / "curves.png") for m in MODES)],
         **{k: round(v, 1) for k, v in timings.items()},
     }

@@ -165,6 +165,10 @@ def test_text_experiment_runs_end_to_end_writes_the_readme_tables_and_resumes(tm
     for run in result["runs"]:
         assert (run["val_positive_cosine"] is None) == (run["variant"] == "none")
         assert run["train_s"] > 0 and run["eval_s"] > 0
+    reports = {p.parent.parent.name: json.loads(p.read_text()) for p in work.glob("runs/*/*/eval/probes.json")}
+    lenders = sorted(name for name, report in reports.items() if "floors_from" not in report)
+    assert lenders == ["none-ijepa-s0"], "the floors are measured once per seed, then reused by the other runs"
+    assert all(r["baseline"] == reports["none-ijepa-s0"]["baseline"] for r in reports.values())
     assert set(result["differences"]) == {"ijepa", "hard"}
     for diff in result["differences"].values():
         assert probes | {"rankme"} == set(diff) and all(d["std"] is None for d in diff.values())

@@ -26,6 +26,13 @@ def test_demo_runs_every_stage_and_summarises_both_runs(tmp_path):
     assert cross["val_true"] != cross["val_notext"]
     table = (out / "summary.md").read_text()
     assert table.startswith("| mode | linear |") and "| none |" in table and "| cross |" in table
+    assert [r["mode"] for r in summary["floors"]] == ["floor: random init", "floor: pixels"]
+    assert "| floor: random init | " in table and "| floor: pixels | " in table
+    reports = {
+        mode: json.loads((out / "runs" / mode / "eval" / "labels.json").read_text()) for mode in ("none", "cross")
+    }
+    assert reports["cross"]["floors_from"] == str(out / "runs" / "none" / "eval" / "labels.json")
+    assert reports["cross"]["baseline"] == reports["none"]["baseline"], "cross measured the floors again"
     for plot in summary["plots"]:
         assert open(plot, "rb").read(4) == b"\x89PNG"
     for mode in ("none", "cross"):

@@ -485,6 +485,48 @@ def test_eval_runs_a_dense_probe_per_cell_map_and_the_multilabel_probe_beside_bo
     assert report["probes"]["dense_shape"]["split"]["test_patches"] == report["split"]["test"] * 64
 
 
+def test_floors_are_reused_from_a_report_measured_alike_and_refused_from_any_other(tmp_path, cross_run, synth_dir):
+    """`--floors-from`: another run of the same architecture, evaluated alike, takes the floors of the lender's
+    report without extracting or probing them; a report measured otherwise is refused before any work."""
+    from evaluation.evaluate import EvalConfig, evaluate
+    from pipeline.core.errors import UserError
+
+    data = [synth_dir / "images", "--labels", synth_dir / "labels.jsonl", "--probe", "linear", "--probe", "knn"]
+    _eval(cross_run, *data, "--report", tmp_path / "lender.json")
+    borrower = tmp_path / "borrower"
+    shutil.copytree(cross_run, borrower, ignore=shutil.ignore_patterns("features", "eval"))
+    _eval(borrower, *data, "--report", tmp_path / "borrower.json", "--floors-from", tmp_path / "lender.json")
+    lender, report = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("lender", "borrower"))
+    assert report["floors_from"] == str(tmp_path / "lender.json") and "floors_from" not in lender
+    assert report["floor_inputs"] == lender["floor_inputs"]
+    assert report["baseline"] == lender["baseline"] and report["pixels"] == lender["pixels"]
+    assert report["probes"] == lender["probes"], "the same weights, probed again: the same figures"
+    (cached,) = (borrower / "features").iterdir()
+    assert [p.name for p in cached.iterdir()] == ["encoder"], "the floors' features were extracted"
+
+    def borrow(**changes) -> None:
+        base = dict(run=borrower, images=[synth_dir / "images"], labels=synth_dir / "labels.jsonl", num_workers=0)
+        cfg = EvalConfig(**{**base, "probes": ("linear", "knn"), "progress": False, **changes})
+        evaluate(cfg)
+
+    for changes, why in [
+        ({"seed": 1}, "with other seed;"),
+        ({"probes": ("linear",)}, "with other probes;"),
+        ({"test_fraction": 0.3}, "with other split;"),
+        ({"labels": tmp_path / "fewer.jsonl", "image_root": synth_dir}, "with other images, labels;"),
+    ]:
+        rows = (synth_dir / "labels.jsonl").read_text().splitlines()
+        (tmp_path / "fewer.jsonl").write_text("\n".join(rows[:-1]) + "\n")
+        with pytest.raises(UserError, match=f"--floors-from .*lender.json: its floors were measured {why}"):
+            borrow(floors_from=tmp_path / "lender.json", **changes)
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(UserError, match="not a readable eval report"):
+        borrow(floors_from=tmp_path / "junk.json")
+    (tmp_path / "old.json").write_text(json.dumps({k: v for k, v in lender.items() if k != "floor_inputs"}))
+    with pytest.raises(UserError, match="not a report of `tcjepa eval` with its floors and their inputs"):
+        borrow(floors_from=tmp_path / "old.json")
+
+
 def test_labels_file_split_is_used(tmp_path, cross_run, synth_dir):
     rows = [json.loads(x) for x in (synth_dir / "labels.jsonl").read_text().splitlines()]
     for i, r in enumerate(rows):
