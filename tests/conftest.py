@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import suppress
+from contextlib import redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,28 @@ def run_command(
 def tcjepa(*args: object, check: bool = True, timeout: float = 600, **kwargs: Any) -> subprocess.CompletedProcess:
     """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
     return run_command(cli(*args), check=check, timeout=timeout, **kwargs)
+
+
+def refused(*args: object) -> subprocess.CompletedProcess:
+    """`tcjepa ARGS` through the console script's own entry point (`pipeline.cli.main`), in this process: for
+    commands that must be refused before any work. Everything but the process start (~2.5 CPU-seconds of imports)
+    is the real path, exit status and stderr included; the same error path is checked from a process once per
+    command (test_cli.py, and a `tcjepa(..., check=False)` test in each command's module)."""
+    from pipeline.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = ["tcjepa", *map(str, args)]
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            main()
+        code: int | str | None = 0
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv = argv
+    assert code != 0, f"tcjepa {' '.join(map(str, args))} was not refused:\n{out.getvalue()[-2000:]}"
+    return subprocess.CompletedProcess(["tcjepa", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def python_module(

@@ -4,7 +4,7 @@ from PIL import Image
 
 from captioning.cache import CaptionCache
 from pipeline.core.recipes import sha256_file
-from tests.conftest import tcjepa
+from tests.conftest import refused, tcjepa
 
 
 def _image(path, colour):
@@ -103,7 +103,7 @@ def test_unusable_annotation_files_fail_with_one_line(tmp_path):
         (tmp_path / "absent.jsonl", "no such file"),
         (only_missing, "no usable caption"),
     ]:
-        proc = tcjepa("caption", "--cache", tmp_path / "cache", "--annotations", path, check=False)
+        proc = refused("caption", "--cache", tmp_path / "cache", "--annotations", path)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
 
@@ -214,9 +214,9 @@ def test_parquet_and_datasets_tables_import_a_caption_column(tmp_path):
         "caption", "--annotations", tmp_path / "saved", "--caption-column", "caption", "--cache", tmp_path / "c2"
     ).stdout
     assert "3 images, 3 captions added" in out
-    refused = tcjepa("caption", "--annotations", tmp_path / "saved", "--cache", tmp_path / "c3", check=False)
-    assert refused.returncode == 2 and "need --caption-column" in refused.stderr
-    wrong = tcjepa(
+    refusal = refused("caption", "--annotations", tmp_path / "saved", "--cache", tmp_path / "c3")
+    assert refusal.returncode == 2 and "need --caption-column" in refusal.stderr
+    wrong = refused(
         "caption",
         "--annotations",
         tmp_path / "t.parquet",
@@ -224,7 +224,6 @@ def test_parquet_and_datasets_tables_import_a_caption_column(tmp_path):
         "nope",
         "--cache",
         tmp_path / "c3",
-        check=False,
     )
     assert wrong.returncode == 2 and "has no column 'nope'" in wrong.stderr
 
@@ -268,7 +267,7 @@ def test_hf_sources_go_through_load_dataset_for_local_data_dirs_as_for_hub_ids(t
     named = list(iter_images([f"hf:{tmp_path / 'pq'}[validation]"]))
     flag = list(iter_images([f"hf:{tmp_path / 'pq'}"], split="validation"))
     assert [e.data for e in named] == [e.data for e in flag] == [_png("white")]
-    missing = tcjepa(
+    missing = refused(
         "caption",
         "--annotations",
         f"hf:{tmp_path / 'nowhere'}",
@@ -276,6 +275,5 @@ def test_hf_sources_go_through_load_dataset_for_local_data_dirs_as_for_hub_ids(t
         "caption",
         "--cache",
         tmp_path / "c4",
-        check=False,
     )
     assert missing.returncode == 2 and "datasets.load_dataset cannot open it" in missing.stderr

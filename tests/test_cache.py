@@ -9,7 +9,7 @@ from captioning.cache import CaptionCache, caption_row
 from captioning.verify import verify_cache
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import recipe_hash
-from tests.conftest import tcjepa
+from tests.conftest import refused, tcjepa
 
 RECIPE = {"kind": "test", "model": "m"}
 
@@ -168,5 +168,5 @@ def test_cache_info_cli(annotated_cache):
     assert recipe["kind"] == "annotations" and recipe["name"] == "captions" and recipe["captions"] == 320
     table = tcjepa("cache", "info", annotated_cache).stdout
     assert "40 images, 320 captions" in table and recipe["hash"][:12] in table
-    bad = tcjepa("cache", "info", annotated_cache / "nope", check=False)
+    bad = refused("cache", "info", annotated_cache / "nope")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1

@@ -15,6 +15,7 @@ from tests.conftest import (
     TINY_VLLM_ARGS,
     bad_image_catalogue,
     kill_when,
+    refused,
     start_tcjepa,
     tcjepa,
 )
@@ -185,7 +186,7 @@ def test_cli_errors_are_one_line(tmp_path, images, tiny_models):
         (["caption", images, "--cache", tmp_path / "c", "--model", tiny_models / "t5", "--dry-run"], "chat template"),
         (["caption", images, "--cache", tmp_path / "c", "--annotations", tmp_path / "x.jsonl"], "not both"),
     ]:
-        proc = tcjepa(*args, check=False)
+        proc = refused(*args)
         assert proc.returncode == 2 and needle in proc.stderr and proc.stderr.strip().count("\n") == 0, (
             args,
             proc.stderr[-500:],

@@ -18,7 +18,7 @@ from captioning.cache import CaptionCache, caption_row
 from captioning.compact import compact_cache, plan_groups
 from captioning.verify import verify_cache
 from pipeline.core.errors import UserError
-from tests.conftest import REPO, tcjepa
+from tests.conftest import REPO, refused, tcjepa
 
 
 def _many_small_shards(root: Path, shards: int = 24, images_per_shard: int = 6) -> CaptionCache:
@@ -162,8 +162,8 @@ def test_cache_compact_cli_survives_sigkill_and_refuses_a_non_cache(tmp_path):
     out = tcjepa("cache", "compact", root, "--target-mb", "0.004", "--no-progress")
     assert "merged into" in out.stdout and _contents(root) == before
     tcjepa("cache", "verify", root, "--no-progress")
-    refused = tcjepa("cache", "compact", tmp_path, check=False)
-    assert refused.returncode == 2 and "is not a caption cache" in refused.stderr
+    refusal = refused("cache", "compact", tmp_path)
+    assert refusal.returncode == 2 and "is not a caption cache" in refusal.stderr
     with pytest.raises(UserError, match="--target-mb must be positive"):
         compact_cache(root, target_mb=0)
 

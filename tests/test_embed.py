@@ -20,7 +20,7 @@ from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import STAGING, EmbeddingStore
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import sha256_file
-from tests.conftest import SMALL_STORE, assert_same_embeddings, kill_when, start_tcjepa, store_keys, tcjepa
+from tests.conftest import SMALL_STORE, assert_same_embeddings, kill_when, refused, start_tcjepa, store_keys, tcjepa
 
 
 def _embed(cache, store, tiny_models, **changes) -> EmbedReport:
@@ -144,9 +144,9 @@ def test_work_sizes_must_be_positive(tmp_path, annotated_cache, bad):
 
 def test_bad_model_or_executor_is_one_line(tmp_path, annotated_cache, synth_dir):
     args = ["embed", "--cache", annotated_cache, "--store", tmp_path / "s", "--model", synth_dir, *SMALL_STORE]
-    proc = tcjepa(*args, check=False)
+    proc = refused(*args)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --model") and proc.stderr.count("\n") == 1
-    proc = tcjepa(*args, "--executor", "dask", check=False)
+    proc = refused(*args, "--executor", "dask")
     assert proc.returncode == 2 and proc.stderr == "error: --executor 'dask': choose local or ray\n"
     assert not (tmp_path / "s").exists()
 

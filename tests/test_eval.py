@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluation.export import load_exported
+from evaluation.export import export_run, load_exported
 from evaluation.features import extract_features, load_run, load_trained_encoder, pixel_patches, random_encoder
 from evaluation.labels import dense_probe_name, patch_labels, read_labels
 from evaluation.preprocess import CentreCrop, centre_crop, resize_and_crop
@@ -30,7 +31,7 @@ from evaluation.probes import (
 )
 from evaluation.protocol import LINEAR_LRS, LINEAR_WDS
 from pipeline.core.sources import list_images
-from tests.conftest import another_t5, tcjepa
+from tests.conftest import another_t5, refused, tcjepa
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +397,7 @@ def test_eval_reads_class_folders_and_reports_both_floors(tmp_path, cross_run, s
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("step 12 | linear top1") and "(baseline " in line
     assert line.endswith(f"test {len(val_images)}")
-    dense = tcjepa("eval", cross_run, "--train", data / "train", "--val", data / "val", "--probe", "dense", check=False)
+    dense = refused("eval", cross_run, "--train", data / "train", "--val", data / "val", "--probe", "dense")
     assert dense.returncode == 2 and "class folders have none" in dense.stderr
 
 
@@ -422,32 +423,48 @@ def test_eval_leaves_out_an_undecodable_labelled_image(tmp_path, cross_run, synt
 
 
 @pytest.mark.parametrize(
-    "make_args, message",
+    "call, message",
     [
-        (lambda run, d, t: ["eval", t, d / "images", "--labels", d / "labels.jsonl"], "no checkpoint.pt"),
-        (lambda run, d, t: ["eval", run, d / "images", "--labels", t / "none.jsonl"], "no such file"),
+        (lambda run, d, t: _evaluate(t, [d / "images"], d / "labels.jsonl"), "no checkpoint.pt"),
+        (lambda run, d, t: _evaluate(run, [d / "images"], t / "none.jsonl"), "no such file"),
+        (lambda run, d, t: _evaluate(run, [d / "images"], d / "labels.jsonl", probes=("svm",)), "unknown probe"),
+        (lambda run, d, t: _evaluate(run, [t], d / "labels.jsonl"), "no images"),
+        (lambda run, d, t: _evaluate(run), "give IMAGES and --labels"),
+        (lambda run, d, t: _evaluate(run, train=d / "images"), "--train and --val go together"),
         (
-            lambda run, d, t: ["eval", run, d / "images", "--labels", d / "labels.jsonl", "--probe", "svm"],
-            "unknown probe",
-        ),
-        (lambda run, d, t: ["eval", run, t, "--labels", d / "labels.jsonl"], "no images"),
-        (lambda run, d, t: ["eval", run], "give IMAGES and --labels"),
-        (lambda run, d, t: ["eval", run, "--train", d / "images"], "--train and --val go together"),
-        (
-            lambda run, d, t: ["eval", run, d / "images", "--labels", d / "labels.jsonl", "--train", d, "--val", d],
+            lambda run, d, t: _evaluate(run, [d / "images"], d / "labels.jsonl", train=d, val=d),
             "replace IMAGES and --labels",
         ),
-        (lambda run, d, t: ["eval", run, "--train", d / "images", "--val", d / "images"], "no image sits in a class"),
-        (lambda run, d, t: ["eval", run, "--train", t / "none", "--val", d / "images"], "not a folder"),
-        (lambda run, d, t: ["export", t, "--out", t / "x"], "no checkpoint.pt"),
-        (lambda run, d, t: ["export", run, "--out", t / "x", "--format", "onnx"], "--format onnx"),
-        (lambda run, d, t: ["export", run, "--out", t / "x", "--encoder", "ema"], "--encoder ema"),
+        (lambda run, d, t: _evaluate(run, train=d / "images", val=d / "images"), "no image sits in a class"),
+        (lambda run, d, t: _evaluate(run, train=t / "none", val=d / "images"), "not a folder"),
+        (lambda run, d, t: export_run(t, t / "x"), "no checkpoint.pt"),
+        (lambda run, d, t: export_run(run, t / "x", fmt="onnx"), "--format onnx"),
+        (lambda run, d, t: export_run(run, t / "x", encoder="ema"), "--encoder ema"),
     ],
 )
-def test_bad_eval_and_export_input_gets_one_line_and_exit_2(tmp_path, cross_run, synth_dir, make_args, message):
-    done = tcjepa(*make_args(cross_run, synth_dir, tmp_path), check=False)
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+def test_bad_eval_and_export_input_is_refused_before_any_work(tmp_path, cross_run, synth_dir, call, message):
+    """Refused in process (the CLI adds nothing but the exit; the test below checks that once per command)."""
+    from pipeline.core.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        call(cross_run, synth_dir, tmp_path)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_refused_eval_or_export_is_one_line_and_exit_2(tmp_path, synth_dir):
+    for args in (
+        ["eval", tmp_path, synth_dir / "images", "--labels", synth_dir / "labels.jsonl"],
+        ["export", tmp_path, "--out", tmp_path / "x"],
+    ):
+        done = tcjepa(*args, check=False)
+        assert done.returncode == 2 and "no checkpoint.pt" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+
+
+def _evaluate(run: Path, images: list[Path] | None = None, labels: Path | None = None, **settings) -> None:
+    from evaluation.evaluate import EvalConfig, evaluate
+
+    evaluate(EvalConfig(run=run, images=images, labels=labels, num_workers=0, progress=False, **settings))
 
 
 def test_dense_probe_without_cell_maps_is_refused_and_dropped_by_default(tmp_path, cross_run, synth_dir):
@@ -456,10 +473,10 @@ def test_dense_probe_without_cell_maps_is_refused_and_dropped_by_default(tmp_pat
         "".join(json.dumps({"image": r["image"], "label": r["label"]}) + "\n" for r in rows)
     )
     plain = [synth_dir / "images", "--labels", tmp_path / "plain.jsonl", "--image-root", synth_dir]
-    refused = tcjepa("eval", cross_run, *plain, "--probe", "dense", check=False)
-    assert refused.returncode == 2 and "per-cell labels" in refused.stderr
-    refused = tcjepa("eval", cross_run, *plain, "--probe", "multilabel", check=False)
-    assert refused.returncode == 2 and '"tags"' in refused.stderr
+    refusal = refused("eval", cross_run, *plain, "--probe", "dense")
+    assert refusal.returncode == 2 and "per-cell labels" in refusal.stderr
+    refusal = refused("eval", cross_run, *plain, "--probe", "multilabel")
+    assert refusal.returncode == 2 and '"tags"' in refusal.stderr
     _eval(cross_run, *plain, "--probe", "linear", "--report", tmp_path / "r.json")
     assert set(json.loads((tmp_path / "r.json").read_text())["probes"]) == {"linear"}
 

@@ -18,7 +18,7 @@ from embedding_cache.transform import fit_pca, fit_transform
 from embedding_cache.verify import verify_store
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import recipe_hash, text_key
-from tests.conftest import tcjepa
+from tests.conftest import refused, tcjepa
 
 ENC = {"kind": "t5-encoder", "model": "fake", "max_length": 64}
 SMALL = ["--chunk-tokens", "64", "--shard-chunks", "4", "--window", "64", "--no-progress"]
@@ -176,7 +176,7 @@ def test_versions_newer_refused_older_read_and_int8_never_read_as_float16(tmp_pa
     _set_root(newer, version=3)
     with pytest.raises(UserError, match="version 3 is newer than this tcjepa reads"):
         EmbeddingReader(newer)
-    proc = tcjepa("store", "info", newer, check=False)
+    proc = refused("store", "info", newer)
     assert proc.returncode == 2 and "newer than this tcjepa reads" in proc.stderr and proc.stderr.count("\n") == 1
 
     as_v1 = tmp_path / "as-v1"

@@ -4,7 +4,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.devkit import synth
-from tests.conftest import tcjepa
+from tests.conftest import refused, tcjepa
 
 
 def test_synth_files_labels_and_captions(synth_dir):
@@ -66,7 +66,7 @@ def test_synth_other_sizes(tmp_path):
 
 
 def test_synth_rejects_bad_sizes(tmp_path):
-    proc = tcjepa("synth", "--out", tmp_path, "--n-images", 3, "--image-size", 65, check=False)
+    proc = refused("synth", "--out", tmp_path, "--n-images", 3, "--image-size", 65)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "multiple of --grid" in proc.stderr
 
 

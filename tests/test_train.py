@@ -25,6 +25,7 @@ from tests.conftest import (
     cli,
     kill_tree,
     metrics,
+    refused,
     run_command,
     sets,
     start,
@@ -209,10 +210,10 @@ def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retr
     corrected command runs into the same --out."""
     run = tmp_path / "run"
     small = ["train", twenty_images, "--out", run, *FIRST_RUN, "--patch-size", "16", "--image-size", "64"]
-    refused = tcjepa(*small, "--steps", "2", "--set", "val_images=20", check=False)
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
+    refusal = tcjepa(*small, "--steps", "2", "--set", "val_images=20", check=False)
+    assert refusal.returncode == 2 and refusal.stderr.strip().splitlines()[-1].startswith(
         "error: val_images 20: only 20 images, so at most 19 can be held out"
-    ), refused.stderr
+    ), refusal.stderr
     assert not (run / "config.yaml").exists()
     done = tcjepa(*small, "--steps", "2")
     said = done.stderr.splitlines()
@@ -351,9 +352,9 @@ def test_resume_needs_a_checkpoint(tmp_path, synth_dir):
 def test_a_config_file_or_missing_images_are_one_line(tmp_path, synth_dir):
     config_file = tmp_path / "c.yaml"
     config_file.write_text("steps: [1\n")
-    proc = tcjepa("train", synth_dir / "images", "--out", tmp_path / "r", "--config", config_file, check=False)
+    proc = refused("train", synth_dir / "images", "--out", tmp_path / "r", "--config", config_file)
     assert proc.returncode == 2 and "not valid YAML" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    proc = tcjepa("train", "--out", tmp_path / "r", check=False)
+    proc = refused("train", "--out", tmp_path / "r")
     assert proc.returncode == 2 and proc.stderr == "error: no images: pass IMAGES (or `images:` in --config)\n"
 
 
