@@ -289,9 +289,7 @@ def test_a_store_keeps_one_codec_and_refuses_another_first(tmp_path, int8_store,
         (int8_store, ["--store-dtype", "int8", "--project-dim", "16"], "error: --project-dim 16: ", "unprojected"),
     ]:
         before = {p: p.stat().st_mtime_ns for p in store.rglob("*")}
-        proc = tcjepa(
-            "embed", "--cache", missing_cache, "--store", store, "--model", tiny_models / "t5", *extra, check=False
-        )
+        proc = refused("embed", "--cache", missing_cache, "--store", store, "--model", tiny_models / "t5", *extra)
         assert proc.returncode == 2 and proc.stderr.startswith(head) and needle in proc.stderr, proc.stderr
         assert proc.stderr.count("\n") == 1
         assert {p: p.stat().st_mtime_ns for p in store.rglob("*")} == before and not missing_cache.exists()
@@ -331,7 +329,7 @@ def test_projection_is_fitted_once_deterministically_and_sets_the_width(tmp_path
         ([], "no --project-dim: "),
     ):
         base = [a for a in args if a not in ("--project-dim", "16")]
-        proc = tcjepa("embed", "--store", tmp_path / "a", *base, *extra, check=False)
+        proc = refused("embed", "--store", tmp_path / "a", *base, *extra)
         assert proc.returncode == 2 and needle in proc.stderr and "holds a --project-dim 16 projection" in proc.stderr
 
     # a damaged projection is caught, not used
