@@ -304,6 +304,19 @@ def test_labels_carry_named_cell_maps_and_tags(tmp_path, synth_dir):
             read_labels(tmp_path / "bad.jsonl", refs, image_root=synth_dir)
 
 
+def test_only_a_report_that_records_its_floor_inputs_can_lend_its_floors(tmp_path):
+    from evaluation.summary import recorded_floor_inputs
+
+    (tmp_path / "junk.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "old.json").write_text(json.dumps({"probes": {}}))
+    (tmp_path / "new.json").write_text(json.dumps({"probes": {}, "floor_inputs": {"seed": 0}}))
+    assert [recorded_floor_inputs(tmp_path / f"{n}.json") for n in ("absent", "junk", "list", "old")] == [None] * 4
+    assert recorded_floor_inputs(tmp_path / "new.json") == {"seed": 0}
+    with pytest.raises(ValueError, match="unknown feature set 'floor'"):
+        extract_features(tmp_path, [], sets=("encoder", "floor"))
+
+
 # --- the commands on a trained run -------------------------------------------------------
 
 

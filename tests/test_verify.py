@@ -123,6 +123,59 @@ def test_cache_verify_finds_an_edited_recipe(cache):
         verify_cache(cache, progress=False)
 
 
+def _edit_manifest(cache: Path, edit) -> None:
+    path = cache / "manifests" / f"{_shard(cache)}.json"
+    doc = json.loads(path.read_text())
+    edit(doc, _shard(cache))
+    path.write_bytes(canonical_json(doc))
+
+
+def _garbage_shard(cache: Path) -> None:
+    """Bytes that are not Parquet, with a manifest that agrees with them."""
+    shard = _shard(cache)
+    parquet = cache / "captions" / f"{shard}.parquet"
+    parquet.write_bytes(b"not parquet at all")
+    _edit_manifest(cache, lambda doc, _: doc["files"]["captions"].update(bytes=18, sha256=sha256_file(parquet), rows=1))
+
+
+def _other_schema(cache: Path) -> None:
+    """The `num_tokens` column stored as int64, with a manifest that agrees."""
+    parquet = cache / "captions" / f"{_shard(cache)}.parquet"
+    table = pq.read_table(parquet)
+    at = table.schema.get_field_index("num_tokens")
+    pq.write_table(table.set_column(at, "num_tokens", table.column(at).cast(pa.int64())), parquet)
+    _rewrite_manifest(cache, _shard(cache))
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda c: next((c / "recipes").glob("*.json")).write_text("{"), "not a recipe record"),
+        (lambda c: (c / "manifests" / f"{_shard(c)}.json").write_text("[]"), "not a shard manifest"),
+        (
+            lambda c: _edit_manifest(c, lambda doc, shard: doc["files"]["captions"].update(path="captions/x.parquet")),
+            "its captions entry does not name captions/",
+        ),
+        (lambda c: _edit_manifest(c, lambda doc, shard: doc["files"].pop("captions")), "not recorded in manifests/"),
+        (
+            lambda c: _edit_manifest(c, lambda doc, shard: doc["files"]["captions"].update(bytes=1)),
+            "its manifest records 1",
+        ),
+        (
+            lambda c: _edit_manifest(c, lambda doc, shard: doc["files"]["captions"].update(rows=10**6)),
+            "rows, its manifest",
+        ),
+        (_garbage_shard, "unreadable Parquet"),
+        (_other_schema, "schema differs from the cache's (column 'num_tokens' is int64"),
+    ],
+)
+def test_cache_verify_names_each_damage_to_its_records_in_one_line(cache, damage, needle):
+    damage(cache)
+    with pytest.raises(DataProblem) as caught:
+        verify_cache(cache, progress=False)
+    assert needle in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+
 def test_store_verify_passes_on_a_whole_store(store):
     report = verify_store(store, progress=False)
     stats = EmbeddingStore(store).stats()
