@@ -341,7 +341,7 @@ def test_checkpoints_keep_the_newest_and_every_nth_with_the_encoders_as_safetens
 
 
 def test_resume_needs_a_checkpoint(tmp_path, synth_dir):
-    proc = tcjepa(*train_args(synth_dir / "images", None, None, tmp_path / "run", "--resume"), check=False)
+    proc = refused(*train_args(synth_dir / "images", None, None, tmp_path / "run", "--resume"))
     assert proc.returncode == 2
     assert (
         proc.stderr.strip().splitlines()[-1]
