@@ -217,7 +217,8 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         raise UserError(f'--probe multilabel needs each image\'s set of labels ("tags" in {where})')
     need_patches = "dense" in probes or "attentive" in probes
     labelled = [refs[i] for i in labels.image_index]
-    inputs = floor_inputs(cfg, load_run(cfg.run).config, labelled, labels, probes)
+    trained = load_run(cfg.run)
+    inputs = floor_inputs(cfg, trained.config, labelled, labels, probes)
     reused = reused_floors(cfg.floors_from, inputs) if cfg.floors_from is not None else None
     sets = extract_features(
         cfg.run,
@@ -229,6 +230,7 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         progress=cfg.progress,
         seed=cfg.seed,
         sets=("encoder",) if reused else FEATURE_SETS,
+        trained=trained,
     )
     features = sets["encoder"]
     usable = np.flatnonzero(features.decoded)

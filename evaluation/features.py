@@ -251,13 +251,15 @@ def extract_features(
     progress: bool = True,
     seed: int = 0,
     sets: tuple[str, ...] = FEATURE_SETS,
+    trained: TrainedRun | None = None,
 ) -> dict[str, Features]:
     """The feature `sets` of `refs` (of `FEATURE_SETS`: the run's target encoder, the seeded random baseline,
-    pixels), from the cache when it has them, else extracted in one pass over the images and cached."""
+    pixels), from the cache when it has them, else extracted in one pass over the images and cached. `trained`:
+    the run as `load_run` gave it, when the caller has loaded it already (a sharded checkpoint is read whole)."""
     unknown = [name for name in sets if name not in FEATURE_SETS]
     if unknown:
         raise ValueError(f"unknown feature set {unknown[0]!r}; choose from {', '.join(FEATURE_SETS)}")
-    trained = load_run(run)
+    trained = trained or load_run(run)
     cfg, grid = trained.config, trained.grid
     directory = Path(run) / FEATURES_DIR / cache_key(trained.step, cfg.image_size, refs)
     folders = {name: directory / set_directory(name, seed) for name in sets}
