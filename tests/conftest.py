@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -55,8 +56,11 @@ FIXTURE_MARKERS = {
 XDIST_GROUPS = {"vllm_engine": "vllm", "trained_t5": "trained-t5", "ray": "ray"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns the xdist_group marks set here into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if "trained_t5" in item.fixturenames and item.nodeid not in TRAINED_T5_USERS:
+            raise pytest.UsageError(f"{item.nodeid} uses trained_t5: add it to conftest.TRAINED_T5_USERS")
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in item.fixturenames and item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
@@ -64,6 +68,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if name in item.fixturenames or item.get_closest_marker(name) is not None:
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
+    items.sort(key=_turn)
+
+
+TIER_MARKERS = ("slow", "vllm", "ray", "distributed", "s3")
+
+
+def _turn(item: pytest.Item) -> int:
+    """When a test runs: the costly tiers first and the unit tier after them, so that pytest-xdist, which hands tests
+    out in this order, ends a run on short tests that keep both workers busy to the end rather than on a long one
+    beside an idle core; the trained T5's users last, when the build collection started is done."""
+    if "trained_t5" in item.fixturenames:
+        return 2
+    return 0 if any(item.get_closest_marker(m) for m in TIER_MARKERS) else 1
 
 
 # --- running the CLI --------------------------------------------------------------------------------------------
@@ -507,6 +524,13 @@ def caption_rows(cache: Path, recipe: str | None = None) -> list[dict]:
 # --- session fixtures --------------------------------------------------------------------------------------------
 
 
+def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's common temporary directory: the base directory of the one process, or under pytest-xdist the
+    controller's, which holds each worker's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
     """The directory `name`, made by `build(directory)` once per test session and then only read.
 
@@ -517,8 +541,7 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     """
     from filelock import FileLock
 
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
+    shared = session_root(tmp_path_factory) / "built-once"
     shared.mkdir(exist_ok=True)
     out, done = shared / name, shared / f"{name}.done"
     with FileLock(str(shared / f"{name}.lock")):
@@ -530,11 +553,12 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     return out
 
 
+SYNTH_ARGS = ("--n-images", 40, "--seed", 3)  # the session's synthetic scenes
+
+
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory) -> Path:
-    return built_once(
-        tmp_path_factory, "synth", lambda out: tcjepa("synth", "--out", out, "--n-images", 40, "--seed", 3)
-    )
+    return built_once(tmp_path_factory, "synth", lambda out: tcjepa("synth", "--out", out, *SYNTH_ARGS))
 
 
 @pytest.fixture(scope="session")
@@ -613,46 +637,63 @@ def vector_store(tmp_path_factory, annotated_cache) -> Path:
 
 
 TRAINED_T5_STEPS = 600
+# The tests that use `trained_t5`, by id. Its build takes minutes; under pytest-xdist the controller, which sees test
+# ids only, starts it for them as soon as a worker has collected one (a user missing here is refused at collection).
+TRAINED_T5_USERS = ("tests/test_tiny_models.py::test_trained_t5_ties_colours_to_positions",)
+_trained_t5_build: subprocess.Popen | None = None  # in the process of this session that started it
 
 
-def _start_trained_t5(tmp_path_factory: pytest.TempPathFactory, synth: Path) -> tuple[subprocess.Popen, Path]:
-    out = tmp_path_factory.mktemp("trained-t5")
-    corpus = ["--t5-corpus", synth / "captions.jsonl", "--t5-steps", TRAINED_T5_STEPS]
-    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
-        command = cli("tiny-models", "--out", out / "models", *corpus)
-        proc = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=stdout, stderr=stderr)
-    return proc, out
+def _start_trained_t5(root: Path) -> None:
+    """Start building `trained_t5` in ROOT/trained-t5 (the session's synth captions, then a T5 trained on them),
+    unless a process of this session already has; the build writes `rc`, its exit status, when it ends.
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _trained_t5_build(request, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path] | None]:
-    """Start `trained_t5`'s build when the session begins, if a selected test needs it.
-
-    The build trains the tiny T5 for minutes on one thread (it pins torch to one thread, for bit-identical weights);
-    started first, it runs on the second core while the other tests run, and is done when its test comes. Under
-    pytest-xdist every worker collects every test, so the worker that gets the test builds it when it is asked for.
-    """
-    wanted = any("trained_t5" in item.fixturenames for item in request.session.items)
-    if os.environ.get("PYTEST_XDIST_WORKER") or not wanted:
-        yield None
+    The build trains the tiny T5 for minutes on one thread (it pins torch to one thread, for bit-identical weights).
+    Started when collection ends, it runs beside the tests and is done, or nearly, when its test comes."""
+    global _trained_t5_build
+    out = root / "trained-t5"
+    try:
+        out.mkdir()
+    except FileExistsError:
         return
-    proc, out = _start_trained_t5(tmp_path_factory, request.getfixturevalue("synth_dir"))
-    yield proc, out
-    if proc.poll() is None:
-        kill_tree(proc)
+    corpus = ("--t5-corpus", out / "synth" / "captions.jsonl", "--t5-steps", TRAINED_T5_STEPS)
+    steps = [cli("synth", "--out", out / "synth", *SYNTH_ARGS), cli("tiny-models", "--out", out / "models", *corpus)]
+    script = " && ".join(shlex.join(step) for step in steps)
+    outputs = f"> {shlex.quote(str(out / 'stdout'))} 2> {shlex.quote(str(out / 'stderr'))}"
+    status = f"echo $? > {shlex.quote(str(out / 'rc.part'))} && mv {shlex.quote(str(out / 'rc.part'))} {out / 'rc'}"
+    _trained_t5_build = start(["sh", "-c", f"({script}) {outputs}; {status}"], quiet=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """The xdist controller: start `trained_t5`'s build once a worker has collected a test that uses it."""
+    grouped = {f"{test}@{XDIST_GROUPS['trained_t5']}" for test in TRAINED_T5_USERS}  # --dist loadgroup's ids
+    if set(ids) & (grouped | set(TRAINED_T5_USERS)):
+        _start_trained_t5(session_root(node.config._tmp_path_factory))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Without xdist: start `trained_t5`'s build once a selected test uses it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") and any("trained_t5" in i.fixturenames for i in session.items):
+        _start_trained_t5(session_root(session.config._tmp_path_factory))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """End `trained_t5`'s build if this process started it and it still runs (a session cut short)."""
+    if _trained_t5_build is not None and _trained_t5_build.poll() is None:
+        kill_tree(_trained_t5_build)
 
 
 @pytest.fixture(scope="session")
-def trained_t5(_trained_t5_build, tmp_path_factory, synth_dir) -> tuple[Path, dict]:
-    """`tcjepa tiny-models --t5-corpus` (the session's captions, TRAINED_T5_STEPS steps): (its directory, the JSON
-    it printed)."""
-    proc, out = _trained_t5_build or _start_trained_t5(tmp_path_factory, synth_dir)
-    try:
-        proc.wait(timeout=1200)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert proc.returncode == 0, (out / "stderr").read_text()[-3000:]
+def trained_t5(tmp_path_factory) -> tuple[Path, dict]:
+    """`tcjepa tiny-models --t5-corpus` (synth's captions, TRAINED_T5_STEPS steps): (its directory, the JSON it
+    printed). Waits for the build the session started (or starts it)."""
+    out = session_root(tmp_path_factory) / "trained-t5"
+    _start_trained_t5(out.parent)
+    deadline = time.monotonic() + 1200
+    while not (out / "rc").exists():
+        assert time.monotonic() < deadline, "the trained tiny T5 is still building after 20 minutes"
+        time.sleep(0.5)
+    assert (out / "rc").read_text().strip() == "0", (out / "stderr").read_text()[-3000:]
     return out / "models", json.loads((out / "stdout").read_text().strip().splitlines()[-1])
 
 
