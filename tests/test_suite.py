@@ -1,0 +1,64 @@
+"""The suite's own machinery, run as `make test` runs it: the xdist groups that keep one vLLM engine, one trained T5
+and one Ray instance per run, and the order tests are handed out in."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+# Five tests of a group, five of none and one of the unit tier; each records its worker and the order it ran in.
+TESTS = """
+import json, os, time
+import pytest
+
+def record(name):
+    with open(os.environ["RECORD"], "a") as f:
+        f.write(json.dumps([name, os.environ.get("PYTEST_XDIST_WORKER")]) + "\\n")
+    time.sleep(0.2)
+
+@pytest.mark.parametrize("i", range(5))
+@pytest.mark.ray
+def test_grouped(i):
+    record(f"grouped{i}")
+
+def test_unit():
+    record("unit")
+
+@pytest.mark.parametrize("i", range(5))
+@pytest.mark.slow
+def test_costly(i):
+    record(f"costly{i}")
+"""
+
+
+@pytest.mark.distributed
+def test_a_group_runs_in_one_worker_and_costly_tests_are_handed_out_first(tmp_path):
+    """pytest-xdist 3.8 with pytest 9.2 lets every group fall apart without a word (pytest-xdist#1386): here the
+    conftest's groups and order go through the same pytest, xdist and hooks as `make test`."""
+    (tmp_path / "test_tiers.py").write_text(TESTS)
+    record = tmp_path / "record.jsonl"
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # this run's xdist worker, say
+    env = {**outer, "RECORD": str(record), "PYTHONPATH": str(REPO)}
+
+    def pytest_(*args: str) -> subprocess.CompletedProcess:
+        """pytest with the suite's conftest as a plugin, on the test file above."""
+        command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q", *args]
+        return subprocess.run(
+            [*command, "test_tiers.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    done = pytest_("-n", "2", "--dist", "loadgroup")
+    assert done.returncode == 0, done.stdout[-3000:]
+    ran = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(ran) == 11
+    assert len({worker for name, worker in ran if name.startswith("grouped")}) == 1, ran
+    assert len({worker for _, worker in ran}) == 2, ran
+    listed = pytest_("--collect-only")
+    order = [line.split("::")[1] for line in listed.stdout.splitlines() if "::" in line]
+    assert len(order) == 11 and order[-1] == "test_unit", "the unit tier is handed out after the costly tiers"
