@@ -370,6 +370,8 @@ class AttentiveProbe(nn.Module):
     each head's logits are `x_l · (W_k_hᵀ q_h) / √d_h` plus a term that is the same for every token (softmax drops
     it), and its output is `W_v_h (Σ_l a_l x_l) + b_v_h` because the weights sum to 1. So the keys and values of the
     L tokens are never projected: O(L·D) per image and head instead of O(L·D²), which is most of the probe's cost.
+    The token LayerNorm's scale γ and shift β fold in alike (logits `x̂_l · (γ ⊙ r_h)`, pooled `γ ⊙ Σ_l a_l x̂_l + β`):
+    only its parameter-free standardisation x̂ touches the tokens, so nothing is backpropagated through them.
     """
 
     def __init__(self, dim: int, heads: int, classes: int) -> None:
@@ -383,20 +385,23 @@ class AttentiveProbe(nn.Module):
         self.norm_out = nn.LayerNorm(dim, eps=LN_EPS)
         self.head = nn.Linear(dim, classes)
 
-    def attend(self, kv: torch.Tensor) -> torch.Tensor:
-        """`self.attn(query, kv, kv)` for `kv` `[B, L, D]`, query first (see the class): `[B, 1, D]`."""
+    def attend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`self.attn(query, kv, kv)` with `kv = self.norm_tokens(tokens)`, `tokens` `[B, L, D]`, query first (see the
+        class): `[B, 1, D]`."""
         dim, heads = self.query.shape[-1], self.attn.num_heads
+        norm = self.norm_tokens
+        standard = F.layer_norm(tokens, norm.normalized_shape, eps=norm.eps)
         w_q, w_k, w_v = self.attn.in_proj_weight.chunk(3)
         b_q, _, b_v = self.attn.in_proj_bias.chunk(3)
         q = (self.query[0, 0] @ w_q.T + b_q).view(heads, dim // heads)
         reads = torch.einsum("he,hed->hd", q, w_k.view(heads, dim // heads, dim)) / math.sqrt(dim // heads)
-        weights = torch.einsum("bld,hd->bhl", kv, reads).softmax(-1)
-        pooled = torch.einsum("bhl,bld->bhd", weights, kv)
+        weights = torch.einsum("bld,hd->bhl", standard, reads * norm.weight).softmax(-1)
+        pooled = torch.einsum("bhl,bld->bhd", weights, standard) * norm.weight + norm.bias
         values = torch.einsum("bhd,hed->bhe", pooled, w_v.view(heads, dim // heads, dim)).flatten(1) + b_v
         return self.attn.out_proj(values)[:, None]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.query + self.attend(self.norm_tokens(tokens))
+        x = self.query + self.attend(tokens)
         x = x + self.mlp(self.norm_mlp(x))
         return self.head(self.norm_out(x[:, 0]))
 

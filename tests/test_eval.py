@@ -188,18 +188,22 @@ def test_attentive_probe_finds_the_one_token_that_matters():
 
 @pytest.mark.parametrize(("dim", "heads"), [(16, 4), (192, 8), (3, 3)])
 def test_attentive_probe_attends_as_multihead_attention_does_in_values_and_gradients(dim, heads):
-    """The probe computes its one query's attention query first; `nn.MultiheadAttention` (its own parameters) is the
-    reference."""
+    """The probe computes its one query's attention query first, with the token LayerNorm's scale and shift folded
+    in; `nn.LayerNorm` then `nn.MultiheadAttention` (its own parameters) are the reference."""
     torch.manual_seed(0)
     probe = AttentiveProbe(dim, heads, classes=5)
-    with torch.no_grad():  # biases away from their zero init, so that their terms are tested too
+    with torch.no_grad():  # biases and the norm's affine away from their init, so that their terms are tested too
         probe.attn.in_proj_bias.normal_()
         probe.attn.out_proj.bias.normal_()
-    kv = torch.randn(6, 11, dim)
+        probe.norm_tokens.weight.normal_()
+        probe.norm_tokens.bias.normal_()
+    tokens = 3 + 2 * torch.randn(6, 11, dim)
+    kv = probe.norm_tokens(tokens)
     query = probe.query.expand(len(kv), -1, -1)
-    fast, reference = probe.attend(kv), probe.attn(query, kv, kv, need_weights=False)[0]
+    fast, reference = probe.attend(tokens), probe.attn(query, kv, kv, need_weights=False)[0]
     torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
     params = [probe.query, probe.attn.in_proj_weight, probe.attn.in_proj_bias, probe.attn.out_proj.weight]
+    params += [probe.norm_tokens.weight, probe.norm_tokens.bias]
     upstream = torch.randn_like(reference)
     for got, want in zip(
         torch.autograd.grad((fast * upstream).sum(), params, allow_unused=True),
