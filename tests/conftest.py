@@ -58,13 +58,14 @@ XDIST_GROUPS = {"vllm_engine": "vllm", "trained_t5": "trained-t5", "ray": "ray"}
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns the xdist_group marks set here into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouped = config.pluginmanager.hasplugin("xdist")  # `-p no:xdist` knows no xdist_group marker
     for item in items:
         if "trained_t5" in item.fixturenames and item.nodeid not in TRAINED_T5_USERS:
             raise pytest.UsageError(f"{item.nodeid} uses trained_t5: add it to conftest.TRAINED_T5_USERS")
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in item.fixturenames and item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
-        for name, group in XDIST_GROUPS.items():
+        for name, group in XDIST_GROUPS.items() if grouped else ():
             if name in item.fixturenames or item.get_closest_marker(name) is not None:
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
@@ -672,8 +673,10 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Without xdist: start `trained_t5`'s build once a selected test uses it."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") and any("trained_t5" in i.fixturenames for i in session.items):
+    """Without xdist: start `trained_t5`'s build once a selected test uses it (and is to run)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
+        return
+    if any("trained_t5" in i.fixturenames for i in session.items):
         _start_trained_t5(session_root(session.config._tmp_path_factory))
 
 
