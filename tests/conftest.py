@@ -658,10 +658,10 @@ def _start_trained_t5(root: Path) -> None:
         return
     corpus = ("--t5-corpus", out / "synth" / "captions.jsonl", "--t5-steps", TRAINED_T5_STEPS)
     steps = [cli("synth", "--out", out / "synth", *SYNTH_ARGS), cli("tiny-models", "--out", out / "models", *corpus)]
+    stdout, stderr, part, rc = (shlex.quote(str(out / name)) for name in ("stdout", "stderr", "rc.part", "rc"))
     script = " && ".join(shlex.join(step) for step in steps)
-    outputs = f"> {shlex.quote(str(out / 'stdout'))} 2> {shlex.quote(str(out / 'stderr'))}"
-    status = f"echo $? > {shlex.quote(str(out / 'rc.part'))} && mv {shlex.quote(str(out / 'rc.part'))} {out / 'rc'}"
-    _trained_t5_build = start(["sh", "-c", f"({script}) {outputs}; {status}"], quiet=True)
+    command = ["sh", "-c", f"({script}) > {stdout} 2> {stderr}; echo $? > {part} && mv {part} {rc}"]
+    _trained_t5_build = start(command, quiet=True)
 
 
 @pytest.hookimpl(optionalhook=True)
