@@ -548,9 +548,11 @@ def main() -> None:
         "steps": stats["t5_training"]["steps"],
         "colour_from_where": stats.get("t5_probe_accuracy", {}).get("colour_from_where", math.nan),
     }
+    changed = ", ".join(f"`{item}`" for item in args.overrides)
     caption = (
         f"Measured by `benchmarks/ablations.py --experiment {args.experiment}` on `tcjepa synth` data ({args.images} "
-        f"scenes, {args.captions} captions; {settings['steps']} steps each, {experiment.what}; T5 trained "
+        f"scenes, {args.captions} captions; {settings['steps']} steps each, {experiment.what}"
+        f"{'; changed by --set: ' + changed if changed else ''}; T5 trained "
         f"{t5['steps']} steps, probe colour-from-position {_fmt(t5['colour_from_where'], '{:.2f}')}). "
         "Probes on the EMA target encoder."
     )

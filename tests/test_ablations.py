@@ -176,6 +176,7 @@ def test_text_experiment_runs_end_to_end_writes_the_readme_tables_and_resumes(tm
     assert result["beyond_spread"] == []
     text = readme.read_text()
     assert text.startswith(f"# title\n{begin}\nMeasured by `benchmarks/ablations.py --experiment text`")
+    assert "; changed by --set: `depth=1`, `predictor_depth=1`," in text, "the caption names every --set"
     assert "| variant | masks | seeds | linear | k-NN | dense acc | dense mIoU | shape acc | shape mIoU |" in text
     assert "| cross | hard | 1 | " in text and "| hard | 1 | " in text and text.endswith(f"{end}\n")
     assert text.split(begin)[1].split(end)[0].strip() in first.stdout, "the README holds the printed tables"
