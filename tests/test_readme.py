@@ -1,5 +1,6 @@
-"""The README stays true to the code: the messages its bad-input table quotes are still said, and every option of
-every command is named somewhere in it (a section lost in an edit shows up here)."""
+"""The documentation stays true to the code: the messages the bad-input table of docs/cli.md quotes are still said,
+every option of every command is named in docs/cli.md (a section lost in an edit shows up here), and the Python API
+example of docs/formats.md runs."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ PACKAGES = ("pipeline", "captioning", "embedding_cache", "train", "evaluation")
 
 
 def test_every_quoted_message_is_in_the_code():
-    readme = (REPO / "README.md").read_text()
-    table = readme.split("<!-- bad-input:begin -->")[1].split("<!-- bad-input:end -->")[0]
+    cli = (REPO / "docs" / "cli.md").read_text()
+    table = cli.split("<!-- bad-input:begin -->")[1].split("<!-- bad-input:end -->")[0]
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| input")]
     assert len(rows) >= 20
     source = "\n".join(p.read_text() for package in PACKAGES for p in (REPO / package).rglob("*.py"))
     missing = [
         phrase for row in rows for phrase in re.findall(r'"([^"]+)"', row.rsplit("|", 2)[1]) if phrase not in source
     ]
-    assert not missing, f"README quotes messages the code no longer says: {missing}"
+    assert not missing, f"docs/cli.md quotes messages the code no longer says: {missing}"
 
 
-def test_every_option_of_every_command_is_in_the_readme():
+def test_every_option_of_every_command_is_in_the_cli_reference():
     import typer
 
     from pipeline.cli import app
@@ -34,7 +35,7 @@ def test_every_option_of_every_command_is_in_the_readme():
         else:
             yield name, command
 
-    readme = (REPO / "README.md").read_text()
+    cli = (REPO / "docs" / "cli.md").read_text()
     found = list(commands(typer.main.get_command(app)))
     assert {"caption", "embed", "train", "eval", "demo", "cache verify", "store verify"} <= {name for name, _ in found}
     missing = [
@@ -42,9 +43,9 @@ def test_every_option_of_every_command_is_in_the_readme():
         for name, command in found
         for param in command.params
         if (options := [o for o in (*param.opts, *param.secondary_opts) if o.startswith("--")])
-        and not any(o in readme for o in options)
+        and not any(o in cli for o in options)
     ]
-    assert not missing, f"options the README never names: {missing}"
+    assert not missing, f"options docs/cli.md never names: {missing}"
 
 
 def test_pointers_into_the_readme_name_its_sections():
@@ -58,12 +59,12 @@ def test_pointers_into_the_readme_name_its_sections():
 
 
 def test_the_python_api_example_runs(tmp_path, monkeypatch):
-    """The README's "a store from your own vectors" example runs as printed, in a fresh directory."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Python API: a store from your own vectors")[1]
+    """docs/formats.md's "a store from your own vectors" example runs as printed, in a fresh directory."""
+    formats = (REPO / "docs" / "formats.md").read_text()
+    section = formats.split("## Python API: a store from your own vectors")[1]
     code = section.split("```python\n")[1].split("```")[0]
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/formats.md", "exec"), namespace)
     assert namespace["tokens"].shape == (14, 512) and namespace["offsets"].tolist() == [0, 7, 14]
     assert (tmp_path / "my-store" / "zarr.json").is_file()
