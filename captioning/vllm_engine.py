@@ -3,7 +3,7 @@
 `SamplingParams(n=k, seed=s)` gives the k samples seeds s..s+k-1 inside vLLM, so a
 caption is reproducible from (image, recipe). Engine options pass through from
 `--vllm-arg key=value`; on CPU builds the settings vLLM needs there are filled
-in unless given (see README, "vLLM on CPU").
+in unless given (see docs/cli.md, "vLLM on CPU").
 """
 
 from __future__ import annotations

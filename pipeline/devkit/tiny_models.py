@@ -5,7 +5,7 @@ Both are built from nothing (no hub) and loaded only through
 corpus the T5 is first trained with span corruption on it and phrase tagging on
 fresh synth scenes (`pipeline.devkit.tiny_t5`); a random T5 passes captions on as a bag
 of words. What training does and does not change is
-measured by `tiny_t5.binding_score` and `tiny_t5.probe_accuracy` (README,
+measured by `tiny_t5.binding_score` and `tiny_t5.probe_accuracy` (docs/cli.md,
 "tcjepa tiny-models").
 """
 
