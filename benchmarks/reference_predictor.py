@@ -89,7 +89,7 @@ class ReferencePredictor(Predictor):
     """The cross-mode predictor as it was: per-layer K/V projections, materialised attention and cosine maps."""
 
     def __init__(self, encoder_width: int, grid: tuple[int, int], width: int, depth: int, heads: int, **kwargs) -> None:
-        super().__init__(encoder_width, grid, width, depth, heads, conditioning="cross", **kwargs)
+        super().__init__(encoder_width, grid, width, depth, heads, conditioning="cross", conditioner="mha", **kwargs)
         mlp_ratio = self.blocks[0].mlp.fc1.out_features / width
         text_dim = self.cross.kv.in_features
         pool = self.blocks[0].pool

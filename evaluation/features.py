@@ -39,7 +39,7 @@ from pipeline.core.images import decode
 from pipeline.core.sources import ImageReader, ImageRef
 from train.checkpoint import load_checkpoint
 from train.choices import VIT_SIZES
-from train.config import TrainConfig, apply
+from train.config import TrainConfig, apply, saved_config
 from train.data import image_policy, normalise
 from train.vit import VisionTransformer, build_vit
 
@@ -76,7 +76,8 @@ def load_run(run: Path) -> TrainedRun:
     state = load_checkpoint(run)
     if state is None:
         raise UserError(f"{run} has no checkpoint.pt yet; train it first (tcjepa train ... --out {run})")
-    return TrainedRun(state, apply(TrainConfig(), state["config"], f"{run}/checkpoint.pt"), int(state["step"]))
+    config = apply(TrainConfig(), saved_config(state["config"]), f"{run}/checkpoint.pt")
+    return TrainedRun(state, config, int(state["step"]))
 
 
 def _architecture(trained: TrainedRun) -> VisionTransformer:

@@ -629,12 +629,12 @@ def train(
     ] = False,
 ) -> None:
     """Pretrain an image encoder with TC-JEPA (or I-JEPA with --conditioning none); run under torchrun for many GPUs."""
-    from train.config import TrainConfig, apply, load_yaml, parse_set
+    from train.config import TrainConfig, apply, load_yaml, parse_set, saved_config
 
     saved = out / "config.yaml"
     cfg = TrainConfig()
     if saved.exists() and config is None:
-        cfg = apply(cfg, load_yaml(saved), str(saved))
+        cfg = apply(cfg, saved_config(load_yaml(saved)), str(saved))
     if config is not None:
         cfg = apply(cfg, load_yaml(config), str(config))
     flags = {

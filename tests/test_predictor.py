@@ -25,31 +25,61 @@ def _text(b: int, n: int, s: int, d: int, seed: int = 0, lengths: torch.Tensor |
     return TextBatch(tokens, lengths)
 
 
-def test_cross_attention_matches_per_caption_softmax_and_full_vector_cosine():
+@pytest.mark.parametrize("form", ["paper", "mha"])
+def test_cross_attention_matches_per_caption_softmax_and_full_vector_cosine(form):
+    """Per (image, caption), by hand: q = W_Q x, K = W_K t, V = W_V t, per head softmax(q·K/√d_h)·V, heads side by
+    side; `paper` has no biases and no output projection, `mha` biases and a biased projection."""
     torch.manual_seed(0)
-    attn = TextCrossAttention(dim=16, heads=4)
-    keys_values = TextKeysValues(text_dim=8, dim=16, depth=2)
+    attn = TextCrossAttention(dim=16, heads=4, form=form)
+    keys_values = TextKeysValues(text_dim=8, dim=16, depth=2, bias=form == "mha")
     x = torch.randn(3, 5, 16)
     text = _text(3, 2, 6, 8)
     captions = keys_values(text)[1]  # the second layer's: rows 32..63 of the fused projection
     out, q = attn(x, captions)
     cosine = patch_word_cosine(q, captions.keys).view(3, 5, 2, 6)
-    torch.testing.assert_close(q, attn.q(x))
     weight, bias = keys_values.kv.weight, keys_values.kv.bias
+    if form == "paper":
+        assert bias is None and attn.q.bias is None and attn.proj is None
+        torch.testing.assert_close(q, x @ attn.q.weight.T)
+    else:
+        torch.testing.assert_close(q, x @ attn.q.weight.T + attn.q.bias)
     for b in range(3):
         for n in range(2):
             k_len = int(text.lengths[b, n])
             words = text.tokens[b, n, :k_len]
-            k, v = F.linear(words, weight[32:48], bias[32:48]), F.linear(words, weight[48:64], bias[48:64])
+            k, v = words @ weight[32:48].T, words @ weight[48:64].T
+            if bias is not None:
+                k, v = k + bias[32:48], v + bias[48:64]
             heads = []
             for h in range(4):
                 sl = slice(4 * h, 4 * h + 4)
                 weights = torch.softmax(q[b, :, sl] @ k[:, sl].T / 2.0, dim=-1)  # 1/sqrt(d_head=4)
                 heads.append(weights @ v[:, sl])
-            expected = attn.proj(torch.cat(heads, dim=-1))
+            expected = torch.cat(heads, dim=-1)
+            if attn.proj is not None:
+                expected = attn.proj(expected)
             torch.testing.assert_close(out[b, n], expected, atol=1e-5, rtol=1e-5)
             expected_cos = F.cosine_similarity(q[b][:, None, :], k[None, :, :], dim=-1)
             torch.testing.assert_close(cosine[b, :, n, :k_len], expected_cos, atol=1e-5, rtol=1e-5)
+
+
+def test_the_paper_conditioner_has_no_content_free_path():
+    """With the paper's form, a predictor whose conditioner reads words that are all zero predicts exactly as with
+    no captions: nothing it adds can come from the mere presence of text. The multi-head form's biases add an offset
+    (the signature of every `cross` run of the text experiment: |true − shuffled| ~0 while |true − no text| > 0)."""
+    context_idx, target_idx = torch.arange(6).repeat(2, 1), torch.tensor([[[8, 9], [12, 13]]]).repeat(2, 1, 1)
+    context = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(3))
+    silent = TextBatch(torch.zeros(2, 1, 4, 8), torch.tensor([[4], [2]]))
+    for form, content_free in (("paper", False), ("mha", True)):
+        torch.manual_seed(0)
+        pred = Predictor(16, (4, 4), width=16, depth=2, heads=2, conditioning="cross", text_dim=8, conditioner=form)
+        with torch.no_grad():
+            for name, p in pred.named_parameters():
+                if name.endswith("bias") and ".cross." in name:
+                    p.normal_()  # biases as training would leave them
+            with_words = pred(context, context_idx, target_idx, silent).prediction
+            without = pred(context, context_idx, target_idx, None).prediction
+        assert (not torch.allclose(with_words, without, atol=1e-4)) == content_free, form
 
 
 def test_padding_words_do_not_change_the_output():
@@ -133,6 +163,61 @@ def test_regularisers_by_hand():
     assert math.isclose(float(regs.consistency), consistency, rel_tol=1e-6)
     # Positive share per layer over valid words: layer 1: 0.5, -0.2, 0.1, 0.3 → 3/4; layer 2: 0.1, 0.4, -0.5, 0.3 → 3/4.
     torch.testing.assert_close(regs.positive_fraction, torch.tensor([0.75, 0.75]))
+
+
+def test_head_centred_regularisers_by_hand():
+    """`head_centred`: per head, the cosine of the query with each valid word's key less the caption's mean key;
+    rectified, summed over words, averaged over layers, tokens, present captions, heads and images with text."""
+    g = torch.Generator().manual_seed(2)
+    b, i, n, s, d, heads, depth = 2, 3, 2, 4, 8, 2, 2
+    word_mask = torch.tensor([[[True, True, True, False], [False] * 4], [[True, True, False, False], [True] * 4]])
+    valid = word_mask.any(-1)
+    queries = [torch.randn(b, i, d, generator=g) for _ in range(depth)]
+    keys = [torch.randn(b, n, s, d, generator=g) for _ in range(depth)]
+    regs = text_regularisers(queries, keys, word_mask, valid, cosine="head_centred", heads=heads)
+    per_image_sparse, per_image_consistency, positive, pairs = [], [], 0, 0
+    for image in range(b):
+        sparse_c, consistency_c = [], []
+        for caption in range(n):
+            if not valid[image, caption]:
+                continue
+            length = int(word_mask[image, caption].sum())
+            for h in range(heads):
+                ch = slice(h * d // heads, (h + 1) * d // heads)
+                maps = []
+                for q, k in zip(queries, keys):
+                    words = k[image, caption, :length, ch]
+                    centred = words - words.mean(0)
+                    cos = F.cosine_similarity(q[image, :, None, ch], centred[None], dim=-1)  # [I, S]
+                    positive += int((cos > 0).sum())
+                    pairs += cos.numel()
+                    maps.append(cos.clamp_min(0))
+                stacked = torch.stack(maps)  # [L, I, S]
+                sparse_c.append(stacked.sum(-1).mean(0).mean())
+                consistency_c.append((stacked - stacked.mean(0)).abs().sum(-1).mean(0).mean())
+        per_image_sparse.append(torch.stack(sparse_c).mean())
+        per_image_consistency.append(torch.stack(consistency_c).mean())
+    torch.testing.assert_close(regs.sparse, torch.stack(per_image_sparse).mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(regs.consistency, torch.stack(per_image_consistency).mean(), rtol=1e-5, atol=1e-6)
+    assert math.isclose(float(regs.positive_fraction.mean()), positive / pairs, rel_tol=1e-6)
+
+
+def test_a_shift_shared_by_a_captions_words_cannot_silence_the_head_centred_regularisers():
+    """Adding one vector to every key of a caption leaves each softmax as it was. It can drive every full cosine
+    negative (the regularisers then have no gradient: "dead"), not the head-centred ones."""
+    g = torch.Generator().manual_seed(4)
+    common = torch.randn(8, generator=g)
+    queries = [common + 0.3 * torch.randn(1, 5, 8, generator=g)]  # queries that share a direction, as LN + W_Q give
+    keys = [torch.randn(1, 1, 6, 8, generator=g)]
+    word_mask, valid = torch.ones(1, 1, 6, dtype=torch.bool), torch.ones(1, 1, dtype=torch.bool)
+    shift = -20.0 * common[None]  # against that direction
+    shifted = [keys[0] + shift[:, None, None]]
+    full = text_regularisers(queries, shifted, word_mask, valid)
+    assert float(full.positive_fraction.max()) == 0.0 and float(full.sparse) == 0.0
+    before = text_regularisers(queries, keys, word_mask, valid, cosine="head_centred", heads=2)
+    after = text_regularisers(queries, shifted, word_mask, valid, cosine="head_centred", heads=2)
+    torch.testing.assert_close(after.sparse, before.sparse)
+    assert float(after.positive_fraction.min()) > 0.2 and float(after.sparse) > 0
 
 
 def test_regulariser_gradients_reach_the_conditioner():
@@ -278,13 +363,22 @@ def test_predictor_mlp_ratio_is_four_whatever_the_encoder():
     assert model.predictor.blocks[0].mlp.fc1.out_features == 4 * 32
 
 
-def test_every_residual_output_is_depth_scaled_the_cross_attention_too():
+@pytest.mark.parametrize("form", ["paper", "mha"])
+def test_every_residual_output_is_depth_scaled_the_cross_attention_too(form):
+    """The cross-attention writes to the residual stream through its output projection (mha) or, without one
+    (paper), through W_V: those rows get 1/√(2l), the keys and queries not."""
     torch.manual_seed(0)
-    predictor = Predictor(encoder_width=64, grid=(4, 4), width=192, depth=3, heads=4, conditioning="cross", text_dim=32)
+    predictor = Predictor(
+        encoder_width=64, grid=(4, 4), width=192, depth=3, heads=4, conditioning="cross", text_dim=32, conditioner=form
+    )
+    kv = predictor.cross.kv.weight.detach().view(3, 2, 192, 32)  # [layer, (keys, values), width, text]
     for layer, block in enumerate(predictor.blocks, start=1):
-        for linear in (block.attn.proj, block.mlp.fc2, block.cross.proj):
-            assert float(linear.weight.detach().std()) == pytest.approx(0.02 / math.sqrt(2 * layer), rel=0.05)
-        assert float(block.cross.q.weight.detach().std()) == pytest.approx(0.02, rel=0.05)  # inputs are not rescaled
+        outputs = [block.attn.proj.weight, block.mlp.fc2.weight]
+        outputs.append(block.cross.proj.weight if form == "mha" else kv[layer - 1, 1])
+        for weight in outputs:
+            assert float(weight.detach().std()) == pytest.approx(0.02 / math.sqrt(2 * layer), rel=0.05)
+        for weight in (block.cross.q.weight, kv[layer - 1, 0]):  # inputs are not rescaled
+            assert float(weight.detach().std()) == pytest.approx(0.02, rel=0.05)
 
 
 @pytest.mark.parametrize(
@@ -361,7 +455,7 @@ def _paired_predictors(pool: str) -> tuple[ReferencePredictor, Predictor]:
     torch.manual_seed(0)
     shape = dict(encoder_width=32, grid=(4, 4), width=48, depth=3, heads=3, text_dim=16, pool=pool)
     reference = ReferencePredictor(**shape)
-    lean = Predictor(conditioning="cross", **shape)
+    lean = Predictor(conditioning="cross", conditioner="mha", **shape)
     lean.load_state_dict(reference.state_dict())
     return reference, lean
 

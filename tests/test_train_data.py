@@ -18,7 +18,7 @@ from pipeline.core.sources import ImageRef
 from train.config import TrainConfig
 from train.data import Batch, StepBatches, crop_box
 from train.data_index import TrainIndex, build_index, verify_images
-from train.jepa import build_models, ema_update, param_groups
+from train.jepa import apply_schedules, build_models, ema_update, param_groups
 from train.partitions import split_partitions
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import to_device
@@ -266,6 +266,28 @@ def test_ema_update_and_optimizer_groups():
             assert (g["lr_scale"] == 3.0) == (".cross." in names[id(p)] or ".norm_cross." in names[id(p)]), names[id(p)]
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     assert math.isclose(sum(p.numel() for g in groups for p in g["params"]), sum(p.numel() for p in model.parameters()))
+
+
+def test_the_text_learning_rate_scale_leaves_weight_decay_alone():
+    """AdamW decays a weight by lr · weight_decay per step: with zero gradients (decay alone), a text weight whose
+    learning rate is scaled 10× shrinks exactly as much as any other weight, while its gradient steps are 10× larger."""
+    text, other = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4, 4))
+    groups = [
+        {"params": [other], "decay": True, "lr_scale": 1.0},
+        {"params": [text], "decay": True, "lr_scale": 10.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=1.0)
+    for group in opt.param_groups:
+        apply_schedules(group, lr=1e-2, weight_decay=0.4)
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-1]
+    for _ in range(5):
+        text.grad, other.grad = torch.zeros_like(text), torch.zeros_like(other)
+        opt.step()
+    torch.testing.assert_close(text.detach(), other.detach(), rtol=0, atol=0)
+    assert float(other.detach()[0, 0]) == pytest.approx((1 - 1e-2 * 0.4) ** 5)
+    bias = {"params": [torch.nn.Parameter(torch.ones(2))], "decay": False, "lr_scale": 10.0}
+    apply_schedules(bias, lr=1e-2, weight_decay=0.4)
+    assert bias["weight_decay"] == 0.0 and bias["lr"] == pytest.approx(0.1)
 
 
 def test_an_image_gone_since_the_index_was_built_is_replaced_with_its_captions(setup, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pipeline.core.errors import UserError
-from train.config import TrainConfig, apply, differences, load_yaml, parse_set, to_dict, validate
+from train.config import TrainConfig, apply, differences, load_yaml, parse_set, saved_config, to_dict, validate
 
 
 def _set(*pairs: str) -> TrainConfig:
@@ -51,6 +51,19 @@ def test_an_old_runs_value_is_read_as_what_it_meant(capsys):
     assert apply(TrainConfig(), {"loss": "l2"}, "run/config.yaml").loss == "mse"
     assert "run/config.yaml: loss: 'l2' is read as 'mse'" in capsys.readouterr().err
     assert differences({**to_dict(TrainConfig(loss="mse")), "loss": "l2"}, TrainConfig(loss="mse")) == []
+
+
+def test_an_old_runs_missing_keys_are_read_as_that_run_had_them():
+    """A run saved before the paper's conditioner was the default used the multi-head form: resumed or evaluated,
+    it is rebuilt so (its checkpoint has that form's biases); a config written by hand still gets the default."""
+    old = to_dict(TrainConfig(cache="c", store="s"))
+    del old["conditioner"]
+    assert apply(TrainConfig(), saved_config(old), "saved").conditioner == "mha"
+    assert differences(old, apply(TrainConfig(), saved_config(old), "saved")) == []
+    assert differences(old, TrainConfig(cache="c", store="s")) == ["conditioner"]
+    assert apply(TrainConfig(), {"lr": 0.1}, "a YAML file").conditioner == "paper"
+    new = to_dict(TrainConfig(cache="c", store="s"))
+    assert apply(TrainConfig(), saved_config(new), "saved").conditioner == "paper"
 
 
 @pytest.mark.parametrize(

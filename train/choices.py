@@ -29,6 +29,13 @@ MODELS = tuple(VIT_SIZES)
 CONDITIONING = ("none", "sequence", "cross")
 # cross mode: max-pool over captions after each caption's MLP (the paper, literally), or before one shared MLP.
 POOLING = ("after_mlp", "before_mlp")
+# cross mode, the conditioner's form: paper: bias-free W_Q, W_K, W_V and no output projection (SPEC §1), so every
+# update it adds depends on the words; mha: standard multi-head attention (biases and a biased output projection),
+# which can lower the loss from the mere presence of captions (kept for the ablation and for runs made before).
+CONDITIONERS = ("paper", "mha")
+# The patch–word cosine of the regularisers: full: of the full projected query and key vectors (the formula);
+# head_centred: per attention head, keys centred over each caption's words (what the softmax acts on).
+REGULARISER_COSINES = ("full", "head_centred")
 # norm: mean per-patch ‖ẑ − z‖₂ (the paper); mse: element-wise squared error; smooth_l1: I-JEPA's code.
 LOSSES = ("norm", "mse", "smooth_l1")
 # pad: every image keeps the context it sampled (rows padded, padding masked out of attention); cut: I-JEPA's cut of

@@ -23,7 +23,17 @@ from pipeline.core.devices import DEVICE_HELP
 from pipeline.core.errors import UserError
 from pipeline.core.keyvalues import parse_key_values
 from pipeline.core.sources import HF_PREFIX
-from train.choices import CONDITIONING, CONTEXT_EQUALISE, DECODERS, LOSSES, MODELS, POOLING, VIT_SIZES
+from train.choices import (
+    CONDITIONERS,
+    CONDITIONING,
+    CONTEXT_EQUALISE,
+    DECODERS,
+    LOSSES,
+    MODELS,
+    POOLING,
+    REGULARISER_COSINES,
+    VIT_SIZES,
+)
 from train.masks import MaskConfig, sample_masks
 
 # The automatic validation set: this many images, or 10% of them when that is fewer.
@@ -33,6 +43,8 @@ REFERENCE_MIN_CONTEXT, REFERENCE_GRID_PATCHES = 10, 14 * 14
 # Steps whose masks `validate` draws to refuse mask settings that leave no context before anything is built.
 MASK_CHECK_STEPS = 8
 
+# Keys an older tcjepa did not write, with the value its runs had: a saved config without them is read so.
+ADDED_KEYS: dict[str, Any] = {"conditioner": "mha"}
 # Values an older tcjepa wrote that mean something else now: (key, old value) -> (new value, why).
 RENAMED_VALUES: dict[tuple[str, Any], tuple[Any, str]] = {
     ("loss", "l2"): ("mse", "element-wise squared error, what `l2` meant before the paper's `norm` became the default"),
@@ -120,6 +132,12 @@ class TrainConfig:
         f"cross mode, {' | '.join(POOLING)}: max-pool over captions after each caption's MLP (the paper's, literally) "
         "or before one shared MLP (N× cheaper)",
     )
+    conditioner: str = setting(
+        "paper",
+        f"cross mode, {' | '.join(CONDITIONERS)}: the paper's bias-free W_Q, W_K, W_V with no output projection "
+        "(every update depends on the words), or standard multi-head attention with biases and an output "
+        "projection (a content-free path: the ablation)",
+    )
     # masks
     num_targets: int = setting(MaskConfig.num_targets, "target blocks per image")
     target_scale: tuple[float, float] = setting(MaskConfig.target_scale, "target block area as a fraction of the image")
@@ -147,6 +165,12 @@ class TrainConfig:
     )
     lambda_sparse: float = setting(0.1, "λ, weight of the patch–word sparsity regulariser (cross mode)")
     beta_consistency: float = setting(0.5, "β, weight of the cross-layer consistency regulariser (cross mode)")
+    regulariser_cosine: str = setting(
+        "full",
+        f"{' | '.join(REGULARISER_COSINES)}: the regularisers' patch–word cosine, of the full projected vectors (the "
+        "paper's formula), or per attention head with each caption's keys centred over its words (what the softmax "
+        "acts on; a shift shared by all words cannot make every cosine negative)",
+    )
     # optimisation
     batch_size: int = setting(64, "global batch size (all ranks together; divisible by the number of processes)")
     partitions: int = setting(
@@ -307,6 +331,11 @@ def upgrade(updates: dict[str, Any], where: str | None = None) -> dict[str, Any]
     return out
 
 
+def saved_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config a run saved (config.yaml, a checkpoint's), with the keys added since read as that run had them."""
+    return {**ADDED_KEYS, **config}
+
+
 def apply(config: TrainConfig, updates: dict[str, Any], where: str) -> TrainConfig:
     """A copy of `config` with `updates` type-checked and applied; unknown keys are refused."""
     updates = upgrade(updates, where)
@@ -369,13 +398,15 @@ def absolute_paths(config: TrainConfig) -> TrainConfig:
 
 def differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
     """Keys (other than runtime-only ones) whose value differs between a saved run and this config."""
-    now, saved = to_dict(current), upgrade(saved)
-    return [k for k in FIELDS if k not in RUNTIME_ONLY and saved.get(k) != now[k]]
+    now, before = to_dict(current), upgrade(saved_config(saved))
+    return [k for k in FIELDS if k not in RUNTIME_ONLY and before.get(k) != now[k]]
 
 
 CHOICES = {
     "conditioning": CONDITIONING,
     "pool": POOLING,
+    "conditioner": CONDITIONERS,
+    "regulariser_cosine": REGULARISER_COSINES,
     "loss": LOSSES,
     "model": MODELS,
     "context_equalise": CONTEXT_EQUALISE,
@@ -425,7 +456,7 @@ def validate(config: TrainConfig) -> None:
         )
     encoder = VIT_SIZES[config.model]
     encoder_width, encoder_heads = config.width or encoder.width, config.heads or encoder.heads
-    predictor_heads = config.predictor_heads or encoder_heads
+    predictor_heads = resolved_predictor_heads(config)
     for what, width, heads in (
         ("", encoder_width, encoder_heads),
         ("predictor_", config.predictor_width, predictor_heads),
@@ -460,6 +491,11 @@ def validate(config: TrainConfig) -> None:
         except ValueError as exc:
             given = f"min_context {config.min_context} was given explicitly: " if config.min_context else ""
             raise UserError(f"{given}{exc}") from None
+
+
+def resolved_predictor_heads(config: TrainConfig) -> int:
+    """The predictor's attention heads: `predictor_heads`, or by default the encoder's."""
+    return config.predictor_heads or config.heads or VIT_SIZES[config.model].heads
 
 
 def mask_settings(config: TrainConfig) -> MaskConfig:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from train.choices import VIT_SIZES
-from train.config import TrainConfig
+from train.config import TrainConfig, resolved_predictor_heads
 from train.losses import prediction_loss, target_features, text_regularisers
 from train.predictor import Predictor, PredictorOutput, TextBatch
 from train.vit import VisionTransformer, build_vit
@@ -52,10 +52,11 @@ def build_models(cfg: TrainConfig, text_dim: int | None) -> tuple[JEPA, VisionTr
         grid=encoder.grid,
         width=cfg.predictor_width,
         depth=cfg.predictor_depth or size.predictor_depth,
-        heads=cfg.predictor_heads or encoder.heads,
+        heads=resolved_predictor_heads(cfg),
         conditioning=cfg.conditioning,
         text_dim=text_dim if cfg.conditioning != "none" else None,
         pool=cfg.pool,
+        conditioner=cfg.conditioner,
     )
     target = copy.deepcopy(encoder)
     target.requires_grad_(False)
@@ -75,6 +76,17 @@ def is_text_parameter(name: str) -> bool:
     return (
         ".cross." in name or ".norm_cross." in name or name.startswith(("predictor.text_embed", "predictor.text_type"))
     )
+
+
+def apply_schedules(group: dict, lr: float, weight_decay: float) -> None:
+    """Set one AdamW group's learning rate and weight decay for a step.
+
+    AdamW's decay shrinks a weight by lr · weight_decay per step, so a group whose learning rate is scaled
+    (`lr_scale`, the text conditioner's) gets weight_decay / lr_scale: its decay per step stays that of every
+    other weight, only its gradient steps grow.
+    """
+    group["lr"] = lr * group["lr_scale"]
+    group["weight_decay"] = weight_decay / group["lr_scale"] if group["decay"] else 0.0
 
 
 def param_groups(model: JEPA, text_lr_scale: float) -> list[dict]:
@@ -186,6 +198,14 @@ def compute_losses(
     zero = predict.new_zeros(())
     if not out.queries or text is None:
         return StepLosses(predict, predict, zero, zero, None)
-    regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid, out.token_valid)
+    regs = text_regularisers(
+        out.queries,
+        out.keys,
+        text.word_mask,
+        text.valid,
+        out.token_valid,
+        cosine=cfg.regulariser_cosine,
+        heads=resolved_predictor_heads(cfg),
+    )
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency
     return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction, regs.pairs)

@@ -49,11 +49,19 @@ from train.checkpoint import (
     save_sharded_checkpoint,
     sharded_checkpoint,
 )
-from train.config import TrainConfig, absolute_paths, differences, resolve_automatic, to_dict, validate
+from train.config import (
+    TrainConfig,
+    absolute_paths,
+    differences,
+    resolve_automatic,
+    saved_config,
+    to_dict,
+    validate,
+)
 from train.data import StepBatches, device_decoding
 from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index, verify_images
 from train.initial import initialise
-from train.jepa import JEPA, build_models, checkpoint_blocks, compile_blocks
+from train.jepa import JEPA, apply_schedules, build_models, checkpoint_blocks, compile_blocks
 from train.metrics import MetricsLog, plot_curves
 from train.partitions import (
     PartitionSplit,
@@ -152,7 +160,7 @@ def prepare_run(cfg: TrainConfig, run: Path, rt: Runtime, store_dir: Path | None
     """
     saved_path = run / CONFIG
     if saved_path.exists():
-        saved = yaml.safe_load(saved_path.read_text()) or {}
+        saved = saved_config(yaml.safe_load(saved_path.read_text()) or {})
         changed = differences(saved, cfg)
         if changed:
             details = ", ".join(f"{k}: {saved.get(k)!r} → {to_dict(cfg)[k]!r}" for k in changed[:4])
@@ -540,8 +548,7 @@ class Trainer:
     def _set_schedules(self, step: int) -> float:
         lr, wd = self.lr(step), self.wd(step)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group["lr_scale"]
-            group["weight_decay"] = wd if group["decay"] else 0.0
+            apply_schedules(group, lr, wd)
         return self.ema(step)
 
     def _loader(self) -> torch.utils.data.DataLoader:

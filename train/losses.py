@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from train.choices import LOSSES
+from train.choices import LOSSES, REGULARISER_COSINES
 
 
 def target_features(features: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
@@ -223,19 +223,56 @@ class _RectifiedCosineTerms(torch.autograd.Function):
         return None, None, None, None, *grads_q, *grads_k
 
 
+def centred_heads(
+    queries: list[torch.Tensor], keys: list[torch.Tensor], word_mask: torch.Tensor, heads: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, what each attention head compares: queries `[B, I, d]` → `[B·h, I, d/h]`, and keys `[B, N, S, d]`
+    → `[B·h, N, S, d/h]` less their mean over each caption's valid words.
+
+    Softmax is blind to a shift that every word of a caption shares, so the centred cosine is the part of the
+    patch–word cosine that the attention acts on. Centred keys sum to zero over a caption's words, so no query has
+    a negative cosine with all of them: the rectified terms cannot switch themselves off by a shared offset.
+    """
+    words = word_mask.to(keys[0].dtype)[..., None]  # [B, N, S, 1]
+    count = words.sum(dim=2, keepdim=True).clamp_min(1)
+    out_q, out_k = [], []
+    for q, k in zip(queries, keys):
+        b, i, d = q.shape
+        n, s = k.shape[1:3]
+        centred = (k - (k * words).sum(dim=2, keepdim=True) / count) * words
+        out_q.append(q.view(b, i, heads, d // heads).transpose(1, 2).reshape(b * heads, i, d // heads))
+        out_k.append(centred.view(b, n, s, heads, d // heads).permute(0, 3, 1, 2, 4).reshape(b * heads, n, s, -1))
+    return out_q, out_k
+
+
 def text_regularisers(
     queries: list[torch.Tensor],
     keys: list[torch.Tensor],
     word_mask: torch.Tensor,
     valid: torch.Tensor,
     token_valid: torch.Tensor | None = None,
+    cosine: str = "full",
+    heads: int = 1,
 ) -> TextRegularisers:
     """Sparsity and cross-layer consistency of rectified patch–word cosines.
 
     Per layer, `queries` `[B, I, d]` (the cross-attention's) and `keys` `[B, N, S, d]` (the caption words');
     `word_mask` `[B, N, S]`; `valid` `[B, N]`; `token_valid` `[B, I]` marks real tokens (None: all are; context
     padding is neither averaged nor counted).
+
+    `cosine` ``full``: the cosine of the full projected vectors (the formula as the seeds write it);
+    ``head_centred``: per attention head (of `heads`), with the keys centred over each caption's valid words
+    (`centred_heads`), the terms averaged over heads.
     """
+    if cosine not in REGULARISER_COSINES:
+        raise ValueError(f"cosine must be one of {', '.join(REGULARISER_COSINES)}, got {cosine!r}")
+    if cosine == "head_centred":
+        queries, keys = centred_heads(queries, keys, word_mask, heads)
+        word_mask, valid = word_mask.repeat_interleave(heads, 0), valid.repeat_interleave(heads, 0)
+        token_valid = None if token_valid is None else token_valid.repeat_interleave(heads, 0)
+        # Each image's heads are `heads` images of the flat call, each weighted alike: the mean over heads, then
+        # over the images with captions, as before.
+        return text_regularisers(queries, keys, word_mask, valid, token_valid)
     b, i = queries[0].shape[:2]
     if token_valid is None:
         token_mask = torch.ones(b, i, dtype=torch.float32, device=word_mask.device)

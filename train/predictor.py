@@ -22,6 +22,14 @@ Conditioning modes:
   runs one shared MLP (N times cheaper). Missing captions are left out of the
   pool; an image without any caption takes the unconditioned path (x + MLP).
 
+The conditioner's form (`conditioner`): ``paper`` (the default) is SPEC §1's formula, q_l = W_Q q,
+K = W_K t, V = W_V t with plain matrices and the weighted sum of V added to q as it is: no biases and no output
+projection. Heads split the channels, so the heads' outputs side by side are already a vector of the predictor's
+width and need no projection to be added back. Every update it adds is then a mix of the words' values: a
+predictor can lower its loss only by what the captions say. ``mha`` is standard multi-head attention (biased
+W_Q, W_K, W_V and a biased output projection), whose biases add the same vector whatever the words: kept for the
+ablation and for runs made before the paper's form was the default.
+
 The caption keys and values of every layer come from one projection of the word
 embeddings; the cross-attention runs as SDPA over (image, caption) pairs. Every
 layer hands back its queries, and the predictor its keys, for the sparsity and
@@ -31,13 +39,14 @@ recompute the cosine maps rather than keep them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.choices import CONDITIONING, POOLING
+from train.choices import CONDITIONERS, CONDITIONING, POOLING
 from train.losses import patch_word_cosine
 from train.vit import LN_EPS, MLP, SelfAttention, init_weights, scale_residual_outputs, sincos_2d
 
@@ -101,10 +110,10 @@ class TextKeysValues(nn.Module):
     slice per layer would fill a zero buffer of the whole output for each.
     """
 
-    def __init__(self, text_dim: int, dim: int, depth: int) -> None:
+    def __init__(self, text_dim: int, dim: int, depth: int, bias: bool = True) -> None:
         super().__init__()
         self.dim = dim
-        self.kv = nn.Linear(text_dim, depth * 2 * dim)
+        self.kv = nn.Linear(text_dim, depth * 2 * dim, bias=bias)
 
     def forward(self, text: TextBatch) -> list[LayerCaptions]:
         parts = self.kv(text.tokens).split(self.dim, dim=-1)  # k_0, v_0, k_1, v_1, …
@@ -113,13 +122,17 @@ class TextKeysValues(nn.Module):
 
 
 class TextCrossAttention(nn.Module):
-    """Multi-head attention from image tokens to each caption's words, one softmax per caption (SDPA)."""
+    """Multi-head attention from image tokens to each caption's words, one softmax per caption (SDPA).
 
-    def __init__(self, dim: int, heads: int) -> None:
+    `form` ``paper``: a bias-free W_Q and no output projection (the heads' outputs side by side are the update);
+    ``mha``: a biased W_Q and a biased output projection.
+    """
+
+    def __init__(self, dim: int, heads: int, form: str = "paper") -> None:
         super().__init__()
         self.heads = heads
-        self.q = nn.Linear(dim, dim)
-        self.proj = nn.Linear(dim, dim)
+        self.q = nn.Linear(dim, dim, bias=form == "mha")
+        self.proj = nn.Linear(dim, dim) if form == "mha" else None
 
     def forward(self, x: torch.Tensor, captions: LayerCaptions) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` `[B, Q, d]` (normed) → per-caption outputs `[B, N, Q, d]` and the queries `[B, Q, d]`.
@@ -137,7 +150,8 @@ class TextCrossAttention(nn.Module):
         values = captions.values.reshape(b * n, s, h, dh).transpose(1, 2)
         mask = captions.attend.view(b * n, 1, 1, s)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [B·N, h, Q, d_h]
-        return self.proj(out.transpose(1, 2).reshape(b, n, nq, d)), q
+        out = out.transpose(1, 2).reshape(b, n, nq, d)
+        return (out if self.proj is None else self.proj(out)), q
 
 
 class _ResidualMax(torch.autograd.Function):
@@ -187,11 +201,13 @@ def residual_max(x: torch.Tensor, update: torch.Tensor, keep: torch.Tensor) -> t
 class PredictorBlock(nn.Module):
     """Self-attention, then (cross mode) text cross-attention pooled over captions, then the MLP."""
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, cross: bool, pool: str) -> None:
+    def __init__(
+        self, dim: int, heads: int, mlp_ratio: float, cross: bool, pool: str, conditioner: str = "paper"
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
         self.attn = SelfAttention(dim, heads)
-        self.cross = TextCrossAttention(dim, heads) if cross else None
+        self.cross = TextCrossAttention(dim, heads, conditioner) if cross else None
         self.norm_cross = nn.LayerNorm(dim, eps=LN_EPS) if cross else None
         self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
@@ -241,12 +257,15 @@ class Predictor(nn.Module):
         conditioning: str = "none",
         text_dim: int | None = None,
         pool: str = "after_mlp",
+        conditioner: str = "paper",
     ) -> None:
         super().__init__()
         if conditioning not in CONDITIONING:
             raise ValueError(f"conditioning must be one of {', '.join(CONDITIONING)}, got {conditioning!r}")
         if pool not in POOLING:
             raise ValueError(f"pool must be one of {', '.join(POOLING)}, got {pool!r}")
+        if conditioner not in CONDITIONERS:
+            raise ValueError(f"conditioner must be one of {', '.join(CONDITIONERS)}, got {conditioner!r}")
         if conditioning != "none" and not text_dim:
             raise ValueError(f"conditioning {conditioning!r} needs the text embedding width (text_dim)")
         text_width = text_dim or 0
@@ -255,8 +274,10 @@ class Predictor(nn.Module):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, width))
         self.register_buffer("pos_embed", sincos_2d(width, grid), persistent=False)
         cross = conditioning == "cross"
-        self.blocks = nn.ModuleList(PredictorBlock(width, heads, mlp_ratio, cross, pool) for _ in range(depth))
-        self.cross = TextKeysValues(text_width, width, depth) if cross else None
+        self.blocks = nn.ModuleList(
+            PredictorBlock(width, heads, mlp_ratio, cross, pool, conditioner) for _ in range(depth)
+        )
+        self.cross = TextKeysValues(text_width, width, depth, bias=conditioner == "mha") if cross else None
         self.text_embed = nn.Linear(text_width, width) if conditioning == "sequence" else None
         self.text_type = nn.Parameter(torch.zeros(1, 1, width)) if conditioning == "sequence" else None
         self.norm = nn.LayerNorm(width, eps=LN_EPS)
@@ -266,7 +287,19 @@ class Predictor(nn.Module):
         if self.text_type is not None:
             nn.init.trunc_normal_(self.text_type, std=0.02)
         scale_residual_outputs(self.blocks)
+        if self.cross is not None and conditioner == "paper":
+            self._scale_values_as_residual_outputs()
         self.register_load_state_dict_pre_hook(_fuse_text_keys_values)
+
+    @torch.no_grad()
+    def _scale_values_as_residual_outputs(self) -> None:
+        """Without an output projection, layer l's W_V writes to the residual stream: its rows get the depth scaling
+        of every residual output (`scale_residual_outputs`), 1/√(2l)."""
+        assert self.cross is not None
+        width = self.cross.dim
+        for layer in range(len(self.blocks)):
+            values = slice((2 * layer + 1) * width, (2 * layer + 2) * width)
+            self.cross.kv.weight[values] /= math.sqrt(2.0 * (layer + 1))
 
     def forward(
         self,

@@ -98,10 +98,12 @@ def init_weights(module: nn.Module) -> None:
 def scale_residual_outputs(blocks: nn.ModuleList) -> None:
     """Divide block l's residual output projections by sqrt(2 l), as I-JEPA does, so deep stacks start stable.
 
-    Every residual branch counts: self-attention, the MLP and, in the predictor, the text cross-attention.
+    Every residual branch counts: self-attention, the MLP and, in the predictor, the text cross-attention's output
+    projection where it has one (without one, the predictor scales its value rows instead).
     """
     for layer, block in enumerate(blocks, start=1):
-        outputs = ["attn.proj", "mlp.fc2", *(["cross.proj"] if getattr(block, "cross", None) else [])]
+        cross = getattr(block, "cross", None)
+        outputs = ["attn.proj", "mlp.fc2", *(["cross.proj"] if cross is not None and cross.proj is not None else [])]
         for name in outputs:
             linear = block.get_submodule(name)
             assert isinstance(linear, nn.Linear), name
