@@ -140,7 +140,10 @@ TRAINING_COLUMNS = [
     ("positive_cosine", "positive cos", "{:.3f}"),
     ("step_s", "s/step", "{:.2f}"),
 ]
-Group = tuple[str, str]  # (variant, masks)
+Group = tuple[str, ...]  # (variant, masks, encoder): the variant first, then what a paired difference holds fixed
+ENCODERS = ("target", "context")
+ENCODER_NAMES = {"target": "EMA target encoder", "context": "context encoder"}
+GROUP_NAMES = ("variant", "masks", "encoder")
 
 
 # --- statistics over seeds ------------------------------------------------------------------------------------
@@ -183,13 +186,15 @@ def _above_floors(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) ->
 
 
 def differences(runs: dict[Group, dict[int, dict[str, Any]]], keys: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per mask setting with both `DIFFERENCE` variants, per figure of `keys` both have: the paired difference
-    cross − none, and whether both variants' means lie above their floors' (`above_floors`, figures with floors)."""
+    """Per setting (a group less its variant: the masks, and the encoder probed) with both `DIFFERENCE` variants, per
+    figure of `keys` both have: the paired difference cross − none, and whether both variants' means lie above their
+    floors' (`above_floors`, figures with floors). Keyed by the setting's parts joined with "/"."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for masks in dict.fromkeys(m for _, m in runs):
-        a, b = (runs.get((variant, masks), {}) for variant in DIFFERENCE)
+    for setting in dict.fromkeys(group[1:] for group in runs):
+        a, b = (runs.get((variant, *setting), {}) for variant in DIFFERENCE)
         if not set(a) & set(b):
             continue
+        masks = "/".join(setting)
         out[masks] = {}
         for key in keys:
             if not all(key in r["figures"] for r in (*a.values(), *b.values())):
@@ -257,8 +262,8 @@ def store_for(work: Path, variant: str) -> Path:
     return store
 
 
-def probes_report(run: Path) -> Path:
-    return run / "eval" / "probes.json"
+def probes_report(run: Path, encoder: str = "target") -> Path:
+    return run / "eval" / ("probes.json" if encoder == "target" else f"probes.{encoder}.json")
 
 
 def floors_source(runs: Path, seed: int, probes: list[str]) -> Path | None:
@@ -281,15 +286,18 @@ def run_one(
     seed: int,
     probes: list[str],
     floors_from: Path | None = None,
-) -> dict[str, Any]:
-    """Train (or resume, or reuse) one run in `runs` and probe it (or reuse its report); returns its figures and
-    floors. `floors_from`: the report of a run of the same encoder and seed, whose floors the probes reuse."""
+    encoders: tuple[str, ...] = ENCODERS,
+) -> dict[str, dict[str, Any]]:
+    """Train (or resume, or reuse) one run in `runs` and probe each of its `encoders` (or reuse their reports);
+    returns each encoder's figures and floors. `floors_from`: the report of a run of the same encoder architecture
+    and seed, whose floors the probes reuse (the later encoders reuse the first's)."""
     run = runs / f"{variant}-{masks}-s{seed}"
-    report_path = probes_report(run)
     timing_path = run / "ablation-timing.json"
     steps = settings["steps"]
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
-    if not _probes_done(report, steps, probes):
+    reports = {e: probes_report(run, e) for e in encoders}
+    done = {e: json.loads(p.read_text()) if p.exists() else None for e, p in reports.items()}
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else {}
+    if not all(_probes_done(report, steps, probes) for report in done.values()):
         config = run.with_name(f"{run.name}.yaml")
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(json.dumps({**settings, "seed": seed}))  # JSON is YAML
@@ -298,42 +306,52 @@ def run_one(
         t0 = time.perf_counter()
         tcjepa("train", work / "data" / "images", *text, "--out", run, "--config", config, "--no-progress")
         t1 = time.perf_counter()
-        tcjepa(
-            "eval",
-            run,
-            work / "data" / "images",
-            "--labels",
-            work / "data" / "labels.jsonl",
-            *[x for name in probes for x in ("--probe", name)],
-            "--seed",
-            seed,
-            "--no-progress",
-            "--report",
-            report_path,
-            *(["--floors-from", floors_from] if floors_from is not None else []),
-        )
+        for encoder in encoders:
+            if _probes_done(done[encoder], steps, probes):
+                continue
+            lender = floors_from if encoder == encoders[0] else reports[encoders[0]]
+            tcjepa(
+                "eval",
+                run,
+                work / "data" / "images",
+                "--labels",
+                work / "data" / "labels.jsonl",
+                *[x for name in probes for x in ("--probe", name)],
+                "--seed",
+                seed,
+                "--encoder",
+                encoder,
+                "--no-progress",
+                "--report",
+                reports[encoder],
+                *(["--floors-from", lender] if lender is not None else []),
+            )
+            done[encoder] = json.loads(reports[encoder].read_text())
         timing = {"train_s": round(t1 - t0, 1), "eval_s": round(time.perf_counter() - t1, 1)}
         timing_path.write_text(json.dumps(timing) + "\n")
-        report = json.loads(report_path.read_text())
         print(
             f"  {variant} / {masks} seed {seed}: trained in {timing['train_s']:.0f} s, "
             f"probed in {timing['eval_s']:.0f} s",
             file=sys.stderr,
             flush=True,
         )
-    assert report is not None
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    figures = run_figures(metrics, report)
     val = [m for m in metrics if "val_loss_predict" in m][-1]
-    return {
-        "variant": variant,
-        "masks": masks,
-        "seed": seed,
-        "figures": {**figures, "step_s": settings["batch_size"] / figures["images_per_s"]},
-        "floors": floor_figures(report),
-        "val_positive_cosine": val.get("val_positive_cosine"),
-        **(json.loads(timing_path.read_text()) if timing_path.exists() else {}),
-    }
+    out = {}
+    for encoder, report in done.items():
+        assert report is not None
+        figures = run_figures(metrics, report)
+        out[encoder] = {
+            "variant": variant,
+            "masks": masks,
+            "encoder": encoder,
+            "seed": seed,
+            "figures": {**figures, "step_s": settings["batch_size"] / figures["images_per_s"]},
+            "floors": floor_figures(report),
+            "val_positive_cosine": val.get("val_positive_cosine"),
+            **timing,
+        }
+    return out
 
 
 # --- the tables ---------------------------------------------------------------------------------------------------
@@ -349,7 +367,7 @@ def _cell(stat: list[float], fmt: str = "{:.3f}") -> str:
 
 
 def _group_key(group: Group) -> str:
-    return f"{group[0]}/{group[1]}"
+    return "/".join(group)
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -385,12 +403,12 @@ def markdown(
     """The three tables: probes beside their floors, training figures, paired differences cross − none."""
     probe_cols = [(k, name) for k, name in PROBE_COLUMNS if any(k in row for row in table.values())]
     train_cols = [c for c in TRAINING_COLUMNS if any(c[0] in row for row in table.values())]
-    lead = ["variant", "masks", "seeds"]
+    lead = [*GROUP_NAMES[: len(next(iter(table)))], "seeds"]
     lines = [
         caption,
         "",
-        "Probes: mean ± standard deviation over seeds; in brackets the same probe's floors, (random-init encoder, "
-        "raw pixels), means over the same seeds.",
+        "Probes: mean ± standard deviation over seeds; in brackets the same probe's floors, (random-init encoder "
+        "seeded apart from the run, mean colour of each patch, each patch's full pixels), means over the same seeds.",
         "",
         *_table(
             lead + [name for _, name in probe_cols],
@@ -420,7 +438,7 @@ def markdown(
             "both floors.",
             "",
             *_table(
-                ["masks", "seeds"] + [name for _, name in diff_cols],
+                [" / ".join(lead[1:-1]), "seeds"] + [name for _, name in diff_cols],
                 [
                     [masks, str(len(next(iter(row.values()))["per_seed"]))]
                     + [_difference_cell(row.get(k)) for k, _ in diff_cols]
@@ -505,6 +523,13 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--attentive", action="store_true", help="Also run the attentive probe (slower).")
     parser.add_argument(
+        "--encoders",
+        nargs="+",
+        default=list(ENCODERS),
+        choices=list(ENCODERS),
+        help="Which of each run's encoders to probe (default both: the EMA target and the context encoder).",
+    )
+    parser.add_argument(
         "--readme",
         type=Path,
         default=None,
@@ -534,10 +559,15 @@ def main() -> None:
         for variant in args.variants or experiment.variants:
             seeds = args.seeds if variant in DIFFERENCE else args.ablation_seeds or args.seeds[:1]
             run_settings = {**settings, **VARIANTS[variant], **MASKS[masks]}
-            runs[(variant, masks)] = {
-                s: run_one(folder, work, run_settings, variant, masks, s, probes, floors_source(folder, s, probes))
+            encoders = tuple(args.encoders)
+            by_seed = {
+                s: run_one(
+                    folder, work, run_settings, variant, masks, s, probes, floors_source(folder, s, probes), encoders
+                )
                 for s in seeds
             }
+            for encoder in encoders:
+                runs[(variant, masks, encoder)] = {s: records[encoder] for s, records in by_seed.items()}
     table = {g: summarise([r["figures"] for r in by_seed.values()]) for g, by_seed in runs.items()}
     floors = {
         g: {f: summarise([r["floors"][f] for r in by_seed.values()]) for f in by_seed[min(by_seed)]["floors"]}
@@ -554,7 +584,7 @@ def main() -> None:
         f"scenes, {args.captions} captions; {settings['steps']} steps each, {experiment.what}"
         f"{'; changed by --set: ' + changed if changed else ''}; T5 trained "
         f"{t5['steps']} steps, probe colour-from-position {_fmt(t5['colour_from_where'], '{:.2f}')}). "
-        "Probes on the EMA target encoder."
+        f"Probes on the {' and the '.join(ENCODER_NAMES[e] for e in args.encoders)}."
     )
     text = markdown(table, floors, diffs, {g: len(r) for g, r in runs.items()}, caption)
     print(text)

@@ -1,17 +1,19 @@
 """`tcjepa eval`: frozen-feature probes of a trained run on labelled images, with their floors, one JSON report.
 
 Labelled images come from a labels file matched to the images given, or from class folders (ImageNet layout).
-Their features are extracted once (cached in the run) for the run's target encoder and for two floors: a seeded
-random encoder of the same architecture (`baseline`) and raw pixels (`pixels`). The rows are split into
-train / validation / test (seeded, the labels file's own split, or `--train` / `--val`), and each probe is
-fitted and scored on all three feature sets: a number is never read without its floors.
+Their features are extracted once (cached in the run) for one of the run's encoders (the EMA target by default,
+or the context encoder) and for the floors: a random encoder of the same architecture seeded apart from the run
+(`baseline`), the mean colour of each patch (`pixels`) and each patch's full pixels (`patch_pixels`). The rows are
+split into train / validation / test (seeded, the labels file's own split, or `--train` / `--val`), and each probe
+is fitted and scored on every feature set: a number is never read without its floors. `--steps` probes the
+checkpoints a run kept, one report each, the floors measured once, and draws the learning curves against them.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,21 @@ import numpy as np
 import torch
 
 from evaluation import protocol
-from evaluation.features import FEATURE_SETS, Features, architecture, extract_features, images_digest, load_run
+from evaluation.features import (
+    FEATURE_SETS,
+    Features,
+    TrainedRun,
+    architecture,
+    at_step,
+    extract_features,
+    floor_seed,
+    image_sizes,
+    images_digest,
+    kept_steps,
+    load_run,
+)
 from evaluation.labels import Labels, dense_probe_name, folder_labels, patch_labels, read_labels
+from evaluation.preprocess import EVAL_RESIZE, choose_geometry
 from evaluation.preprocess import describe as describe_preprocessing
 from evaluation.probes import (
     ProbeResult,
@@ -62,6 +77,10 @@ class EvalConfig:
     report: Path | None = None
     progress: bool = True
     floors_from: Path | None = None  # an earlier report whose floors are reused when they were measured alike
+    encoder: str = "target"  # the run's encoder probed: its EMA target or its context encoder
+    eval_resize: str = "auto"  # auto | crop | whole (evaluation.preprocess)
+    floor_seed: int | None = None  # the random floor's generator seed (None: drawn from `seed`, apart from the run's)
+    step: int | None = None  # a checkpoint the run kept (None: its newest)
 
 
 def _labelled_images(cfg: EvalConfig) -> tuple[list[ImageRef], Labels, str]:
@@ -98,7 +117,9 @@ def _split(labels: Labels, usable: np.ndarray, cfg: EvalConfig) -> Split:
     return Split(train, val, test)
 
 
-def _dense_labels(labels: Labels, sizes: np.ndarray, image_size: int, grid: tuple[int, int]) -> dict[str, np.ndarray]:
+def _dense_labels(
+    labels: Labels, sizes: np.ndarray, image_size: int, grid: tuple[int, int], geometry: str
+) -> dict[str, np.ndarray]:
     """Per dense probe (one per per-cell map): int `[m, L]` per-patch classes of every labelled image (-1 where
     it has no such map)."""
     out = {}
@@ -106,9 +127,33 @@ def _dense_labels(labels: Labels, sizes: np.ndarray, image_size: int, grid: tupl
         classes = np.full((len(labels.label), grid[0] * grid[1]), -1, dtype=np.int64)
         for row, (cells, size) in enumerate(zip(labels.cell_maps[name], labels.cell_size)):
             if cells is not None and sizes[row, 0] > 0:
-                classes[row] = patch_labels(cells, size, (int(sizes[row, 0]), int(sizes[row, 1])), image_size, grid)
+                original = (int(sizes[row, 0]), int(sizes[row, 1]))
+                classes[row] = patch_labels(cells, size, original, image_size, grid, geometry)
         out[dense_probe_name(name)] = classes
     return out
+
+
+def geometry_of(cfg: EvalConfig, trained: TrainedRun, refs: list[ImageRef], labels: Labels) -> tuple[str, str]:
+    """(`crop` or `whole`, why): `--eval-resize` as given, or chosen from the labelled images' sizes (headers only)
+    and their label cells."""
+    if cfg.eval_resize not in EVAL_RESIZE:
+        raise UserError(f"--eval-resize {cfg.eval_resize}: choose {', '.join(EVAL_RESIZE)}")
+    if cfg.eval_resize != "auto":
+        return cfg.eval_resize, "--eval-resize"
+    cells = labels.cell_size if labels.map_names else None
+    return choose_geometry(image_sizes(refs), trained.config.image_size, trained.config.patch_size, cells)
+
+
+def resolved_floor_seed(cfg: EvalConfig, run_seed: int) -> int:
+    """The random floor's seed: `--floor-seed`, refused when it is the run's own, or one drawn from `--seed`."""
+    if cfg.floor_seed is None:
+        return floor_seed(cfg.seed, run_seed)
+    if cfg.floor_seed == run_seed:
+        raise UserError(
+            f"--floor-seed {cfg.floor_seed} is the run's own seed: its random encoder would be the run's starting "
+            "weights, not a floor; choose another, or leave it out"
+        )
+    return cfg.floor_seed
 
 
 def _tagged(split: Split, tagged: np.ndarray) -> Split:
@@ -129,7 +174,7 @@ def _probe_all(
     results: dict[str, ProbeResult] = {}
     for name in probes:
         if name == "linear":
-            results[name] = linear_probe(features.pooled, labels.label, split, seed, device)
+            results[name] = linear_probe(features.pooled, labels.label, split, device)
         elif name == "knn":
             results[name] = knn_probe(features.pooled, labels.label, split, device=device)
         elif name == "dense":
@@ -137,7 +182,7 @@ def _probe_all(
             for probe, classes in dense.items():
                 results[probe] = dense_probe(features.patches, classes, split, seed, device, name=probe)
         elif name == "multilabel":
-            results[name] = multilabel_probe(features.pooled, labels.tags, _tagged(split, labels.tagged), seed, device)
+            results[name] = multilabel_probe(features.pooled, labels.tags, _tagged(split, labels.tagged), device)
         else:
             assert features.patches is not None
             results[name] = attentive_probe(features.patches, labels.label, split, seed, device)
@@ -145,14 +190,23 @@ def _probe_all(
 
 
 def floor_inputs(
-    cfg: EvalConfig, run_config: TrainConfig, refs: list[ImageRef], labels: Labels, probes: tuple[str, ...]
+    cfg: EvalConfig,
+    run_config: TrainConfig,
+    refs: list[ImageRef],
+    labels: Labels,
+    probes: tuple[str, ...],
+    geometry: str,
+    floor: int,
 ) -> dict[str, Any]:
-    """Everything the floors' probe results depend on: the encoder architecture (the random baseline), the
-    labelled images in order, the labels, the probes, the split and the seed, and the protocol. Two runs of the
-    same architecture evaluated alike have the same floors; a report records these so that another can reuse them."""
+    """Everything the floors' probe results depend on: the encoder architecture and the floor's seed (the random
+    baseline), the labelled images in order and how they are placed, the labels, the probes, the split and the
+    seed, and the protocol. Two runs of the same architecture evaluated alike have the same floors; a report records
+    these so that another can reuse them."""
     return {
         "architecture": architecture(run_config),
-        "images": images_digest(run_config.image_size, refs),
+        "floor_seed": floor,
+        "images": images_digest(run_config.image_size, refs, geometry),
+        "geometry": geometry,
         "labels": labels.digest(),
         "probes": list(probes),
         "split": {"test_fraction": cfg.test_fraction, "val_fraction": cfg.val_fraction},
@@ -196,9 +250,17 @@ def one_line(report: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def report_path(cfg: EvalConfig, name: str) -> Path:
+    """Where the report goes: `--report`, or `RUN/eval/<name>[.step-N][.context].json`."""
+    if cfg.report is not None:
+        return cfg.report
+    step = f".step-{cfg.step:08d}" if cfg.step is not None else ""
+    which = ".context" if cfg.encoder == "context" else ""
+    return Path(cfg.run) / EVAL_DIR / f"{name}{step}{which}.json"
+
+
 def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
-    """Run the probes of `cfg` on the run and its floors; writes the JSON report (default
-    `RUN/eval/<labels stem or dataset folder>.json`) and returns it.
+    """Run the probes of `cfg` on the run and its floors; writes the JSON report (`report_path`) and returns it.
 
     `dense` runs once per per-cell map of the labels (`dense` on "cells", `dense_NAME` on "cell_maps"."NAME").
     With `default_probes`, a probe the labels cannot support (dense without cell maps, multilabel without tags)
@@ -218,7 +280,11 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
     need_patches = "dense" in probes or "attentive" in probes
     labelled = [refs[i] for i in labels.image_index]
     trained = load_run(cfg.run)
-    inputs = floor_inputs(cfg, trained.config, labelled, labels, probes)
+    if cfg.step is not None:
+        trained = at_step(trained, cfg.run, cfg.step)
+    floor = resolved_floor_seed(cfg, trained.config.seed)
+    geometry, why = geometry_of(cfg, trained, labelled, labels)
+    inputs = floor_inputs(cfg, trained.config, labelled, labels, probes, geometry, floor)
     reused = reused_floors(cfg.floors_from, inputs) if cfg.floors_from is not None else None
     sets = extract_features(
         cfg.run,
@@ -228,9 +294,11 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         batch_size=cfg.batch_size,
         num_workers=cfg.num_workers,
         progress=cfg.progress,
-        seed=cfg.seed,
+        floor_seed=floor,
         sets=("encoder",) if reused else FEATURE_SETS,
         trained=trained,
+        encoder=cfg.encoder,
+        geometry=geometry,
     )
     features = sets["encoder"]
     usable = np.flatnonzero(features.decoded)
@@ -241,7 +309,9 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         )
     if labels.unmatched and cfg.train is not None:
         print(f"eval: {labels.unmatched} images outside a --train class folder; left out", file=sys.stderr)
-    dense = _dense_labels(labels, features.sizes, features.image_size, features.grid) if "dense" in probes else {}
+    dense = (
+        _dense_labels(labels, features.sizes, features.image_size, features.grid, geometry) if "dense" in probes else {}
+    )
     device = resolve_device(cfg.device)
     try:
         split = _split(labels, usable, cfg)
@@ -251,12 +321,20 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         }
     except ValueError as exc:
         raise UserError(f"eval: {exc}") from None
+    floors = reused or {name: {"what": what, "probes": results[name]} for name, what in FLOORS.items()}
+    if not reused:
+        floors["baseline"]["seed"] = floor
     report = {
         "run": str(cfg.run),
         "step": features.step,
+        "encoder": cfg.encoder,
         "labels": None if cfg.labels is None else str(cfg.labels),
         **({"train": str(cfg.train), "val": str(cfg.val)} if cfg.train is not None else {}),
+        "image_sources": [str(p) for p in cfg.images or []],
+        "image_root": None if cfg.image_root is None else str(cfg.image_root),
         "seed": cfg.seed,
+        "run_seed": trained.config.seed,
+        "floor_seed": floor,
         "images": len(refs),
         "labelled": len(labels.label),
         "unmatched_labels": labels.unmatched,
@@ -268,17 +346,54 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
         "protocol": {
             **protocol.describe(),
             "preprocessing": {
-                **describe_preprocessing(features.image_size),
+                **describe_preprocessing(features.image_size, geometry),
+                "chosen_by": why,
                 "normalise": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
             },
         },
         "probes": results["encoder"],
-        **(reused or {floor: {"what": what, "probes": results[floor]} for floor, what in FLOORS.items()}),
+        **floors,
         "floor_inputs": inputs,
         **({"floors_from": str(cfg.floors_from)} if reused else {}),
     }
-    out = cfg.report or Path(cfg.run) / EVAL_DIR / f"{name}.json"
+    out = report_path(cfg, name)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out, (json.dumps(report, indent=1) + "\n").encode())
     report["report"] = str(out)
     return report
+
+
+def steps_to_probe(run: Path, asked: str) -> list[int]:
+    """`--steps`: `all` (every step whose encoders the run kept, and its newest checkpoint's), or steps separated
+    by commas."""
+    trained_step = load_run(run).step
+    kept = sorted(set(kept_steps(run)) | {trained_step})
+    if asked.strip() == "all":
+        return kept
+    try:
+        steps = sorted({int(part) for part in asked.split(",") if part.strip()})
+    except ValueError:
+        raise UserError(f"--steps {asked}: give steps separated by commas (100,200,300) or `all`") from None
+    missing = [step for step in steps if step not in kept]
+    if not steps or missing:
+        raise UserError(
+            f"--steps {asked}: the run kept encoders of steps {', '.join(map(str, kept))} only; train with "
+            "checkpoint_every_keep to keep more"
+        )
+    return steps
+
+
+def evaluate_steps(cfg: EvalConfig, steps: list[int], default_probes: bool = False) -> list[dict[str, Any]]:
+    """One report per step (`report_path`), the floors measured with the first and reused by the rest, then the
+    learning curves against the floors (`evaluation.curves`)."""
+    from evaluation.curves import plot_learning_curves
+
+    if cfg.report is not None:
+        raise UserError("--report names one file: leave it out with --steps (one report per step under RUN/eval/)")
+    reports: list[dict[str, Any]] = []
+    for step in steps:
+        floors_from = cfg.floors_from if not reports else Path(reports[0]["report"])
+        reports.append(evaluate(replace(cfg, step=step, floors_from=floors_from), default_probes))
+    first = Path(reports[0]["report"])
+    plot_learning_curves(reports, first.with_name(first.name.replace(f".step-{steps[0]:08d}", "")))
+    return reports

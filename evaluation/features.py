@@ -1,13 +1,18 @@
 """Frozen features of a trained run, and of its floors, extracted once and cached beside the run.
 
-Evaluation, export and visualisation start from the run's EMA target encoder (the one the paper evaluates).
-Images are resized and centre-cropped as the field does (evaluation/preprocess.py). One pass over the
-images gives three feature sets, so that no number is read without its floors:
+Evaluation, export and visualisation start from one of the run's two encoders: the EMA target encoder (the one the
+paper evaluates, by default) or the context encoder (`--encoder context`), of the newest checkpoint or of one the
+run kept (`checkpoints/step-N.NAME.safetensors`). Images are resized as `evaluation/preprocess.py` says (the
+field's centre crop, or the whole image for scenes). One pass over the images gives up to four feature sets, so
+that no number is read without its floors:
 
-- `encoder`: the run's target encoder (pooled = mean over patches of the final LayerNorm's tokens);
-- `baseline`: a randomly initialised encoder of the same architecture (seeded);
+- `encoder`: the run's encoder (pooled = mean over patches of the final LayerNorm's tokens);
+- `baseline`: a randomly initialised encoder of the same architecture, seeded apart from the run (its own
+  `floor_seed`: the run's starting weights are never its floor);
 - `pixels`: the mean (normalised) colour of each patch; pooled = all of them, i.e. the image downsampled to
-  the patch grid.
+  the patch grid;
+- `patch_pixels`: each patch's full (normalised) pixels, 3·p² values; pooled = their mean over patches, as the
+  encoder's are pooled.
 
 The cache lives in `RUN/features/<key>/<set>/`: `pooled.npy` (float32 `[n, D]`), optionally `patches.npy`
 (float16 `[n, L, D]`), `sizes.npy` and `meta.json`. The key covers the checkpoint step, the image size, the
@@ -32,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from evaluation.preprocess import CROP_FRACTION, resize_and_crop
+from evaluation.preprocess import CROP_FRACTION, prepare
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.images import decode
 from pipeline.core.sources import ImageReader, ImageRef
-from train.checkpoint import load_checkpoint
+from train.checkpoint import ENCODER_SUFFIX, HISTORY, load_checkpoint
 from train.choices import VIT_SIZES
 from train.config import TrainConfig, apply, saved_config
 from train.data import image_policy, normalise
@@ -45,8 +50,9 @@ from train.vit import VisionTransformer, build_vit
 
 FEATURES_DIR = "features"
 ENCODERS = ("target", "context")
-FEATURE_SETS = ("encoder", "baseline", "pixels")
+FEATURE_SETS = ("encoder", "baseline", "pixels", "patch_pixels")
 _CONTEXT_PREFIX = "encoder."  # the context encoder inside the checkpoint's JEPA model
+_FLOOR_STREAM = 0xF1005  # the random floor's seed stream, apart from every run seed
 
 
 @dataclass
@@ -80,6 +86,42 @@ def load_run(run: Path) -> TrainedRun:
     return TrainedRun(state, config, int(state["step"]))
 
 
+def kept_steps(run: Path) -> list[int]:
+    """The steps whose two encoders the run kept (`checkpoints/step-N.{target,context}_encoder.safetensors`)."""
+    found: dict[int, set[str]] = {}
+    for path in (Path(run) / HISTORY).glob(f"step-*{ENCODER_SUFFIX}"):
+        step, _, name = path.name.removesuffix(ENCODER_SUFFIX).partition(".")
+        if step.removeprefix("step-").isdigit():
+            found.setdefault(int(step.removeprefix("step-")), set()).add(name)
+    return sorted(step for step, names in found.items() if {f"{e}_encoder" for e in ENCODERS} <= names)
+
+
+def at_step(trained: TrainedRun, run: Path, step: int) -> TrainedRun:
+    """`trained` with the encoders the run kept at `step` in place of its newest checkpoint's."""
+    from safetensors.torch import load_file
+
+    if step == trained.step:
+        return trained
+    if step not in kept_steps(run):
+        kept = ", ".join(map(str, kept_steps(run))) or "none"
+        raise UserError(
+            f"--steps {step}: {run} kept no encoders of step {step} (kept: {kept}); train with "
+            "checkpoint_every_keep to keep more"
+        )
+    files = {e: Path(run) / HISTORY / f"step-{step:08d}.{e}_encoder{ENCODER_SUFFIX}" for e in ENCODERS}
+    context = {_CONTEXT_PREFIX + k: v for k, v in load_file(str(files["context"])).items()}
+    return TrainedRun({"target": load_file(str(files["target"])), "model": context}, trained.config, step)
+
+
+def floor_seed(eval_seed: int, run_seed: int) -> int:
+    """The random floor's seed: drawn from the evaluation's `--seed` on a stream of its own (so that every run of a
+    sweep shares its floor), never the run's seed (whose encoder would be the run's own starting weights)."""
+    import numpy as np
+
+    seed = int(np.random.SeedSequence([eval_seed, _FLOOR_STREAM]).generate_state(1)[0])
+    return seed + 1 if seed == run_seed else seed
+
+
 def _architecture(trained: TrainedRun) -> VisionTransformer:
     cfg = trained.config
     return build_vit(cfg.model, cfg.image_size, cfg.patch_size, cfg.width, cfg.depth, cfg.heads)
@@ -100,7 +142,8 @@ def run_encoder(trained: TrainedRun, which: str = "target") -> VisionTransformer
 
 
 def random_encoder(trained: TrainedRun, seed: int) -> VisionTransformer:
-    """The run's architecture as initialised for training, from a seeded generator: the baseline's encoder."""
+    """The run's architecture as initialised for training, from generator seed `seed` (`floor_seed`): the
+    baseline's encoder."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         encoder = _architecture(trained)
@@ -118,12 +161,34 @@ def pixel_patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return F.avg_pool2d(images, patch_size).flatten(2).transpose(1, 2)
 
 
-class EvalImages(torch.utils.data.Dataset):
-    """Image i as uint8 `[3, S, S]` (resized and centre-cropped) and its original (width, height)."""
+def full_patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """float `[B, L, 3·p²]`: each patch's pixels (row-major patches; channel, row, column within one) of normalised
+    images `[B, 3, H, W]`: what the patch embedding reads."""
+    return F.unfold(images, patch_size, stride=patch_size).transpose(1, 2)
 
-    def __init__(self, refs: list[ImageRef], image_size: int) -> None:
+
+def image_sizes(refs: list[ImageRef]) -> list[tuple[int, int]]:
+    """Each image's (width, height) once its EXIF orientation is applied, read from its header alone; (0, 0) where
+    it cannot be read: what `--eval-resize auto` decides on."""
+    from pipeline.core.images import open_image, oriented_size
+
+    reader, out = ImageReader(), []
+    for ref in refs:
+        try:
+            im, _ = open_image(reader.read(ref))
+        except OSError:
+            im = None
+        out.append((0, 0) if im is None else oriented_size(im))
+    return out
+
+
+class EvalImages(torch.utils.data.Dataset):
+    """Image i as uint8 `[3, S, S]` (placed by `geometry`) and its original (width, height)."""
+
+    def __init__(self, refs: list[ImageRef], image_size: int, geometry: str = "crop") -> None:
         self.refs = refs
         self.size = image_size
+        self.geometry = geometry
         self.policy = image_policy(image_size)
         self.reader = ImageReader()
 
@@ -139,7 +204,7 @@ class EvalImages(torch.utils.data.Dataset):
         im, _ = decode(data, self.policy)
         if im is None:
             return torch.zeros(3, self.size, self.size, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64)
-        pixels = resize_and_crop(im, self.size)
+        pixels = prepare(im, self.size, self.geometry)
         return torch.from_numpy(pixels.transpose(2, 0, 1).copy()), torch.tensor(im.size)
 
 
@@ -151,10 +216,11 @@ def _stat(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def images_digest(image_size: int, refs: list[ImageRef]) -> str:
-    """Digest of what any feature set of `refs` depends on besides the encoder: image size and crop, and each
+def images_digest(image_size: int, refs: list[ImageRef], geometry: str = "crop") -> str:
+    """Digest of what any feature set of `refs` depends on besides the encoder: image size and placement, and each
     image's place and file stat, in order."""
-    h = hashlib.sha256(f"size={image_size};crop={CROP_FRACTION};n={len(refs)}\n".encode())
+    placed = f"crop={CROP_FRACTION}" if geometry == "crop" else "whole"
+    h = hashlib.sha256(f"size={image_size};{placed};n={len(refs)}\n".encode())
     stats: dict[str, tuple[int, int]] = {}
     for ref in refs:
         if ref.path not in stats:
@@ -165,9 +231,9 @@ def images_digest(image_size: int, refs: list[ImageRef]) -> str:
     return h.hexdigest()
 
 
-def cache_key(step: int, image_size: int, refs: list[ImageRef]) -> str:
+def cache_key(step: int, image_size: int, refs: list[ImageRef], geometry: str = "crop") -> str:
     """The feature cache's folder name: digest of the checkpoint step and :func:`images_digest`."""
-    return hashlib.sha256(f"step={step};{images_digest(image_size, refs)}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"step={step};{images_digest(image_size, refs, geometry)}".encode()).hexdigest()[:16]
 
 
 def architecture(config: TrainConfig) -> dict[str, Any]:
@@ -201,9 +267,11 @@ def _load(directory: Path, with_patches: bool, step: int, grid: tuple[int, int])
     )
 
 
-def set_directory(name: str, seed: int) -> str:
-    """The cache folder of feature set `name` (the baseline's depends on its seed)."""
-    return f"baseline-seed{seed}" if name == "baseline" else name
+def set_directory(name: str, seed: int, encoder: str = "target") -> str:
+    """The cache folder of feature set `name` (the baseline's depends on its seed, the encoder's on which it is)."""
+    if name == "baseline":
+        return f"baseline-seed{seed}"
+    return "context-encoder" if name == "encoder" and encoder == "context" else name
 
 
 class _SetWriter:
@@ -250,20 +318,25 @@ def extract_features(
     batch_size: int = 64,
     num_workers: int = 2,
     progress: bool = True,
-    seed: int = 0,
+    floor_seed: int = 0,
     sets: tuple[str, ...] = FEATURE_SETS,
     trained: TrainedRun | None = None,
+    encoder: str = "target",
+    geometry: str = "crop",
 ) -> dict[str, Features]:
-    """The feature `sets` of `refs` (of `FEATURE_SETS`: the run's target encoder, the seeded random baseline,
-    pixels), from the cache when it has them, else extracted in one pass over the images and cached. `trained`:
-    the run as `load_run` gave it, when the caller has loaded it already (a sharded checkpoint is read whole)."""
+    """The feature `sets` of `refs` (of `FEATURE_SETS`: the run's `encoder`, target or context, the random baseline
+    of generator seed `floor_seed`, the pixel floors), images placed by `geometry`, from the cache when it has
+    them, else extracted in one pass over the images and cached. `trained`: the run as `load_run` (or `at_step`)
+    gave it, when the caller has loaded it already (a sharded checkpoint is read whole)."""
     unknown = [name for name in sets if name not in FEATURE_SETS]
     if unknown:
         raise ValueError(f"unknown feature set {unknown[0]!r}; choose from {', '.join(FEATURE_SETS)}")
+    if encoder not in ENCODERS:
+        raise UserError(f"--encoder {encoder}: choose target or context")
     trained = trained or load_run(run)
     cfg, grid = trained.config, trained.grid
-    directory = Path(run) / FEATURES_DIR / cache_key(trained.step, cfg.image_size, refs)
-    folders = {name: directory / set_directory(name, seed) for name in sets}
+    directory = Path(run) / FEATURES_DIR / cache_key(trained.step, cfg.image_size, refs, geometry)
+    folders = {name: directory / set_directory(name, floor_seed, encoder) for name in sets}
     found = {name: _load(folder, with_patches, trained.step, grid) for name, folder in folders.items()}
     missing = [name for name, features in found.items() if features is None]
     if missing:
@@ -271,12 +344,7 @@ def extract_features(
             trained,
             refs,
             {name: folders[name] for name in missing},
-            with_patches,
-            device,
-            batch_size,
-            num_workers,
-            progress,
-            seed,
+            _Extraction(with_patches, device, batch_size, num_workers, progress, floor_seed, encoder, geometry),
             str(run),
         )
     out = {name: found[name] or _load(folders[name], with_patches, trained.step, grid) for name in sets}
@@ -284,35 +352,47 @@ def extract_features(
     return out  # type: ignore[return-value]
 
 
-def _extract(
-    trained: TrainedRun,
-    refs: list[ImageRef],
-    folders: dict[str, Path],
-    with_patches: bool,
-    device: str,
-    batch_size: int,
-    num_workers: int,
-    progress: bool,
-    seed: int,
-    run: str,
-) -> None:
+@dataclass(frozen=True)
+class _Extraction:
+    with_patches: bool
+    device: str
+    batch_size: int
+    num_workers: int
+    progress: bool
+    floor_seed: int
+    encoder: str
+    geometry: str
+
+
+def _extract(trained: TrainedRun, refs: list[ImageRef], folders: dict[str, Path], how: _Extraction, run: str) -> None:
     """One pass over `refs` computing the feature sets named in `folders`, each published to its folder."""
-    cfg, grid = trained.config, trained.grid
-    dev = resolve_device(device)
-    encoders = {"encoder": lambda: run_encoder(trained), "baseline": lambda: random_encoder(trained, seed)}
+    cfg, grid, p = trained.config, trained.grid, trained.config.patch_size
+    dev = resolve_device(how.device)
+    encoders = {
+        "encoder": lambda: run_encoder(trained, how.encoder),
+        "baseline": lambda: random_encoder(trained, how.floor_seed),
+    }
     models = {name: encoders[name]().to(dev) for name in folders if name in encoders}
     n, length, width = len(refs), grid[0] * grid[1], cfg.width or VIT_SIZES[cfg.model].width
-    dims = {"encoder": (width, width), "baseline": (width, width), "pixels": (3 * length, 3)}  # (pooled, per patch)
-    writers = {name: _SetWriter(folder, n, *dims[name], length, with_patches) for name, folder in folders.items()}
+    dims = {  # (pooled, per patch)
+        "encoder": (width, width),
+        "baseline": (width, width),
+        "pixels": (3 * length, 3),
+        "patch_pixels": (3 * p * p, 3 * p * p),
+    }
+    writers = {name: _SetWriter(folder, n, *dims[name], length, how.with_patches) for name, folder in folders.items()}
     sizes = np.zeros((n, 2), dtype=np.int64)
     loader = torch.utils.data.DataLoader(
-        EvalImages(refs, cfg.image_size), batch_size=batch_size, num_workers=num_workers, pin_memory=dev.type == "cuda"
+        EvalImages(refs, cfg.image_size, how.geometry),
+        batch_size=how.batch_size,
+        num_workers=how.num_workers,
+        pin_memory=dev.type == "cuda",
     )
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     done = 0
     with (
         torch.no_grad(),
-        tqdm(total=n, desc="features", unit="img", disable=not progress, file=sys.stderr) as bar,
+        tqdm(total=n, desc="features", unit="img", disable=not how.progress, file=sys.stderr) as bar,
     ):
         for images, original in loader:
             x = normalise(images.to(dev, non_blocking=True))
@@ -320,8 +400,11 @@ def _extract(
             sizes[rows] = original.numpy()
             for name, writer in writers.items():
                 if name == "pixels":
-                    colours = pixel_patches(x, cfg.patch_size)
+                    colours = pixel_patches(x, p)
                     writer.add(rows, colours.flatten(1), colours)
+                elif name == "patch_pixels":
+                    pixels = full_patches(x, p)
+                    writer.add(rows, pixels.mean(dim=1), pixels)
                 else:
                     with autocast:
                         tokens = models[name](x).float()
@@ -334,9 +417,10 @@ def _extract(
         "images": n,
         "decoded": int((sizes[:, 0] > 0).sum()),
         "image_size": cfg.image_size,
-        "crop_fraction": CROP_FRACTION,
+        "geometry": how.geometry,
         "grid": list(grid),
-        "patches": with_patches,
+        "patches": how.with_patches,
     }
+    extra: dict[str, dict[str, Any]] = {"baseline": {"seed": how.floor_seed}, "encoder": {"encoder": how.encoder}}
     for name, writer in writers.items():
-        writer.publish(sizes, {**meta, "set": name, **({"seed": seed} if name == "baseline" else {})})
+        writer.publish(sizes, {**meta, "set": name, **extra.get(name, {})})

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.preprocess import centre_crop
+from evaluation.preprocess import placement
 from pipeline.core.errors import UserError
 from pipeline.core.sources import ImageRef, list_images
 
@@ -208,16 +208,21 @@ def _tag_matrix(raw: list[list[str] | None]) -> tuple[list[str], np.ndarray]:
 
 
 def patch_labels(
-    cells: np.ndarray, cell_size: int, original: tuple[int, int], image_size: int, grid: tuple[int, int]
+    cells: np.ndarray,
+    cell_size: int,
+    original: tuple[int, int],
+    image_size: int,
+    grid: tuple[int, int],
+    geometry: str = "crop",
 ) -> np.ndarray:
     """int `[gh * gw]` class of the cell under each patch centre (row-major); -1 outside the map.
 
     `original` is the image's (width, height) in pixels; the run's `grid` (rows, cols) of patches tiles the
-    `image_size` evaluation crop (`centre_crop`), which is mapped back to the original pixels.
+    `image_size` evaluation image (`placement` under `geometry`), which is mapped back to the original pixels.
     """
     width, height = original
     gh, gw = grid
-    crop = centre_crop(original, image_size)
+    crop = placement(original, image_size, geometry)
     ys = (crop.top + (np.arange(gh) + 0.5) * image_size / gh) * height / crop.height
     xs = (crop.left + (np.arange(gw) + 0.5) * image_size / gw) * width / crop.width
     rows = np.floor(ys / cell_size).astype(np.int64)

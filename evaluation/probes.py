@@ -3,22 +3,24 @@
 Every probe picks its hyper-parameters on a validation split (a held-out part of the training images), then
 scores the test split once (with class folders: `--val`).
 
-- linear: a linear layer on standardised pooled features, trained with SGD (momentum 0.9, cosine schedule,
-  cross-entropy) on the device; every learning rate × weight decay of the sweep is trained side by side, the
-  pair with the best validation accuracy (then lowest validation loss) is refitted on train + validation.
+- linear: logistic regression (softmax) on standardised pooled features, fitted to convergence by L-BFGS
+  (`evaluation.logistic`); its L2 penalty is swept on validation accuracy (then loss), the grid extended past an
+  end that wins, and the chosen penalty refitted on train + validation.
 - k-NN: DINO's weighted vote: the k = 20 nearest train + validation images by cosine similarity each vote for
   their class with weight exp(cos / T), T = 0.07.
 - dense: the linear probe per patch on patch features (mIoU and patch accuracy).
 - multilabel: which of a set of labels an image has: one logistic regression per label on standardised pooled
-  features, trained and swept as the linear probe (binary cross-entropy summed over labels); the candidate with
-  the best validation mean average precision is refitted on train + validation; test mAP.
+  features, fitted and swept as the linear probe (binary cross-entropy summed over labels) on validation mean
+  average precision; test mAP.
 - attentive: one learnable query cross-attending to the patch tokens, then an MLP and a linear head, trained
-  with AdamW; the learning rate with the best validation accuracy is kept.
+  with AdamW; the learning rate with the best validation accuracy is kept, the grid extended past an end that
+  wins.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,19 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from evaluation.logistic import LogisticFit, Standardise, accuracy_and_loss, data_loss, fit_logistic, sweep_l2
 from evaluation.protocol import (
     ATTENTIVE_BATCH,
     ATTENTIVE_EPOCHS,
+    ATTENTIVE_LIMITS,
     ATTENTIVE_LRS,
     ATTENTIVE_MIN_STEPS,
     DENSE_MAX_PATCHES,
     KNN_K,
     KNN_T,
-    LINEAR_BATCH,
-    LINEAR_EPOCHS,
-    LINEAR_LRS,
-    LINEAR_MIN_STEPS,
-    LINEAR_WDS,
 )
 from train.vit import LN_EPS, MLP
 
@@ -91,104 +90,6 @@ def _cosine(steps: int) -> Any:
     return lambda s: 0.5 * (1 + math.cos(math.pi * s / steps))
 
 
-def _linear_steps(n: int) -> int:
-    return max(LINEAR_MIN_STEPS, LINEAR_EPOCHS * math.ceil(n / LINEAR_BATCH))
-
-
-class LinearHeads(nn.Module):
-    """One linear classifier per (learning rate, weight decay) candidate on standardised features, trained side
-    by side on the same batches, held as one weight `[heads, classes, D]` and one bias `[heads, classes]`;
-    `forward` gives logits `[n, heads, classes]`."""
-
-    def __init__(self, x: torch.Tensor, classes: int, heads: int) -> None:
-        super().__init__()
-        self.mean = x.mean(0)
-        self.std = x.std(0, correction=0).clamp_min(1e-6)
-        self.heads, self.classes = heads, classes
-        # zero start: the fit is convex, and no seed is needed
-        self.weight = nn.Parameter(torch.zeros(heads, classes, x.shape[1], device=x.device))
-        self.bias = nn.Parameter(torch.zeros(heads, classes, device=x.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear((x - self.mean) / self.std, self.weight.flatten(0, 1), self.bias.flatten())
-        return logits.view(len(x), self.heads, self.classes)
-
-
-def fit_linear(
-    x: torch.Tensor, y: torch.Tensor, classes: int, candidates: list[tuple[float, float]], seed: int
-) -> LinearHeads:
-    """Train one linear head per (lr, weight decay) on (`x`, `y`) (on their device): SGD with momentum 0.9 and
-    a cosine schedule, `LINEAR_EPOCHS` passes in batches of `LINEAR_BATCH` (at least `LINEAR_MIN_STEPS` steps);
-    weight decay is the L2 penalty of the weights (not the biases).
-
-    `y` int `[n]`: one class per row (softmax cross-entropy); float `[n, classes]`: a 0/1 target per label
-    (multi-label: binary cross-entropy, summed over labels, one logistic regression per label).
-
-    One SGD of learning rate 1 steps every head: each head's loss (its mean over the batch, plus wd/2 · |W|²) is
-    weighted by its learning rate. Momentum is linear in the gradients, so this is SGD with one parameter group
-    per head (lr, weight_decay), with the same results, and two parameters to step instead of two per head.
-    """
-    model = LinearHeads(x, classes, len(candidates))
-    lrs = torch.tensor([lr for lr, _ in candidates], device=x.device)
-    wds = torch.tensor([wd for _, wd in candidates], device=x.device)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
-    steps = _linear_steps(len(x))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps))
-    gen = torch.Generator().manual_seed(seed)
-    batch = min(LINEAR_BATCH, len(x))
-    order = torch.zeros(0, dtype=torch.int64)
-    for _ in range(steps):
-        if len(order) < batch:
-            order = torch.cat([order, torch.randperm(len(x), generator=gen)])
-        rows, order = order[:batch].to(x.device), order[batch:]
-        logits = model(x[rows])  # [batch, heads, classes]
-        target = y[rows]
-        if target.ndim == 1:
-            flat = target.repeat_interleave(model.heads)
-            per_head = F.cross_entropy(logits.flatten(0, 1), flat, reduction="none").view(len(rows), model.heads)
-        else:
-            per_head = F.binary_cross_entropy_with_logits(
-                logits, target[:, None].expand_as(logits), reduction="none"
-            ).sum(-1)
-        penalty = model.weight.square().sum((1, 2)) * wds / 2
-        loss = (lrs * (per_head.mean(0) + penalty)).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-    return model.requires_grad_(False)
-
-
-def _scores(model: LinearHeads, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accuracy, mean cross-entropy) of each head on (`x`, `y`), in chunks."""
-    correct = torch.zeros(model.heads, device=x.device)
-    loss = torch.zeros(model.heads, device=x.device)
-    with torch.no_grad():
-        for lo in range(0, len(x), 8192):
-            logits = model(x[lo : lo + 8192])
-            target = y[lo : lo + 8192, None].expand(-1, model.heads)
-            correct += (logits.argmax(-1) == target).sum(0)
-            loss += F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view_as(target).sum(0)
-    return (correct / len(x)).cpu(), (loss / len(x)).nan_to_num(nan=math.inf).cpu()
-
-
-def predict_linear(model: LinearHeads, x: torch.Tensor, head: int = 0) -> torch.Tensor:
-    """Class scores `[n, classes]` of one head."""
-    with torch.no_grad():
-        return torch.cat([model(x[lo : lo + 8192])[:, head] for lo in range(0, len(x), 8192)])
-
-
-def sweep_linear(
-    x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor, classes: int, seed: int
-) -> tuple[tuple[float, float], dict[str, float]]:
-    """The (lr, weight decay) of `LINEAR_LRS` × `LINEAR_WDS` with the best validation accuracy (ties: the lowest
-    validation loss), and every candidate's validation accuracy."""
-    candidates = [(lr, wd) for lr in LINEAR_LRS for wd in LINEAR_WDS]
-    accuracy, loss = _scores(fit_linear(x_train, y_train, classes, candidates, seed), x_val, y_val)
-    best = max(range(len(candidates)), key=lambda i: (float(accuracy[i]), -float(loss[i])))
-    return candidates[best], {f"lr={lr:g},wd={wd:g}": float(a) for (lr, wd), a in zip(candidates, accuracy)}
-
-
 def _top(scores: torch.Tensor, y: torch.Tensor, classes: int) -> dict[str, float]:
     """Top-1 accuracy, and top-5 when there are more than 5 classes."""
     ranked = scores.topk(min(5, classes), dim=1).indices
@@ -207,17 +108,36 @@ def _classes(y: np.ndarray) -> int:
     return int(y.max()) + 1
 
 
-def linear_probe(x: np.ndarray, y: np.ndarray, split: Split, seed: int, device: torch.device = _CPU) -> ProbeResult:
-    """The linear probe on pooled features `x` `[n, D]`: sweep on validation, refit on train + validation,
-    test top-1 (and top-5)."""
+def _logistic(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    outputs: int,
+    split: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    score: Callable[[LogisticFit, torch.Tensor, torch.Tensor], tuple[float, float]],
+) -> tuple[LogisticFit, dict[str, Any], dict[str, float]]:
+    """Sweep the L2 penalty on (train, validation) by `score`, refit the chosen one on train + validation: the fit,
+    what was chosen (penalty, at an edge, converged, iterations) and every penalty's validation score."""
+    train, val, _ = split
+    stats = Standardise.of(x[train])
+    sweep = sweep_l2(
+        lambda l2, start: fit_logistic(x[train], y[train], outputs, l2, stats, start),
+        lambda fit: score(fit, x[val], y[val]),
+    )
+    trainval = torch.cat([train, val])
+    final = fit_logistic(x[trainval], y[trainval], outputs, sweep.chosen.l2, start=sweep.chosen)
+    chosen = {**sweep.describe(), "converged": sweep.converged and final.converged, "iterations": final.iterations}
+    return final, chosen, sweep.scores
+
+
+def linear_probe(x: np.ndarray, y: np.ndarray, split: Split, device: torch.device = _CPU) -> ProbeResult:
+    """The linear probe on pooled features `x` `[n, D]`: the L2 penalty swept on validation, refitted on train +
+    validation; test top-1 (and top-5)."""
     classes = _classes(y)
     xs, ys = _tensor(np.asarray(x, dtype=np.float32), device), _tensor(y.astype(np.int64), device)
-    train, val, test = (_tensor(rows, device) for rows in (split.train, split.val, split.test))
-    (lr, wd), sweep = sweep_linear(xs[train], ys[train], xs[val], ys[val], classes, seed)
-    trainval = torch.cat([train, val])
-    model = fit_linear(xs[trainval], ys[trainval], classes, [(lr, wd)], seed)
-    metrics = _top(predict_linear(model, xs[test]), ys[test], classes)
-    return ProbeResult("linear", metrics, split.sizes(), {"lr": lr, "weight_decay": wd}, sweep)
+    rows = tuple(_tensor(r, device) for r in (split.train, split.val, split.test))
+    fit, chosen, scores = _logistic(xs, ys, classes, rows, accuracy_and_loss)  # type: ignore[arg-type]
+    metrics = _top(fit.logits(xs[rows[2]]), ys[rows[2]], classes)
+    return ProbeResult("linear", metrics, split.sizes(), chosen, scores)
 
 
 def knn_scores(
@@ -267,6 +187,25 @@ def _patch_rows(
     return np.asarray(patches[rows, pos], dtype=np.float32), labels[rows, pos]
 
 
+def patch_split(
+    patches: np.ndarray, labels: np.ndarray, split: Split, seed: int, max_patches: int = DENSE_MAX_PATCHES
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The dense probe's rows: float32 features `[r, D]` and classes `[r]` of the labelled patches, train and
+    validation images' at most `max_patches` each (drawn with `seed`), then every test image's; and the row ranges
+    of train, validation and test."""
+    rng = np.random.default_rng([seed, _SPLIT_STREAM, 1])
+    x_train, y_train = _patch_rows(patches, labels, split.train, max_patches, rng)
+    x_val, y_val = _patch_rows(patches, labels, split.val, max_patches, rng)
+    if len(np.unique(y_train)) < 2:
+        raise ValueError("the dense probe needs at least two patch classes among the training images")
+    if len(y_val) == 0:
+        raise ValueError("the dense probe needs labelled patches among the validation images")
+    x_test, y_test = _patch_rows(patches, labels, split.test, None, rng)
+    ends = np.cumsum([0, len(y_train), len(y_val), len(y_test)])
+    rows = tuple(np.arange(lo, hi) for lo, hi in zip(ends[:-1], ends[1:]))
+    return np.concatenate([x_train, x_val, x_test]), np.concatenate([y_train, y_val, y_test]), rows  # type: ignore
+
+
 def dense_probe(
     patches: np.ndarray,
     labels: np.ndarray,
@@ -276,25 +215,18 @@ def dense_probe(
     max_patches: int = DENSE_MAX_PATCHES,
     name: str = "dense",
 ) -> ProbeResult:
-    """The linear probe per patch (`patches` `[m, L, D]`, `labels` `[m, L]`, -1 = unlabelled): sweep on the
-    validation images' patches, refit on train + validation; test patch accuracy and mIoU. `name` is the
+    """The linear probe per patch (`patches` `[m, L, D]`, `labels` `[m, L]`, -1 = unlabelled): the L2 penalty swept
+    on the validation images' patches, refitted on train + validation; test patch accuracy and mIoU. `name` is the
     report's name of the probe (which per-cell map it reads)."""
-    rng = np.random.default_rng([seed, _SPLIT_STREAM, 1])
-    x_train, y_train = _patch_rows(patches, labels, split.train, max_patches, rng)
-    x_val, y_val = _patch_rows(patches, labels, split.val, max_patches, rng)
-    if len(np.unique(y_train)) < 2:
-        raise ValueError("the dense probe needs at least two patch classes among the training images")
-    if len(y_val) == 0:
-        raise ValueError("the dense probe needs labelled patches among the validation images")
+    x, y, (train, val, test) = patch_split(patches, labels, split, seed, max_patches)
     classes = _classes(labels)
-    xt, yt, xv, yv = (_tensor(a, device) for a in (x_train, y_train, x_val, y_val))
-    (lr, wd), sweep = sweep_linear(xt, yt, xv, yv, classes, seed)
-    model = fit_linear(torch.cat([xt, xv]), torch.cat([yt, yv]), classes, [(lr, wd)], seed)
-    x_test, y_test = _patch_rows(patches, labels, split.test, None, rng)
-    pred = predict_linear(model, _tensor(x_test, device)).argmax(1).cpu().numpy()
-    metrics = {"patch_accuracy": float((pred == y_test).mean()), "miou": mean_iou(pred, y_test, classes)}
-    sizes = {**split.sizes(), "train_patches": len(y_train), "val_patches": len(y_val), "test_patches": len(y_test)}
-    return ProbeResult(name, metrics, sizes, {"lr": lr, "weight_decay": wd}, sweep)
+    xs, ys = _tensor(x, device), _tensor(y.astype(np.int64), device)
+    rows = tuple(_tensor(r, device) for r in (train, val, test))
+    fit, chosen, scores = _logistic(xs, ys, classes, rows, accuracy_and_loss)  # type: ignore[arg-type]
+    pred = fit.logits(xs[rows[2]]).argmax(1).cpu().numpy()
+    metrics = {"patch_accuracy": float((pred == y[test]).mean()), "miou": mean_iou(pred, y[test], classes)}
+    sizes = {**split.sizes(), "train_patches": len(train), "val_patches": len(val), "test_patches": len(test)}
+    return ProbeResult(name, metrics, sizes, chosen, scores)
 
 
 def average_precision(scores: np.ndarray, truth: np.ndarray) -> np.ndarray:
@@ -329,38 +261,30 @@ def mean_average_precision(scores: np.ndarray, truth: np.ndarray) -> tuple[float
     return (float(ap[scored].mean()) if scored.any() else math.nan), int(scored.sum())
 
 
-def _multilabel_scores(model: LinearHeads, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[float]]:
-    """(mean AP, mean binary cross-entropy summed over labels) of each head on (`x`, `y`)."""
-    with torch.no_grad():
-        logits = torch.cat([model(x[lo : lo + 8192]) for lo in range(0, len(x), 8192)])  # [n, heads, labels]
-        target = y[:, None].expand_as(logits)
-        loss = F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean(0)
-    scores, truth = logits.cpu().numpy(), y.cpu().numpy() > 0.5
-    maps = [mean_average_precision(scores[:, h], truth)[0] for h in range(logits.shape[1])]
-    return [-1.0 if math.isnan(m) else m for m in maps], loss.nan_to_num(nan=math.inf).cpu().tolist()
+def _map_and_loss(fit: LogisticFit, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(mean AP, mean binary cross-entropy summed over labels) of `fit` on (`x`, `y` float `[n, labels]`): the
+    multi-label probe's selection (a validation set without any positive scores -1)."""
+    logits = fit.logits(x)
+    score, _ = mean_average_precision(logits.cpu().numpy(), y.cpu().numpy() > 0.5)
+    loss = float(data_loss(logits, y)) / max(len(y), 1)
+    return (-1.0 if math.isnan(score) else score), (loss if math.isfinite(loss) else math.inf)
 
 
-def multilabel_probe(x: np.ndarray, y: np.ndarray, split: Split, seed: int, device: torch.device = _CPU) -> ProbeResult:
+def multilabel_probe(x: np.ndarray, y: np.ndarray, split: Split, device: torch.device = _CPU) -> ProbeResult:
     """Which labels each image has (`y` bool `[n, labels]`) from pooled features `x` `[n, D]`: one logistic
-    regression per label, (lr, weight decay) swept on validation mAP (ties: lowest loss), refitted on train +
+    regression per label, the L2 penalty swept on validation mAP (ties: lowest loss), refitted on train +
     validation; test mean average precision over the labels that have a positive among the test images."""
     if y.shape[1] == 0:
         raise ValueError("the multi-label probe needs at least one tag")
     labels = y.shape[1]
     xs, ys = _tensor(np.asarray(x, dtype=np.float32), device), _tensor(y.astype(np.float32), device)
-    train, val, test = (_tensor(rows, device) for rows in (split.train, split.val, split.test))
-    candidates = [(lr, wd) for lr in LINEAR_LRS for wd in LINEAR_WDS]
-    val_map, val_loss = _multilabel_scores(fit_linear(xs[train], ys[train], labels, candidates, seed), xs[val], ys[val])
-    best = max(range(len(candidates)), key=lambda i: (val_map[i], -val_loss[i]))
-    lr, wd = candidates[best]
-    trainval = torch.cat([train, val])
-    model = fit_linear(xs[trainval], ys[trainval], labels, [(lr, wd)], seed)
-    score, scored = mean_average_precision(predict_linear(model, xs[test]).cpu().numpy(), y[split.test])
+    rows = tuple(_tensor(r, device) for r in (split.train, split.val, split.test))
+    fit, chosen, scores = _logistic(xs, ys, labels, rows, _map_and_loss)  # type: ignore[arg-type]
+    score, scored = mean_average_precision(fit.logits(xs[rows[2]]).cpu().numpy(), y[split.test])
     if math.isnan(score):
         raise ValueError("the multi-label probe needs test images with at least one tag")
-    sweep = {f"lr={lr:g},wd={wd:g}": m for (lr, wd), m in zip(candidates, val_map)}
     sizes = {**split.sizes(), "labels": labels, "scored_labels": scored}
-    return ProbeResult("multilabel", {"map": score}, sizes, {"lr": lr, "weight_decay": wd}, sweep)
+    return ProbeResult("multilabel", {"map": score}, sizes, chosen, scores)
 
 
 class AttentiveProbe(nn.Module):
@@ -459,16 +383,36 @@ def _train_attentive(
 def attentive_probe(
     patches: np.ndarray, y: np.ndarray, split: Split, seed: int, device: torch.device, epochs: int = ATTENTIVE_EPOCHS
 ) -> ProbeResult:
-    """Attentive probe on patch tokens `[m, L, D]`; the learning rate is picked on validation; test top-1 accuracy."""
+    """Attentive probe on patch tokens `[m, L, D]`; the learning rate is picked on validation, the grid extended past
+    an end that wins (a half-decade at a time, within `ATTENTIVE_LIMITS`); test top-1 accuracy."""
     classes = int(y.max()) + 1
-    sweep: dict[str, float] = {}
-    best: tuple[float, float, AttentiveProbe | None] = (-1.0, 0.0, None)
-    for lr in ATTENTIVE_LRS:
+    lrs = sorted(ATTENTIVE_LRS)
+    step = (lrs[-1] / lrs[0]) ** (1 / max(len(lrs) - 1, 1))
+    tried: dict[float, tuple[float, AttentiveProbe]] = {}
+
+    def score(lr: float) -> None:
         model = _train_attentive(patches, y, split.train, classes, lr, epochs, seed, device)
-        score = _accuracy(model, patches, y, split.val, device)
-        sweep[f"lr={lr:g}"] = score
-        if score > best[0]:
-            best = (score, lr, model)
-    assert best[2] is not None
-    top1 = _accuracy(best[2], patches, y, split.test, device)
-    return ProbeResult("attentive", {"top1": top1}, split.sizes(), {"lr": best[1], "epochs": epochs}, sweep)
+        tried[lr] = (_accuracy(model, patches, y, split.val, device), model)
+
+    for lr in lrs:
+        score(lr)
+    while True:
+        order = sorted(tried)
+        accuracy = [tried[lr][0] for lr in order]
+        tied = [i for i, a in enumerate(accuracy) if a == max(accuracy)]
+        i = tied[len(tied) // 2]  # on a plateau, its middle
+        # An end is past the optimum only when it beats its neighbour; a plateau that reaches it is not.
+        rising = len(order) > 1 and (
+            (i == len(order) - 1 and accuracy[i] > accuracy[i - 1]) or (i == 0 and accuracy[0] > accuracy[1])
+        )
+        if rising and i == len(order) - 1 and order[i] * step <= ATTENTIVE_LIMITS[1] * (1 + 1e-9):
+            score(order[i] * step)
+        elif rising and i == 0 and order[0] / step >= ATTENTIVE_LIMITS[0] * (1 - 1e-9):
+            score(order[0] / step)
+        else:
+            break
+    best = order[i]
+    top1 = _accuracy(tried[best][1], patches, y, split.test, device)
+    chosen = {"lr": best, "epochs": epochs, "at_edge": rising}
+    sweep = {f"lr={lr:.3g}": tried[lr][0] for lr in order}
+    return ProbeResult("attentive", {"top1": top1}, split.sizes(), chosen, sweep)

@@ -42,8 +42,9 @@ def recorded_floor_inputs(report: Path) -> dict[str, Any] | None:
 
 
 def validation_figures(metrics: list[dict[str, Any]]) -> dict[str, float]:
-    """The last validation's prediction loss with true / shuffled / no captions, their ratio, RankMe, and the mean
-    over predictor layers of the share of positive patch–word cosines (cross mode only)."""
+    """The last validation's prediction loss with true / shuffled / no captions, their ratio, RankMe (and, where
+    logged, with each position's mean removed, and the position-only loss), and the mean over predictor layers of
+    the share of positive patch–word cosines (cross mode only)."""
     val = [m for m in metrics if "val_loss_predict" in m][-1]
     figures = {
         "val_true": val["val_loss_predict"],
@@ -53,6 +54,9 @@ def validation_figures(metrics: list[dict[str, Any]]) -> dict[str, float]:
     }
     if "val_rankme" in val:
         figures["rankme"] = val["val_rankme"]
+    if "val_rankme_centred" in val:
+        figures["rankme_centred"] = val["val_rankme_centred"]
+        figures["position_only"] = val["val_loss_position_only"]
     if val.get("val_positive_cosine"):
         figures["positive_cosine"] = sum(val["val_positive_cosine"]) / len(val["val_positive_cosine"])
     return figures

@@ -3,9 +3,10 @@
 synth → tiny-models → import the scenes' true captions → embed → caption (the tiny
 random VLM through vLLM, to show the real path runs; its captions are junk by
 construction and stay in their own recipe, which is not embedded) → train `none`
-and `cross` (same seed, same steps) → eval both → a summary table with the floors,
-and plots. Each step is a real command run in this process and is skipped (or
-resumed) when its output is already there.
+and `cross` (same seed, same steps) → eval both encoders of both (the EMA target and
+the context encoder) → a summary table with the floors (a random-init encoder seeded
+apart from the runs, and raw pixels) and true/shuffled, and plots. Each step is a real
+command run in this process and is skipped (or resumed) when its output is already there.
 
 The training configuration is sized for ~10 minutes on 2 cores and printed at the
 start; it departs from the paper's on purpose (see `SCENE_TRAINING`).
@@ -23,7 +24,8 @@ from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_RECIPE, SCENE_T5_STEPS, S
 
 DEMO_VLM_IMAGES = 32
 MODES = ("none", "cross")  # `cross` reuses the floors that `none`'s evaluation measured
-FLOOR_NAMES = {"baseline": "random init", "pixels": "pixels"}
+ENCODERS = ("target", "context")
+FLOOR_NAMES = {"baseline": "random init", "pixels": "patch colours", "patch_pixels": "patch pixels"}
 
 
 def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:
@@ -53,9 +55,9 @@ def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:
 
 def _train_and_eval(
     out: Path, mode: str, steps: int, seed: int, timings: dict[str, float], floors_from: Path | None = None
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Train one mode and probe it; `floors_from`: the other mode's report, whose floors (same encoder
-    architecture, images and seed) are reused."""
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Train one mode and probe both its encoders; `floors_from`: the other mode's report, whose floors (same
+    encoder architecture, images and seed) are reused, as the context encoder's report reuses the target's."""
     from evaluation.evaluate import EvalConfig, evaluate
     from train.config import TrainConfig, apply
     from train.loop import run_training
@@ -67,34 +69,43 @@ def _train_and_eval(
     t = announce(f"train {mode}: {steps} steps -> {run}")
     metrics = run_training(apply(TrainConfig(), settings, "demo"), run, progress=True)
     timings[f"train_{mode}_s"] = time.perf_counter() - t
-    t = announce(f"eval {mode}: linear, k-NN, dense and attentive probes on the scene labels")
-    done = run / "eval" / "labels.json"
+    t = announce(f"eval {mode}: linear, k-NN, dense and attentive probes of both encoders on the scene labels")
     last = [m["step"] for m in metrics if "val_loss_predict" in m][-1:]
-    report = json.loads(done.read_text()) if done.exists() else None
-    if report is None or [report["step"]] != last:
-        report = evaluate(
-            EvalConfig(
-                run=run,
-                images=[data / "images"],
-                labels=data / "labels.jsonl",
-                seed=seed,
-                progress=False,
-                floors_from=floors_from,
+    reports: dict[str, dict[str, Any]] = {}
+    for encoder in ENCODERS:
+        done = run / "eval" / ("labels.json" if encoder == "target" else f"labels.{encoder}.json")
+        report = json.loads(done.read_text()) if done.exists() else None
+        if report is None or [report["step"]] != last:
+            lender = floors_from if encoder == ENCODERS[0] else Path(reports[ENCODERS[0]]["report"])
+            report = evaluate(
+                EvalConfig(
+                    run=run,
+                    images=[data / "images"],
+                    labels=data / "labels.jsonl",
+                    seed=seed,
+                    progress=False,
+                    floors_from=lender,
+                    encoder=encoder,
+                )
             )
-        )
+        report["report"] = str(done)
+        reports[encoder] = report
     timings[f"eval_{mode}_s"] = time.perf_counter() - t
-    return metrics, report
+    return metrics, reports
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The summary as a Markdown table: one row per mode, then one per floor (its probes only)."""
     cols = [
         ("mode", "mode", "{}"),
+        ("encoder", "encoder", "{}"),
         ("linear", "linear", "{:.3f}"),
         ("knn", "k-NN", "{:.3f}"),
         ("attentive", "attentive", "{:.3f}"),
         ("dense_accuracy", "dense acc", "{:.3f}"),
         ("dense_miou", "dense mIoU", "{:.3f}"),
+        ("dense_shape_accuracy", "shape acc", "{:.3f}"),
+        ("multilabel", "multi-label mAP", "{:.3f}"),
         ("val_true", "val loss", "{:.4f}"),
         ("val_shuffled", "shuffled", "{:.4f}"),
         ("val_notext", "no text", "{:.4f}"),
@@ -151,14 +162,19 @@ def run_demo(
     timings: dict[str, float] = {}
     model_stats = prepare_scenes(out, n_images, t5_steps, seed, timings)
     caption_with_vlm(out, timings)
-    results: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
+    results: dict[str, tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]] = {}
     for mode in MODES:
         lender = out / "runs" / MODES[0] / "eval" / "labels.json"
         reuse = mode != MODES[0] and recorded_floor_inputs(lender) is not None
         results[mode] = _train_and_eval(out, mode, train_steps, seed, timings, lender if reuse else None)
-    rows = [{"mode": mode, **run_figures(*results[mode])} for mode in MODES]
+    rows = [
+        {"mode": mode, "encoder": encoder, **run_figures(results[mode][0], results[mode][1][encoder])}
+        for mode in MODES
+        for encoder in ENCODERS
+    ]
     floors = [
-        {"mode": f"floor: {FLOOR_NAMES[f]}", **figures} for f, figures in floor_figures(results[MODES[0]][1]).items()
+        {"mode": f"floor: {FLOOR_NAMES[f]}", **figures}
+        for f, figures in floor_figures(results[MODES[0]][1][ENCODERS[0]]).items()
     ]
     plot_comparison({mode: r[0] for mode, r in results.items()}, out / "comparison.png")
     summary_table = table(rows + floors)

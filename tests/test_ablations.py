@@ -144,8 +144,8 @@ def test_text_experiment_runs_end_to_end_writes_the_readme_tables_and_resumes(tm
     first = _ablations("--experiment", "text", "--work", work, *TINY, "--readme", readme)
     result = json.loads(first.stdout.strip().splitlines()[-1])
     assert result["experiment"] == "text" and result["steps"] == 4 and result["captions"] == "partial"
-    groups = ["none/ijepa", "cross/ijepa", "none/hard", "cross/hard"]
-    assert list(result["table"]) == groups and len(result["runs"]) == 4
+    groups = [f"{v}/{m}/{e}" for m in ("ijepa", "hard") for v in ("none", "cross") for e in ("target", "context")]
+    assert list(result["table"]) == groups and len(result["runs"]) == 8
     probes = {
         "linear",
         "knn",
@@ -160,16 +160,21 @@ def test_text_experiment_runs_end_to_end_writes_the_readme_tables_and_resumes(tm
         assert probes | {"rankme", "val_true", "val_shuffled", "val_notext", "ratio", "step_s"} <= set(row)
         assert ("positive_cosine" in row) == group.startswith("cross")
         assert all(std is None for _, std in row.values()), "one seed: no spread"
-        assert set(result["floors"][group]) == {"baseline", "pixels"}
+        assert set(result["floors"][group]) == {"baseline", "pixels", "patch_pixels"}
         assert all(probes <= set(floor) for floor in result["floors"][group].values())
     for run in result["runs"]:
         assert (run["val_positive_cosine"] is None) == (run["variant"] == "none")
         assert run["train_s"] > 0 and run["eval_s"] > 0
-    reports = {p.parent.parent.name: json.loads(p.read_text()) for p in work.glob("runs/*/*/eval/probes.json")}
+    for target, context in zip(result["runs"][::2], result["runs"][1::2]):
+        assert (target["encoder"], context["encoder"]) == ("target", "context") and target["seed"] == context["seed"]
+    reports = {
+        f"{p.parent.parent.name}/{p.name}": json.loads(p.read_text()) for p in work.glob("runs/*/*/eval/probes*.json")
+    }
+    assert len(reports) == 8 and {r["encoder"] for r in reports.values()} == {"target", "context"}
     lenders = sorted(name for name, report in reports.items() if "floors_from" not in report)
-    assert lenders == ["none-ijepa-s0"], "the floors are measured once per seed, then reused by the other runs"
-    assert all(r["baseline"] == reports["none-ijepa-s0"]["baseline"] for r in reports.values())
-    assert set(result["differences"]) == {"ijepa", "hard"}
+    assert lenders == ["none-ijepa-s0/probes.json"], "the floors are measured once per seed, then reused"
+    assert all(r["baseline"] == reports["none-ijepa-s0/probes.json"]["baseline"] for r in reports.values())
+    assert set(result["differences"]) == {f"{m}/{e}" for m in ("ijepa", "hard") for e in ("target", "context")}
     for diff in result["differences"].values():
         assert probes | {"rankme"} == set(diff) and all(d["std"] is None for d in diff.values())
         assert not any(d["exceeds_spread"] for d in diff.values())
@@ -177,8 +182,9 @@ def test_text_experiment_runs_end_to_end_writes_the_readme_tables_and_resumes(tm
     text = readme.read_text()
     assert text.startswith(f"# title\n{begin}\nMeasured by `benchmarks/ablations.py --experiment text`")
     assert "; changed by --set: `depth=1`, `predictor_depth=1`," in text, "the caption names every --set"
-    assert "| variant | masks | seeds | linear | k-NN | dense acc | dense mIoU | shape acc | shape mIoU |" in text
-    assert "| cross | hard | 1 | " in text and "| hard | 1 | " in text and text.endswith(f"{end}\n")
+    assert "| variant | masks | encoder | seeds | linear | k-NN | dense acc | dense mIoU | shape acc |" in text
+    assert "| cross | hard | context | 1 | " in text and "| hard/target | 1 | " in text and text.endswith(f"{end}\n")
+    assert "Probes on the EMA target encoder and the context encoder." in text
     assert text.split(begin)[1].split(end)[0].strip() in first.stdout, "the README holds the printed tables"
 
     again = _ablations("--experiment", "text", "--work", work, *TINY)

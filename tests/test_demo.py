@@ -17,26 +17,35 @@ def test_demo_runs_every_stage_and_summarises_both_runs(tmp_path):
     args = ("demo", "--out", out, "--n-images", 100, "--t5-steps", 10, "--train-steps", 4)
     done = tcjepa(*args, timeout=900)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert [r["mode"] for r in summary["results"]] == ["none", "cross"]
+    runs = [(r["mode"], r["encoder"]) for r in summary["results"]]
+    assert runs == [("none", "target"), ("none", "context"), ("cross", "target"), ("cross", "context")]
     assert set(summary["recipes"]) == {"tiny-vlm", "synthetic-scenes"}
     for row in summary["results"]:
         assert 0 <= row["linear"] <= 1 and 0 <= row["dense_miou"] <= 1 and row["images_per_s"] > 0
-    none, cross = summary["results"]
+    none, _, cross, cross_context = summary["results"]
     assert none["val_true"] == none["val_shuffled"] == none["val_notext"]  # `none` cannot read captions
-    assert cross["val_true"] != cross["val_notext"]
+    assert cross["val_true"] != cross["val_notext"] and cross["ratio"] == cross["val_true"] / cross["val_shuffled"]
+    assert cross_context["linear"] != cross["linear"], "the context encoder's probes are the target's"
     table = (out / "summary.md").read_text()
-    assert table.startswith("| mode | linear |") and "| none |" in table and "| cross |" in table
-    assert [r["mode"] for r in summary["floors"]] == ["floor: random init", "floor: pixels"]
-    assert "| floor: random init | " in table and "| floor: pixels | " in table
+    assert table.startswith("| mode | encoder | linear |") and "| none | target |" in table
+    assert "| cross | context |" in table and "| true/shuffled |" in table.splitlines()[0] + "|"
+    floors = ["floor: random init", "floor: patch colours", "floor: patch pixels"]
+    assert [r["mode"] for r in summary["floors"]] == floors
+    assert all(f"| {floor} | " in table for floor in floors)
+    evals = out / "runs"
     reports = {
-        mode: json.loads((out / "runs" / mode / "eval" / "labels.json").read_text()) for mode in ("none", "cross")
+        (mode, encoder): json.loads((evals / mode / "eval" / name).read_text())
+        for mode in ("none", "cross")
+        for encoder, name in (("target", "labels.json"), ("context", "labels.context.json"))
     }
-    assert reports["cross"]["floors_from"] == str(out / "runs" / "none" / "eval" / "labels.json")
-    assert reports["cross"]["baseline"] == reports["none"]["baseline"], "cross measured the floors again"
+    assert reports["cross", "target"]["floors_from"] == str(evals / "none" / "eval" / "labels.json")
+    assert reports["none", "context"]["floors_from"] == str(evals / "none" / "eval" / "labels.json")
+    assert reports["cross", "target"]["baseline"] == reports["none", "target"]["baseline"], "floors measured again"
+    assert reports["none", "target"]["floor_seed"] != reports["none", "target"]["run_seed"]
     for plot in summary["plots"]:
         assert open(plot, "rb").read(4) == b"\x89PNG"
-    for mode in ("none", "cross"):
-        assert json.loads((out / "runs" / mode / "eval" / "labels.json").read_text())["step"] == 4
+    for (_, encoder), report in reports.items():
+        assert report["step"] == 4 and report["encoder"] == encoder
 
     again = tcjepa(*args, timeout=900)  # every stage finds its output and skips or resumes
     assert "captioned 0 images" in again.stdout

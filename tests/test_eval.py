@@ -14,6 +14,7 @@ import torch
 from evaluation.export import export_run, load_exported
 from evaluation.features import extract_features, load_run, load_trained_encoder, pixel_patches, random_encoder
 from evaluation.labels import dense_probe_name, patch_labels, read_labels
+from evaluation.logistic import fit_logistic
 from evaluation.preprocess import CentreCrop, centre_crop, resize_and_crop
 from evaluation.probes import (
     AttentiveProbe,
@@ -29,7 +30,8 @@ from evaluation.probes import (
     multilabel_probe,
     random_split,
 )
-from evaluation.protocol import LINEAR_LRS, LINEAR_WDS
+from evaluation.protocol import GRAD_TOLERANCE, L2_GRID, L2_LIMITS
+from pipeline.core.errors import UserError
 from pipeline.core.sources import list_images
 from tests.conftest import another_t5, refused, tcjepa
 
@@ -63,24 +65,91 @@ def test_random_split_is_disjoint_complete_and_seeded():
 def test_linear_and_knn_probes_read_separable_classes_and_not_random_labels():
     x, y = _clusters(400, 5, 16, 0.5, seed=0)
     split = random_split(len(y), 0.25, 0.2, seed=0)
-    assert linear_probe(x, y, split, seed=0).metrics["top1"] == 1.0
+    assert linear_probe(x, y, split).metrics["top1"] == 1.0
     assert knn_probe(x, y, split).metrics["top1"] == 1.0
     noise = np.random.default_rng(1).integers(5, size=len(y))
-    assert linear_probe(x, noise, split, seed=0).metrics["top1"] < 0.45
+    assert linear_probe(x, noise, split).metrics["top1"] < 0.45
     assert knn_probe(x, noise, split).metrics["top1"] < 0.45
 
 
 def test_linear_probe_sweep_picks_by_held_out_accuracy():
-    """Few images, 3 weakly informative dimensions among 64: the candidates' held-out accuracies differ."""
+    """Few images, 3 weakly informative dimensions among 64: the penalties' held-out accuracies differ, and the
+    chosen one is the best and no end of what was tried."""
     rng = np.random.default_rng(0)
     y = rng.integers(3, size=120)
     x = rng.normal(size=(120, 64)).astype(np.float32)
     x[:, :3] += np.eye(3)[y]
-    result = linear_probe(x, y, random_split(len(y), 0.25, 0.3, seed=0), seed=0)
-    assert set(result.validation) == {f"lr={lr:g},wd={wd:g}" for lr in LINEAR_LRS for wd in LINEAR_WDS}
+    result = linear_probe(x, y, random_split(len(y), 0.25, 0.3, seed=0))
+    assert {f"l2={l2:.0e}" for l2 in L2_GRID} <= set(result.validation)
     assert len(set(result.validation.values())) > 1, "every candidate scored the same: the test shows nothing"
-    chosen = f"lr={result.chosen['lr']:g},wd={result.chosen['weight_decay']:g}"
-    assert result.validation[chosen] == max(result.validation.values())
+    assert result.validation[f"l2={result.chosen['l2']:.0e}"] == max(result.validation.values())
+    assert result.chosen["converged"] and not result.chosen["at_edge"]
+
+
+def test_a_best_penalty_at_an_end_of_the_grid_extends_it_or_says_so():
+    """Separable clusters: the weakest penalty wins, so the sweep goes below the grid, down to its limit, and the
+    result says the optimum sits at the edge of what it may try. Pure noise: the strongest wins, the grid is
+    extended upwards."""
+    x, y = _clusters(300, 4, 8, 0.1, seed=3)
+    result = linear_probe(x, y, random_split(len(y), 0.25, 0.2, seed=0))
+    tried = sorted(float(k.removeprefix("l2=")) for k in result.validation)
+    assert tried[0] < min(L2_GRID) or not result.chosen["at_edge"], result.validation
+    if result.chosen["at_edge"]:
+        assert tried[0] == pytest.approx(L2_LIMITS[0]) or tried[-1] == pytest.approx(L2_LIMITS[1])
+    rng = np.random.default_rng(5)
+    noise = linear_probe(
+        rng.normal(size=(300, 8)).astype(np.float32), rng.integers(4, size=300), random_split(300, 0.25, 0.2, 0)
+    )
+    tried = sorted(float(k.removeprefix("l2=")) for k in noise.validation)
+    assert tried[-1] > max(L2_GRID) or not noise.chosen["at_edge"], noise.validation
+
+
+@pytest.mark.parametrize("l2", [1e-4, 1e-2, 1.0])
+def test_the_logistic_fit_is_scikit_learns_at_the_same_penalty(l2):
+    """One fit against scikit-learn's LogisticRegression (L-BFGS, tol 1e-10) with C = 1 / (l2 · n) on the same
+    standardised features: the same weights and the same predictions."""
+    from sklearn.linear_model import LogisticRegression
+
+    x, y = _clusters(500, 4, 12, 2.0, seed=7)
+    ours = fit_logistic(torch.from_numpy(x), torch.from_numpy(y), 4, l2)
+    assert ours.converged and ours.gradient <= GRAD_TOLERANCE
+    z = (x - x.mean(0)) / x.std(0)
+    theirs = LogisticRegression(C=1 / (l2 * len(y)), tol=1e-10, max_iter=10_000).fit(z, y)
+    probabilities = torch.softmax(ours.logits(torch.from_numpy(x)), 1).numpy()
+    # ours stops at a largest gradient entry of 1e-5 (it counts 1e-4, scikit-learn's default tol, as converged)
+    np.testing.assert_allclose(probabilities, theirs.predict_proba(z), atol=2e-3)
+    assert (probabilities.argmax(1) == theirs.predict(z)).all()
+    # scikit-learn's multinomial weights are defined up to a shift shared by the classes, as ours are
+    scale = float(np.abs(theirs.coef_).max())
+    np.testing.assert_allclose(
+        ours.weight.numpy() - ours.weight.numpy().mean(0), theirs.coef_ - theirs.coef_.mean(0), atol=0.01 * scale
+    )
+
+
+def test_the_linear_probe_agrees_with_scikit_learn_on_a_hard_problem():
+    """Overlapping classes in 32 dimensions, few images: the probe's test accuracy at its chosen penalty equals
+    scikit-learn's at the same penalty within 0.01, and scikit-learn's own best penalty on the same validation split
+    scores the same on test within 0.01."""
+    from sklearn.linear_model import LogisticRegression
+
+    x, y = _clusters(400, 5, 32, 6.0, seed=11)
+    split = random_split(len(y), 0.25, 0.2, seed=0)
+    ours = linear_probe(x, y, split)
+    trainval = np.concatenate([split.train, split.val])
+
+    def sklearn_test_accuracy(l2: float, rows: np.ndarray) -> tuple[float, float]:
+        mean, std = x[rows].mean(0), x[rows].std(0)
+        model = LogisticRegression(C=1 / (l2 * len(rows)), tol=1e-8, max_iter=10_000)
+        model.fit((x[rows] - mean) / std, y[rows])
+        return model.score((x[split.val] - mean) / std, y[split.val]), model.score(
+            (x[split.test] - mean) / std, y[split.test]
+        )
+
+    at_ours = sklearn_test_accuracy(ours.chosen["l2"], trainval)[1]
+    assert abs(ours.metrics["top1"] - at_ours) <= 0.01
+    grid = [float(k.removeprefix("l2=")) for k in ours.validation]
+    best = max(grid, key=lambda l2: sklearn_test_accuracy(l2, split.train)[0])
+    assert abs(ours.metrics["top1"] - sklearn_test_accuracy(best, trainval)[1]) <= 0.01
 
 
 def test_knn_votes_are_weighted_by_exp_cosine_over_t_as_dino_does():
@@ -160,14 +229,14 @@ def _tag_scenes(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def test_multilabel_probe_reads_present_pairs_and_needs_binding():
     tags, bound, bag = _tag_scenes(400, seed=0)
     split = random_split(len(tags), 0.25, 0.2, seed=0)
-    result = multilabel_probe(bound, tags, split, seed=0)
+    result = multilabel_probe(bound, tags, split)
     assert result.metrics["map"] > 0.99 and result.split["labels"] == 12 and result.split["scored_labels"] == 12
-    assert set(result.validation) == {f"lr={lr:g},wd={wd:g}" for lr in LINEAR_LRS for wd in LINEAR_WDS}
+    assert {f"l2={l2:.0e}" for l2 in L2_GRID} <= set(result.validation) and result.chosen["converged"]
     noise = np.random.default_rng(1).normal(size=bound.shape).astype(np.float32)
     prevalence = tags[split.test].mean()  # a ranking that knows nothing scores about the share of positives
-    assert multilabel_probe(noise, tags, split, seed=0).metrics["map"] < prevalence + 0.15
+    assert multilabel_probe(noise, tags, split).metrics["map"] < prevalence + 0.15
     # colours and shapes without their binding leave pairs ambiguous in scenes with several objects
-    unbound = multilabel_probe(bag, tags, split, seed=0).metrics["map"]
+    unbound = multilabel_probe(bag, tags, split).metrics["map"]
     assert prevalence + 0.15 < unbound < result.metrics["map"] - 0.1
 
 
@@ -183,7 +252,7 @@ def test_attentive_probe_finds_the_one_token_that_matters():
     split = random_split(n, 0.25, 0.2, seed=0)
     result = attentive_probe(patches, y, split, seed=0, device=torch.device("cpu"))
     assert result.metrics["top1"] >= 0.9
-    assert set(result.validation) == {"lr=0.001", "lr=0.003", "lr=0.01"}
+    assert {"lr=0.001", "lr=0.003", "lr=0.01"} <= set(result.validation) and not result.chosen["at_edge"]
 
 
 @pytest.mark.parametrize(("dim", "heads"), [(16, 4), (192, 8), (3, 3)])
@@ -339,35 +408,57 @@ def test_eval_reports_every_probe_with_its_floors_and_caches_features(cross_run,
     assert report["step"] == 12 and report["labelled"] == 40 and report["undecodable"] == 0
     assert sum(report["split"].values()) == 40 and report["split_source"] == "random"
     assert report["protocol"]["knn"] == {"k": 20, "T": 0.07, "vote": "sum of exp(cos / T) over the k nearest"}
-    assert report["protocol"]["preprocessing"]["resize_shorter_side"] == 73
-    for part in (report, report["baseline"], report["pixels"]):
+    # 64 px scenes for a 64 px model: the whole image, so that each patch sees its labelled cell
+    assert report["protocol"]["preprocessing"]["geometry"] == "whole"
+    assert "the model's size" in report["protocol"]["preprocessing"]["chosen_by"]
+    assert report["encoder"] == "target" and report["floor_seed"] != report["run_seed"] == 0
+    assert report["baseline"]["seed"] == report["floor_seed"] == report["floor_inputs"]["floor_seed"]
+    for part in (report, report["baseline"], report["pixels"], report["patch_pixels"]):
         assert set(part["probes"]) == {"linear", "knn", "dense", "dense_shape", "multilabel", "attentive"}
         for result in part["probes"].values():
             assert all(0 <= v <= 1 for v in result["metrics"].values())
+            if "l2" in result["chosen"]:  # an optimum at an end is one past which the sweep could not go
+                tried = sorted(float(k.removeprefix("l2=")) for k in result["validation"])
+                assert result["chosen"]["converged"], result
+                assert not result["chosen"]["at_edge"] or tried[0] <= 1e-9 or tried[-1] >= 1e2, result
     (cached,) = sorted((cross_run / "features").iterdir())
-    assert sorted(p.name for p in cached.iterdir()) == ["baseline-seed0", "encoder", "pixels"]
-    assert all((cached / name / "patches.npy").exists() for name in ("baseline-seed0", "encoder", "pixels"))
+    names = sorted(["encoder", "patch_pixels", "pixels", f"baseline-seed{report['floor_seed']}"])
+    assert sorted(p.name for p in cached.iterdir()) == names
+    assert all((cached / name / "patches.npy").exists() for name in names)
     stamp = (cached / "encoder" / "pooled.npy").stat().st_mtime_ns
     again = _eval(cross_run, synth_dir / "images", "--labels", synth_dir / "labels.jsonl", "--probe", "linear")
     assert (cached / "encoder" / "pooled.npy").stat().st_mtime_ns == stamp, "features were extracted again"
     assert again.stdout.strip().splitlines()[-1].split(" | ")[1] == line.split(" | ")[1]
 
 
-def test_cached_features_are_the_encoder_the_random_baseline_and_patch_colours_of_the_crop(cross_run, synth_dir):
+@pytest.mark.parametrize("geometry", ["crop", "whole"])
+def test_cached_features_are_the_encoder_the_random_baseline_and_the_patches_pixels(cross_run, synth_dir, geometry):
     from PIL import Image
 
     from train.data import normalise
 
     refs = list_images([synth_dir / "images"])[:6]
-    sets = extract_features(cross_run, refs, with_patches=True, device="cpu", num_workers=0, progress=False, seed=5)
-    crops = np.stack([resize_and_crop(Image.open(r.path).convert("RGB"), 64) for r in refs])
-    x = normalise(torch.from_numpy(crops.transpose(0, 3, 1, 2).copy()))
+    extract = dict(with_patches=True, device="cpu", num_workers=0, progress=False, geometry=geometry)
+    sets = extract_features(cross_run, refs, floor_seed=5, **extract)
+    images = [Image.open(r.path).convert("RGB") for r in refs]
+    if geometry == "crop":
+        placed = np.stack([resize_and_crop(im, 64) for im in images])
+    else:  # 64 px scenes at the model's 64 px: the image itself
+        placed = np.stack([np.asarray(im) for im in images])
+    x = normalise(torch.from_numpy(placed.transpose(0, 3, 1, 2).copy()))
     with torch.no_grad():
         tokens = {
             "encoder": load_trained_encoder(cross_run).encoder(x),
             "baseline": random_encoder(load_run(cross_run), seed=5)(x),
             "pixels": pixel_patches(x, 8),
+            "patch_pixels": x.unfold(2, 8, 8).unfold(3, 8, 8).permute(0, 2, 3, 1, 4, 5).reshape(6, 64, 192),
         }
+    context = extract_features(cross_run, refs, floor_seed=5, sets=("encoder",), encoder="context", **extract)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            torch.from_numpy(context["encoder"].pooled), load_trained_encoder(cross_run, "context").encoder(x).mean(1)
+        )
+    assert not np.allclose(context["encoder"].pooled, sets["encoder"].pooled, atol=1e-4)
     for name, expected in tokens.items():
         pooled = expected.flatten(1) if name == "pixels" else expected.mean(1)
         np.testing.assert_allclose(sets[name].pooled, pooled.numpy(), rtol=1e-5, atol=1e-5)
@@ -376,8 +467,65 @@ def test_cached_features_are_the_encoder_the_random_baseline_and_patch_colours_o
         assert sets[name].sizes.tolist() == [[64, 64]] * 6
     assert tokens["pixels"].shape == (6, 64, 3)
     assert not np.allclose(sets["baseline"].pooled, sets["encoder"].pooled, atol=1e-3)
-    other = extract_features(cross_run, refs, device="cpu", num_workers=0, progress=False, seed=6)["baseline"]
+    other = extract_features(cross_run, refs, floor_seed=6, sets=("baseline",), **extract)["baseline"]
     assert not np.allclose(other.pooled, sets["baseline"].pooled), "the baseline encoder ignores its seed"
+
+
+def test_the_random_floor_is_never_the_runs_starting_weights(cross_run):
+    """The trainer seeds torch with the run's seed and builds the encoder first: with the run's seed the floor would
+    be the run's θ₀ bit for bit (the check has teeth). The floor's own seed, drawn from the evaluation's seed, is not
+    the run's, and its weights share nothing with θ₀; an explicit --floor-seed equal to the run's is refused."""
+    from evaluation.evaluate import EvalConfig, resolved_floor_seed
+    from evaluation.features import floor_seed
+    from train.jepa import build_models
+
+    trained = load_run(cross_run)
+    torch.manual_seed(trained.config.seed)
+    theta0 = build_models(trained.config, text_dim=16)[0].encoder.state_dict()
+    same = random_encoder(trained, trained.config.seed).state_dict()
+    assert all(torch.equal(same[k], theta0[k]) for k in theta0)
+    for seed in (0, 1, 2):
+        drawn = floor_seed(seed, trained.config.seed)
+        assert drawn != trained.config.seed and drawn not in (0, 1, 2)
+        floor = random_encoder(trained, drawn).state_dict()
+        weights = [k for k in theta0 if theta0[k].ndim > 1]
+        assert not any(torch.equal(floor[k], theta0[k]) for k in weights)
+    assert floor_seed(0, 5) == floor_seed(0, 6), "runs of a sweep share one floor"
+    assert floor_seed(0, 5) != floor_seed(1, 5)
+    with pytest.raises(UserError, match="--floor-seed 0 is the run's own seed"):
+        resolved_floor_seed(EvalConfig(run=cross_run, floor_seed=0), 0)
+    assert resolved_floor_seed(EvalConfig(run=cross_run, floor_seed=7), 0) == 7
+
+
+@pytest.mark.slow
+def test_eval_over_the_kept_checkpoints_draws_learning_curves_against_floors_measured_once(cross_run, synth_dir):
+    """`--steps all` on the context encoder: one report per kept step (8 and 12 of the reference run), the floors
+    measured with the first and lent to the next, and the curves (PNG and its table) beside them."""
+    labels = ("--labels", synth_dir / "labels.jsonl", "--probe", "linear", "--probe", "dense")
+    done = _eval(cross_run, synth_dir / "images", *labels, "--steps", "all", "--encoder", "context")
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(" | ")[0] for line in lines[-2:]] == ["step 8", "step 12"]
+    first, second = (
+        json.loads((cross_run / "eval" / f"labels.step-{s:08d}.context.json").read_text()) for s in (8, 12)
+    )
+    assert first["encoder"] == second["encoder"] == "context" and (first["step"], second["step"]) == (8, 12)
+    assert "floors_from" not in first and second["floors_from"].endswith("labels.step-00000008.context.json")
+    assert second["baseline"] == first["baseline"] and second["patch_pixels"] == first["patch_pixels"]
+    assert first["probes"]["linear"] != second["probes"]["linear"], "the two steps' encoders are not the same"
+    table = json.loads((cross_run / "eval" / "labels.context.curves.json").read_text())
+    assert table["steps"] == [8, 12] and table["encoder"] == "context"
+    assert table["probes"]["linear"] == [
+        first["probes"]["linear"]["metrics"]["top1"],
+        second["probes"]["linear"]["metrics"]["top1"],
+    ]
+    assert set(table["floors"]) == {"baseline", "pixels", "patch_pixels"}
+    assert (cross_run / "eval" / "labels.context.curves.png").stat().st_size > 1000
+    no_step = refused("eval", cross_run, synth_dir / "images", *labels, "--steps", "5,8")
+    assert "--steps 5,8: the run kept encoders of steps 8, 12 only" in no_step.stderr
+    assert (
+        "--eval-resize bent: choose auto, crop, whole"
+        in refused("eval", cross_run, synth_dir / "images", *labels, "--eval-resize", "bent").stderr
+    )
 
 
 def _imagenet_layout(root: Path, synth_dir: Path) -> Path:
@@ -544,7 +692,9 @@ def test_floors_are_reused_from_a_report_measured_alike_and_refused_from_any_oth
         evaluate(cfg)
 
     for changes, why in [
-        ({"seed": 1}, "with other seed;"),
+        ({"seed": 1}, "with other floor_seed, seed;"),
+        ({"floor_seed": 9}, "with other floor_seed;"),
+        ({"eval_resize": "crop"}, "with other images, geometry;"),
         ({"probes": ("linear",)}, "with other probes;"),
         ({"test_fraction": 0.3}, "with other split;"),
         ({"labels": tmp_path / "fewer.jsonl", "image_root": synth_dir}, "with other images, labels;"),
