@@ -12,7 +12,15 @@ import torch.nn.functional as F
 
 from benchmarks.reference_predictor import ReferencePredictor, split_text_keys_values
 from benchmarks.reference_predictor import text_regularisers as reference_regularisers
-from train.losses import patch_word_cosine, prediction_loss, target_features, text_regularisers
+from train.losses import (
+    COSINE_BINS,
+    cosine_histogram,
+    histogram_quantiles,
+    patch_word_cosine,
+    prediction_loss,
+    target_features,
+    text_regularisers,
+)
 from train.predictor import Predictor, PredictorBlock, TextBatch, TextCrossAttention, TextKeysValues
 
 
@@ -163,6 +171,20 @@ def test_regularisers_by_hand():
     assert math.isclose(float(regs.consistency), consistency, rel_tol=1e-6)
     # Positive share per layer over valid words: layer 1: 0.5, -0.2, 0.1, 0.3 → 3/4; layer 2: 0.1, 0.4, -0.5, 0.3 → 3/4.
     torch.testing.assert_close(regs.positive_fraction, torch.tensor([0.75, 0.75]))
+
+
+def test_the_cosine_histogram_counts_valid_pairs_and_gives_their_quantiles():
+    """Queries built as in `test_regularisers_by_hand`, with cosines 0.505, -0.195, 0.105, 0.305 with the valid
+    words (padding and the missing caption, at cosine 0.2, not counted), land in their bins of 0.01; quantiles are
+    read off the histogram."""
+    keys = torch.zeros(1, 2, 3, 5)
+    keys[0, 0, 0, 0], keys[0, 0, 1, 1], keys[0, 0, 2, 2], keys[0, 1, :, 3] = 0.5, 2.0, 1.0, 3.0
+    q1 = torch.stack([_query((0.505, -0.195), 3.0), _query((0.105, 0.305), 0.1)])[None]
+    word_mask = torch.tensor([[[True, True, False], [False, False, False]]])
+    histogram = cosine_histogram([q1], [keys], word_mask)
+    assert histogram.shape == (1, COSINE_BINS) and float(histogram.sum()) == 4
+    assert sorted(int(b) for b in torch.nonzero(histogram[0]).flatten()) == [80, 110, 130, 150]
+    assert histogram_quantiles(histogram, (0.25, 0.5, 1.0)) == [[-0.19, 0.11, 0.51]]
 
 
 def test_head_centred_regularisers_by_hand():

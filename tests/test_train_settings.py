@@ -179,6 +179,7 @@ def test_automatic_settings_fit_a_small_folder_and_say_so(capsys):
     said = capsys.readouterr().err.splitlines()
     assert said[0].startswith("val_images: 2 of the 20 images held out for validation (automatic")
     assert said[1].startswith("min_context: 1 patch(es) on the 4×4 grid (automatic")
+    assert said[2].startswith("ema: 0.99402 -> 1.0 over 1000 steps, 5.0% of the starting weights left")
     large = resolve_automatic(TrainConfig(), 100_000, say=False)
     assert (large.val_images, large.min_context) == (32, 10), "the defaults of I-JEPA's 14×14 grid are kept"
     assert resolve_automatic(TrainConfig(patch_size=8, image_size=64), 5, say=False).val_images == 1
@@ -188,8 +189,10 @@ def test_automatic_settings_fit_a_small_folder_and_say_so(capsys):
 def test_explicit_settings_are_honoured_or_refused_in_one_line(capsys):
     from train.config import resolve_automatic
 
-    kept = resolve_automatic(TrainConfig(val_images=7, min_context=2, patch_size=16, image_size=64), 20)
-    assert (kept.val_images, kept.min_context) == (7, 2) and capsys.readouterr().err == ""
+    kept = resolve_automatic(
+        TrainConfig(val_images=7, min_context=2, patch_size=16, image_size=64, ema=(0.999, 1.0)), 20
+    )
+    assert (kept.val_images, kept.min_context, kept.ema) == (7, 2, (0.999, 1.0)) and capsys.readouterr().err == ""
     for cfg, n, message in (
         (TrainConfig(val_images=20), 20, "val_images 20: only 20 images, so at most 19 can be held out"),
         (TrainConfig(), 1, "only 1 image(s) indexed: training needs at least 2"),
@@ -203,6 +206,31 @@ def test_explicit_settings_are_honoured_or_refused_in_one_line(capsys):
         "min_context 12 was given explicitly: mask settings leave no context on this 4×4"
     )
     validate(TrainConfig(conditioning="none", patch_size=16, image_size=64))
+
+
+def test_ema_auto_leaves_at_most_five_percent_of_the_starting_weights():
+    """Π_t m_t over the run, as the trainer schedules m: I-JEPA's 0.996 leaves 30% of θ₀ after 600 steps (the
+    probed target encoder would be mostly its starting weights); auto lowers the start just enough for 5%, and keeps
+    0.996 for runs long enough to wash θ₀ out with it (the paper's 187,500 steps)."""
+    from train.config import automatic_ema_start, ema_left, ema_schedule, resolve_automatic
+
+    product = 1.0
+    for t in range(600):
+        product *= 0.99 + 0.01 * t / 600
+    assert ema_left(0.99, 1.0, 600) == pytest.approx(product, rel=1e-9)
+    assert ema_left(0.996, 1.0, 600) == pytest.approx(0.300, abs=1e-3)
+    assert ema_left(0.999, 1.0, 600) == pytest.approx(0.740, abs=1e-3)
+    for steps in (50, 300, 600, 1000):
+        start = automatic_ema_start(steps)
+        assert start < 0.996 and ema_left(start, 1.0, steps) <= 0.05 < ema_left(start + 1e-4, 1.0, steps)
+    assert automatic_ema_start(187_500) == automatic_ema_start(2_000) == 0.996
+    assert ema_schedule(TrainConfig(steps=600)) == (automatic_ema_start(600), 1.0)
+    assert ema_schedule(TrainConfig(steps=600, ema=(0.99, 1.0))) == (0.99, 1.0)
+    assert apply(TrainConfig(), {"ema": "auto"}, "a YAML file").ema == "auto"
+    assert apply(TrainConfig(), {"ema": [0.9, 1.0]}, "a YAML file").ema == (0.9, 1.0)
+    with pytest.raises(UserError, match="config key 'ema': expected numbers like \\[a, b\\], or auto, got 'fast'"):
+        apply(TrainConfig(), {"ema": "fast"}, "--set")
+    assert resolve_automatic(TrainConfig(steps=600), 100, say=False).ema == (automatic_ema_start(600), 1.0)
 
 
 def test_local_paths_become_absolute_and_urls_stay(tmp_path, monkeypatch):

@@ -96,14 +96,44 @@ def test_figures_in_chunks_are_those_of_one_batch(synth_dir, annotated_cache, ve
             "val_loss_predict_notext",
             "val_positive_cosine",
             "val_rankme",
+            "val_rankme_centred",
+            "val_loss_position_only",
+            "val_cosine_quantiles",
         }
     )
     # Captions move an untrained model's loss by ~1e-6 of it (giving the first row of each chunk the chunk's last
     # captions, not the previous image's, moves the shuffled loss by 3e-6 of it); chunking itself by < 1e-7.
+    quantiles = whole.pop("val_cosine_quantiles")
+    assert len(quantiles) == 2 and all(len(q) == 5 and q == sorted(q) and -1 <= q[0] <= q[-1] <= 1 for q in quantiles)
+    # the same histogram in chunks, but for a cosine that rounding moves across a bin edge (0.01)
+    np.testing.assert_allclose(chunked.pop("val_cosine_quantiles"), quantiles, atol=0.0101)
     for key, value in whole.items():
         assert chunked[key] == pytest.approx(value, rel=1e-6), key
     assert whole["val_loss_predict_shuffled"] != pytest.approx(whole["val_loss_predict"], rel=1e-6)
-    assert whole == validate_in_chunks(step, target, data, ids, len(ids), 0, 1), "deterministic"
+    again = validate_in_chunks(step, target, data, ids, len(ids), 0, 1)
+    assert again.pop("val_cosine_quantiles") == quantiles and again == whole, "deterministic"
+
+
+def test_the_position_only_floor_and_the_centred_rank_see_what_position_explains(
+    synth_dir, annotated_cache, vector_store
+):
+    """A target encoder blind to the pixels (its patch embedding zeroed) gives every image the same features: the
+    position-only predictor matches them exactly (loss 0, in chunks and across chunk boundaries) though the rank of
+    its features is many. With the pixels, the features vary between images: the position-only loss is that
+    variation, and the rank of what varies is many."""
+    index = build_index([synth_dir / "images"], annotated_cache, vector_store, [], progress=False)
+    cfg = _config(str(synth_dir / "images"), str(annotated_cache), str(vector_store), 32, image_size=32, batch_size=4)
+    step, target = _tiny(cfg, EmbeddingStore(vector_store).width)
+    data = StepBatches(index, np.arange(len(index)), cfg, (4, 4))
+    ids = np.arange(10)
+    seeing = validate_in_chunks(step, target, data, ids, 3, 0, 1)
+    assert seeing["val_loss_position_only"] > 0.1 and seeing["val_rankme_centred"] > 2
+    with torch.no_grad():
+        target.patch_embed.weight.zero_()
+        target.patch_embed.bias.zero_()
+    blind = validate_in_chunks(step, target, data, ids, 3, 0, 1)
+    assert blind["val_loss_position_only"] == pytest.approx(0.0, abs=1e-4)
+    assert blind["val_rankme"] > 2 and blind["val_loss_predict"] > 0.1
 
 
 def validation_only(images: str, cache: str, store: str, val_images: int, chunk: int) -> None:

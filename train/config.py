@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -36,6 +37,9 @@ from train.choices import (
 )
 from train.masks import MaskConfig, sample_masks
 
+AUTO = "auto"  # a setting chosen for the run (`resolve_automatic`), said in one line
+# ema auto: I-JEPA's start, lowered for short runs until at most this share of the starting weights is left.
+REFERENCE_EMA_START, EMA_LEFT_OF_START = 0.996, 0.05
 # The automatic validation set: this many images, or 10% of them when that is fewer.
 DEFAULT_VAL_IMAGES = 32
 # The automatic min_context: I-JEPA's 10 context patches on its 14×14 grid, scaled to the run's grid.
@@ -188,8 +192,11 @@ class TrainConfig:
         (0.04, 0.4), "weight decay, cosine from the first value to the second (not on biases and 1-D params)"
     )
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
-    ema: tuple[float, float] = setting(
-        (0.996, 1.0), "target-encoder EMA momentum, linear from the first value to the second"
+    ema: tuple[float, float] | str = setting(
+        "auto",
+        "target-encoder EMA momentum, linear from the first value to the second; auto: from I-JEPA's 0.996 (or "
+        "lower, for a run too short to wash out the starting weights: the largest start that leaves at most 5% of "
+        "them in the target encoder at the end) to 1.0",
     )
     grad_clip: float = setting(0.0, "clip the gradient norm to this value (0: off)")
     # runtime
@@ -279,6 +286,13 @@ def _check_type(name: str, value: Any, hint: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        others = [a for a in args if a not in (type(None), str)]
+        if str in args and others:  # a field of numbers that also takes `auto`
+            if value == AUTO:
+                return AUTO
+            if isinstance(value, str):
+                raise UserError(f"config key {name!r}: expected numbers like [a, b], or auto, got {value!r}")
+            return _check_type(name, value, others[0])
         inner = [a for a in args if a is not type(None)]
         return _check_type(name, value, inner[0])
     if origin is tuple:
@@ -516,6 +530,31 @@ def automatic_min_context(grid_side: int) -> int:
     return max(1, round(REFERENCE_MIN_CONTEXT * grid_side * grid_side / REFERENCE_GRID_PATCHES))
 
 
+def ema_left(start: float, end: float, steps: int) -> float:
+    """The share of the starting weights left in the target encoder after `steps` EMA updates whose momentum goes
+    linearly from `start` to `end` (Π_t m_t, as the trainer schedules it)."""
+    return math.exp(sum(math.log(max(start + (end - start) * t / max(steps, 1), 1e-300)) for t in range(steps)))
+
+
+def automatic_ema_start(steps: int, end: float = 1.0) -> float:
+    """I-JEPA's start (0.996), or, for a run too short for it to wash out the starting weights, the largest start
+    that leaves at most `EMA_LEFT_OF_START` of them (found by bisection on `ema_left`, which grows with the start)."""
+    if ema_left(REFERENCE_EMA_START, end, steps) <= EMA_LEFT_OF_START:
+        return REFERENCE_EMA_START
+    low, high = 0.0, REFERENCE_EMA_START
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if ema_left(middle, end, steps) <= EMA_LEFT_OF_START else (low, middle)
+    return math.floor(low * 1e5) / 1e5
+
+
+def ema_schedule(config: TrainConfig) -> tuple[float, float]:
+    """The run's EMA momentum at its first and last step: `ema`, or the automatic one (`automatic_ema_start`)."""
+    if isinstance(config.ema, str):
+        return automatic_ema_start(config.steps), 1.0
+    return config.ema
+
+
 def resolve_automatic(config: TrainConfig, n_images: int, say: bool = True) -> TrainConfig:
     """`config` with its automatic settings (0) chosen for this data and grid, each said in one stderr line when
     `say`; an explicit value that cannot work with `n_images` is refused in one line."""
@@ -541,7 +580,16 @@ def resolve_automatic(config: TrainConfig, n_images: int, say: bool = True) -> T
             f"min_context: {min_context} patch(es) on the {side}×{side} grid (automatic: 10 per 14×14, scaled; "
             "set min_context to choose)"
         )
+    ema = ema_schedule(config)
+    if config.ema == AUTO:
+        start = ema[0]
+        left = ema_left(start, 1.0, config.steps)
+        why = "I-JEPA's" if start == REFERENCE_EMA_START else f"lowered from {REFERENCE_EMA_START} for a short run"
+        lines.append(
+            f"ema: {start} -> 1.0 over {config.steps} steps, {left:.1%} of the starting weights left in the target "
+            f"encoder at the end (automatic: {why}; set ema to choose)"
+        )
     if say:
         for line in lines:
             print(line, file=sys.stderr)
-    return dataclasses.replace(config, val_images=val_images, min_context=min_context)
+    return dataclasses.replace(config, val_images=val_images, min_context=min_context, ema=ema)

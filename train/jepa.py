@@ -165,6 +165,7 @@ class StepLosses:
     consistency: torch.Tensor
     positive_fraction: torch.Tensor | None  # [L] in cross mode
     cosine_pairs: torch.Tensor | None = None  # the valid patch–word pairs `positive_fraction` is a share of
+    output: PredictorOutput | None = None  # cross mode: the predictor's output (validation reads its cosines)
 
     def weighted(self, predict: float, text: float | torch.Tensor, cfg: TrainConfig) -> StepLosses:
         """A micro-batch's share of its step's losses: the prediction loss (a mean over target patches, the same
@@ -208,4 +209,4 @@ def compute_losses(
         heads=resolved_predictor_heads(cfg),
     )
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency
-    return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction, regs.pairs)
+    return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction, regs.pairs, out)

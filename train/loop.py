@@ -53,6 +53,7 @@ from train.config import (
     TrainConfig,
     absolute_paths,
     differences,
+    ema_schedule,
     resolve_automatic,
     saved_config,
     to_dict,
@@ -480,7 +481,7 @@ class Trainer:
         )
         self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
         self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
-        self.ema = Linear(cfg.ema[0], cfg.ema[1], cfg.steps)
+        self.ema = Linear(*ema_schedule(cfg), cfg.steps)
         self.metrics = MetricsLog(run)
         # The optimizer is made after FSDP has replaced the parameters by their shards.
         self.train_module = wrap_models(self.model, self.target, cfg, self.rt.device)

@@ -19,12 +19,16 @@ import torch.nn.functional as F
 from train.choices import LOSSES, REGULARISER_COSINES
 
 
+def gather_positions(features: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
+    """`[B, M, Lt, D]`: features `[B, P, D]` at the positions `target_idx` `[B, M, Lt]`."""
+    b, m, lt = target_idx.shape
+    flat = target_idx.reshape(b, m * lt, 1).expand(-1, -1, features.shape[-1])
+    return torch.gather(features, 1, flat).view(b, m, lt, -1)
+
+
 def target_features(features: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
     """Layer-normed (no affine) target-encoder outputs `[B, P, D]` gathered at `target_idx` `[B, M, Lt]`."""
-    normed = F.layer_norm(features, features.shape[-1:])
-    b, m, lt = target_idx.shape
-    flat = target_idx.reshape(b, m * lt, 1).expand(-1, -1, normed.shape[-1])
-    return torch.gather(normed, 1, flat).view(b, m, lt, -1)
+    return gather_positions(F.layer_norm(features, features.shape[-1:]), target_idx)
 
 
 def prediction_loss(prediction: torch.Tensor, target: torch.Tensor, kind: str = "norm") -> torch.Tensor:
@@ -243,6 +247,45 @@ def centred_heads(
         out_q.append(q.view(b, i, heads, d // heads).transpose(1, 2).reshape(b * heads, i, d // heads))
         out_k.append(centred.view(b, n, s, heads, d // heads).permute(0, 3, 1, 2, 4).reshape(b * heads, n, s, -1))
     return out_q, out_k
+
+
+COSINE_BINS = 200  # the validation histogram of patch–word cosines: bins of 0.01 over [-1, 1]
+
+
+@torch.no_grad()
+def cosine_histogram(
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    word_mask: torch.Tensor,
+    token_valid: torch.Tensor | None = None,
+    cosine: str = "full",
+    heads: int = 1,
+) -> torch.Tensor:
+    """float64 `[L, COSINE_BINS]`: per layer, how many valid patch–word cosines (the regularisers', before they
+    are rectified) fall in each bin of [-1, 1]; histograms add over batches and processes."""
+    if cosine == "head_centred":
+        queries, keys = centred_heads(queries, keys, word_mask, heads)
+        word_mask = word_mask.repeat_interleave(heads, 0)
+        token_valid = None if token_valid is None else token_valid.repeat_interleave(heads, 0)
+    b, i = queries[0].shape[:2]
+    tokens = torch.ones(b, i, dtype=torch.bool, device=word_mask.device) if token_valid is None else token_valid
+    pairs = tokens[:, :, None] & word_mask.flatten(1)[:, None, :]  # [B, I, N·S]
+    out = []
+    for q, k in zip(queries, keys):
+        values = patch_word_cosine(q, k)[pairs].clamp(-1, 1)
+        out.append(torch.histc(values, COSINE_BINS, -1.0, 1.0).double())
+    return torch.stack(out)
+
+
+def histogram_quantiles(histogram: torch.Tensor, quantiles: tuple[float, ...]) -> list[list[float]]:
+    """Per row of `histogram` `[L, bins]` over [-1, 1], each quantile (the upper edge of the bin where the cumulative
+    count reaches it), to the bins' resolution."""
+    edges = torch.linspace(-1, 1, histogram.shape[1] + 1, dtype=torch.float64)[1:]
+    out = []
+    for row in histogram.cpu():
+        cumulative = row.cumsum(0) / row.sum().clamp_min(1)
+        out.append([round(float(edges[int(torch.searchsorted(cumulative, q))].clamp(max=1.0)), 3) for q in quantiles])
+    return out
 
 
 def text_regularisers(

@@ -89,6 +89,7 @@ def plot_curves(run: Path) -> Path:
         ("val_loss_predict", "true captions"),
         ("val_loss_predict_shuffled", "shuffled captions"),
         ("val_loss_predict_notext", "no text"),
+        ("val_loss_position_only", "position only (floor)"),
     ):
         pts = [(r["step"], r[key]) for r in val if key in r]
         if pts:
@@ -102,9 +103,12 @@ def plot_curves(run: Path) -> Path:
     if ratio:
         axes[2].plot(*zip(*ratio), marker="o", label="true / shuffled")
     rank = [(r["step"], r["val_rankme"]) for r in val if "val_rankme" in r]
+    centred = [(r["step"], r["val_rankme_centred"]) for r in val if "val_rankme_centred" in r]
     if rank:
         twin = axes[2].twinx()
         twin.plot(*zip(*rank), color="grey", linestyle="--", label="RankMe (right)")
+        if centred:
+            twin.plot(*zip(*centred), color="grey", linestyle=":", label="RankMe, position means removed")
         twin.legend(loc="upper right")
     axes[2].set_title("text reliance and feature rank")
     for ax in axes:

@@ -107,7 +107,8 @@ class Progress:
             print(
                 f"step {step}/{self.total} | validation: predict {record['val_loss_predict']:.4f} (shuffled captions "
                 f"{record['val_loss_predict_shuffled']:.4f}, no text {record['val_loss_predict_notext']:.4f}) | "
-                f"RankMe {record['val_rankme']:.1f}",
+                f"position only {record['val_loss_position_only']:.4f} | RankMe {record['val_rankme']:.1f} "
+                f"({record['val_rankme_centred']:.1f} with each position's mean removed)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -10,6 +10,13 @@ partition's last image's) and no captions, the share of
 positive patch–word cosines per layer, and RankMe of the target encoder's features. RankMe needs the features'
 singular values; they are the square roots of the eigenvalues of the features' D×D Gram matrix, which sums over
 chunks and processes.
+
+Two shortcuts are measured beside them. Position alone predicts much of a target on small, regular data: the
+position-only loss is what a predictor that outputs, at each target position, that position's mean target feature
+over the other validation images (leave-one-out) reaches, with the run's loss; and RankMe with each position's mean
+removed (the Gram matrix less Σ_p s_p s_pᵀ / n, s_p the features' sum at position p) is the rank of what varies
+between images rather than between positions. The position-only loss needs those means first: a second pass of the
+target encoder over the chunks.
 """
 
 from __future__ import annotations
@@ -24,12 +31,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from train.config import resolved_predictor_heads
 from train.data import Batch, StepBatches
+from train.losses import cosine_histogram, gather_positions, histogram_quantiles, prediction_loss
 from train.metrics import effective_rank_from_gram
 from train.partitions import node_partitions
 from train.predictor import TextBatch
 from train.step import TrainStep, to_device, without_captions
 from train.vit import VisionTransformer
+
+# The regularisers' patch–word cosines before rectification, per layer: these quantiles of their distribution.
+COSINE_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,10 @@ def validate_in_chunks(
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     positive: torch.Tensor | None = None
     gram: torch.Tensor | None = None
-    for part in chunks_of(bounds if bounds is not None else [0, len(ids)], chunk, rank, world, nodes):
+    position_sums: torch.Tensor | None = None  # [L, D]: Σ over images of the layer-normed target features
+    histogram: torch.Tensor | None = None  # [layers, bins]: the regularisers' patch–word cosines
+    parts = chunks_of(bounds if bounds is not None else [0, len(ids)], chunk, rank, world, nodes)
+    for part in parts:
         batch: Batch = data.validation_batch(ids, part.rows, part.within)
         mb = to_device(batch, device)
         text = step.text(mb)
@@ -107,26 +122,76 @@ def validate_in_chunks(
         losses = [true.predict, step.losses(step.model, mb, shuffled).predict]
         losses.append(step.losses(step.model, mb, notext).predict)
         sums += torch.stack([torch.ones((), device=device), *[loss.double() for loss in losses]]) * rows
-        if true.positive_fraction is not None and true.cosine_pairs is not None:
+        if true.positive_fraction is not None and true.cosine_pairs is not None and text is not None:
             pairs = part.weight * true.cosine_pairs.double()
             counted = torch.cat([true.positive_fraction.double() * pairs, pairs[None]])
             positive = counted if positive is None else positive + counted
-        with torch.autocast(device.type, dtype=step.dtype, enabled=step.cfg.bf16):
-            features = target(step.normalise(mb.images))
-        flat = F.layer_norm(features.float(), features.shape[-1:]).reshape(-1, features.shape[-1]).double()
+            assert true.output is not None
+            cfg = step.cfg
+            spread = part.weight * cosine_histogram(
+                true.output.queries,
+                true.output.keys,
+                text.word_mask,
+                true.output.token_valid,
+                cfg.regulariser_cosine,
+                resolved_predictor_heads(cfg),
+            )
+            histogram = spread if histogram is None else histogram + spread
+        normed = _normed_targets(step, target, mb).double()
+        flat = normed.reshape(-1, normed.shape[-1])
         contribution = part.weight * (flat.T @ flat)
         gram = contribution if gram is None else gram + contribution
-    assert gram is not None, "a validation set has at least one image"
+        position = part.weight * normed.sum(dim=0)
+        position_sums = position if position_sums is None else position_sums + position
+    assert gram is not None and position_sums is not None, "a validation set has at least one image"
     if world > 1:
-        for t in (sums, gram, *([positive] if positive is not None else [])):
+        for t in (sums, gram, position_sums, *(t for t in (positive, histogram) if t is not None)):
             dist.all_reduce(t)
     n = float(sums[0])
     out: dict[str, Any] = {
         "val_loss_predict": float(sums[1]) / n,
         "val_loss_predict_shuffled": float(sums[2]) / n,
         "val_loss_predict_notext": float(sums[3]) / n,
+        "val_loss_position_only": _position_only_loss(step, target, data, ids, parts, position_sums, n, world),
     }
     if positive is not None:
         out["val_positive_cosine"] = [round(float(v), 5) for v in positive[:-1] / positive[-1].clamp_min(1)]
+    if histogram is not None:
+        out["val_cosine_quantiles"] = histogram_quantiles(histogram, COSINE_QUANTILES)
     out["val_rankme"] = effective_rank_from_gram(gram)
+    out["val_rankme_centred"] = effective_rank_from_gram(gram - position_sums.T @ position_sums / n)
     return out
+
+
+def _normed_targets(step: TrainStep, target: VisionTransformer, mb: Any) -> torch.Tensor:
+    """float32 `[b, L, D]`: the target encoder's layer-normed features of a micro-batch's images (the targets)."""
+    with torch.autocast(step.device.type, dtype=step.dtype, enabled=step.cfg.bf16):
+        features = target(step.normalise(mb.images))
+    return F.layer_norm(features.float(), features.shape[-1:])
+
+
+def _position_only_loss(
+    step: TrainStep,
+    target: VisionTransformer,
+    data: StepBatches,
+    ids: np.ndarray,
+    parts: list[Chunk],
+    position_sums: torch.Tensor,
+    n: float,
+    world: int,
+) -> float:
+    """The run's loss of predicting each target patch by its position's mean over the other validation images (the
+    image's own features left out of the mean), over the same targets as the prediction loss."""
+    total = torch.zeros(2, dtype=torch.float64, device=step.device)
+    for part in parts:
+        mb = to_device(data.validation_batch(ids, part.rows, part.within), step.device)
+        normed = _normed_targets(step, target, mb)
+        means = (position_sums[None] - normed.double()) / max(n - 1, 1.0) if n > 1 else position_sums[None] / n
+        predicted, actual = (gather_positions(t, mb.targets) for t in (means.float(), normed))
+        loss = prediction_loss(predicted, actual, step.cfg.loss)
+        total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=step.device)]) * (
+            part.weight * len(mb)
+        )
+    if world > 1:
+        dist.all_reduce(total)
+    return float(total[0] / total[1].clamp_min(1))
