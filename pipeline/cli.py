@@ -84,11 +84,18 @@ def synth(
             "or colour alone, some at a loose position (what the demo and the ablations use)."
         ),
     ] = "full",
+    layout: Annotated[
+        str,
+        typer.Option(
+            help="grid: one shape per cell of a --grid on grey; free: 3-6 overlapping shapes anywhere on textured "
+            "backgrounds, so that neither position nor a patch's own pixels tell what a patch belongs to."
+        ),
+    ] = "grid",
 ) -> None:
     """Draw synthetic scenes of shapes with 8 captions each that say what is where."""
     from pipeline.devkit.synth import generate
 
-    generate(out, n_images, image_size=image_size, grid=grid, seed=seed, captions=captions)
+    generate(out, n_images, image_size=image_size, grid=grid, seed=seed, captions=captions, layout=layout)
     typer.echo(f"wrote {n_images} images, captions.jsonl and labels.jsonl to {out}")
 
 
@@ -740,7 +747,34 @@ def eval_(
             help="Share of the training images held out to pick each probe's hyper-parameters (with --train too)."
         ),
     ] = 0.2,
-    seed: Annotated[int, typer.Option(help="Seed of the split, the probes and the random baseline encoder.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the split and the probes; the random floor's seed is drawn from it.")
+    ] = 0,
+    floor_seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Generator seed of the random-init floor (default: drawn from --seed, apart from any run's; the "
+            "run's own seed is refused: that encoder is the run's starting weights)."
+        ),
+    ] = None,
+    encoder: Annotated[
+        str, typer.Option(help="The run's encoder to probe: target (its EMA target encoder) or context.")
+    ] = "target",
+    eval_resize: Annotated[
+        str,
+        typer.Option(
+            help="auto, crop or whole: resize the shorter side and centre-crop (photographs), or resize the whole "
+            "image (scenes); auto takes whole when every image is square and at the model's size or its label "
+            "cells fit the patch grid."
+        ),
+    ] = "auto",
+    steps: Annotated[
+        str | None,
+        typer.Option(
+            help="Probe the checkpoints the run kept: steps separated by commas, or `all`; one report per step, the "
+            "floors measured once, and learning curves against them (RUN/eval/NAME.curves.png)."
+        ),
+    ] = None,
     device: Annotated[
         str, typer.Option(help="auto, cpu, cuda or cuda:N, for feature extraction and every probe.")
     ] = "auto",
@@ -760,7 +794,7 @@ def eval_(
         ),
     ] = None,
 ) -> None:
-    from evaluation.evaluate import PROBES, EvalConfig, evaluate, one_line
+    from evaluation.evaluate import PROBES, EvalConfig, evaluate, evaluate_steps, one_line, steps_to_probe
 
     probes = tuple(probe) if probe else None
     cfg = EvalConfig(
@@ -780,7 +814,15 @@ def eval_(
         progress=progress,
         probes=probes or PROBES,
         floors_from=floors_from,
+        encoder=encoder,
+        eval_resize=eval_resize,
+        floor_seed=floor_seed,
     )
+    if steps is not None:
+        for result in evaluate_steps(cfg, steps_to_probe(run, steps), default_probes=probes is None):
+            typer.echo(one_line(result))
+        typer.echo(f"reports and learning curves: {Path(result['report']).parent}", err=True)
+        return
     result = evaluate(cfg, default_probes=probes is None)
     typer.echo(one_line(result))
     typer.echo(f"report: {result['report']}", err=True)

@@ -125,3 +125,56 @@ def test_synth_writes_the_caption_mode_and_refuses_an_unknown_one(tmp_path):
     assert json.loads((tmp_path / "p" / "classes.json").read_text())["captions"] == "partial"
     with pytest.raises(UserError, match="choose full or partial"):
         synth.generate(tmp_path / "x", 3, captions="some")
+
+
+def test_free_scenes_label_the_object_on_top_at_each_cell_centre(tmp_path):
+    """`--layout free`: the label of each 8 px cell is the class of the object drawn on top at its centre, which
+    the rendered pixel there shows (the object's colour, or its darker texture shade); the image label is a shape;
+    captions name objects and regions; the same seed gives the same bytes."""
+    from pipeline.devkit import free_scenes
+
+    out = tmp_path / "free"
+    tcjepa("synth", "--out", out, "--n-images", 12, "--layout", "free", "--captions", "full")
+    meta = json.loads((out / "classes.json").read_text())
+    assert meta["layout"] == "free" and meta["grid"] == 8 and meta["image_labels"] == list(synth.SHAPES)
+    names = meta["cell_classes"]
+    labels = [json.loads(line) for line in (out / "labels.jsonl").read_text().splitlines()]
+    captions = [json.loads(line)["captions"] for line in (out / "captions.jsonl").read_text().splitlines()]
+    objects = 0
+    for lab, caps in zip(labels, captions):
+        img = np.asarray(Image.open(out / lab["image"])).astype(int)
+        assert lab["label"] in synth.SHAPES and lab["cell_size"] == 8 and len(lab["cells"]) == 8
+        for r, row in enumerate(lab["cells"]):
+            for c, cls in enumerate(row):
+                if cls == 0:
+                    continue
+                objects += 1
+                colour, shape = names[cls].split(" ")
+                assert lab["cell_maps"]["shape"][r][c] == 1 + synth.SHAPES.index(shape)
+                pixel = img[r * 8 + 4, c * 8 + 4]
+                full = np.array(synth.COLOURS[colour])
+                assert np.abs(pixel - full).max() <= 1 or np.abs(pixel - np.clip(full * 0.45, 0, 255)).max() <= 1
+        assert all(names[0] not in tag for tag in lab["tags"])
+        assert any(
+            f"at the {region}" in " ".join(caps)
+            for region in (
+                "top left",
+                "centre",
+                "bottom right",
+                "left",
+                "right",
+                "top",
+                "bottom",
+                "top right",
+                "bottom left",
+            )
+        )
+        assert all(len(caps) == 8 and text.strip() for text in caps)
+    assert objects > 12 * 5, "objects cover a share of the cells"
+    again = tmp_path / "again"
+    free_scenes_first = (out / "images" / "000003.png").read_bytes()
+    tcjepa("synth", "--out", again, "--n-images", 4, "--layout", "free", "--captions", "full")
+    assert (again / "images" / "000003.png").read_bytes() == free_scenes_first
+    assert free_scenes.LABEL_GRID == 8
+    bad = refused("synth", "--out", tmp_path / "x", "--n-images", 2, "--layout", "spiral")
+    assert "--layout 'spiral': choose grid or free" in bad.stderr

@@ -119,7 +119,7 @@ def draw_scene(rng: np.random.Generator, grid: int) -> list[Obj]:
     return objs
 
 
-def _shape_mask(shape: str, n: int, frac: float) -> np.ndarray:
+def shape_mask(shape: str, n: int, frac: float) -> np.ndarray:
     """Boolean n×n mask of `shape` filling `frac` of the cell, centred."""
     yy, xx = np.mgrid[0:n, 0:n].astype(np.float32) + 0.5
     cy = cx = n / 2
@@ -140,7 +140,7 @@ def _shape_mask(shape: str, n: int, frac: float) -> np.ndarray:
     raise ValueError(shape)
 
 
-def _texture_mask(texture: str, n: int) -> np.ndarray:
+def texture_mask(texture: str, n: int) -> np.ndarray:
     yy, xx = np.mgrid[0:n, 0:n]
     if texture == "striped":
         return ((yy + xx) // max(n // 8, 1)) % 2 == 0
@@ -156,9 +156,9 @@ def render(objs: list[Obj], grid: int, size: int, rng: np.random.Generator) -> n
     img[:] = BACKGROUND
     img += rng.normal(0, 6, size=img.shape)
     for o in objs:
-        mask = _shape_mask(o.shape, cell, 0.9 if o.size == "large" else 0.55)
+        mask = shape_mask(o.shape, cell, 0.9 if o.size == "large" else 0.55)
         colour = np.array(COLOURS[o.colour], dtype=np.float32)
-        shade = np.where(_texture_mask(o.texture, cell)[..., None], colour, colour * 0.45)
+        shade = np.where(texture_mask(o.texture, cell)[..., None], colour, colour * 0.45)
         block = img[o.row * cell : (o.row + 1) * cell, o.col * cell : (o.col + 1) * cell]
         block[mask] = shade[mask]
     return np.clip(img, 0, 255).astype(np.uint8)
@@ -229,8 +229,9 @@ EMPTY_CAPTIONS = (
 CAPTION_MODES = ("full", "partial")
 
 
-def _join(parts: list[tuple[str, Obj, bool, bool]], template: int, lead: str) -> Caption:
-    """One caption from its object phrases, with each phrase's span."""
+def join_phrases(parts: list[tuple[str, Obj, bool, bool]], template: int, lead: str) -> Caption:
+    """One caption from its object phrases (phrase, object, whether its position is named, whether its class is),
+    with each phrase's span; `template` picks the joining, `lead` the opening words of template 1."""
     pieces: list[str] = []
     mentions = []
     if template == 0:
@@ -271,7 +272,7 @@ def scene_captions(objs: list[Obj], grid: int, rng: np.random.Generator, mode: s
                 (f"{article(describe(objs[i], detail))} {where_phrase(objs[i], style, grid)}", objs[i], True, True)
                 for i in order
             ]
-            out.append(_join(parts, k % 3, f"A grid scene with {len(objs)} shapes: "))
+            out.append(join_phrases(parts, k % 3, f"A grid scene with {len(objs)} shapes: "))
             continue
         chosen = rng.permutation(len(objs))[: int(rng.integers(1, min(3, len(objs)) + 1))]
         parts = []
@@ -286,7 +287,7 @@ def scene_captions(objs: list[Obj], grid: int, rng: np.random.Generator, mode: s
             style = int(rng.integers(4))
             where = loose_where_phrase(o, style, grid) if loose else where_phrase(o, style, grid)
             parts.append((f"{what} {where}", o, not loose, what_kind >= 2))
-        out.append(_join(parts, k % 3, "A grid scene with, among other things, "))
+        out.append(join_phrases(parts, k % 3, "A grid scene with, among other things, "))
     return out
 
 
@@ -305,31 +306,61 @@ def image_label(objs: list[Obj]) -> str:
     return max(counts, key=lambda c: (counts[c], -list(COLOURS).index(c)))
 
 
-def generate(out: Path, n: int, image_size: int = 64, grid: int = 4, seed: int = 0, captions: str = "full") -> None:
-    """Write `n` scenes with captions (`full` or `partial`, see `scene_captions`) and labels under `out`."""
+LAYOUTS = ("grid", "free")
+
+
+def generate(
+    out: Path,
+    n: int,
+    image_size: int = 64,
+    grid: int = 4,
+    seed: int = 0,
+    captions: str = "full",
+    layout: str = "grid",
+) -> None:
+    """Write `n` scenes with captions (`full` or `partial`, see `scene_captions`) and labels under `out`: `grid`
+    scenes (one object per cell), or `free` ones (`pipeline.devkit.free_scenes`: overlapping shapes anywhere on
+    textured backgrounds; `grid` is then unused)."""
+    from pipeline.devkit import free_scenes
+
     if captions not in CAPTION_MODES:
         raise UserError(f"--captions {captions!r}: choose {' or '.join(CAPTION_MODES)}")
+    if layout not in LAYOUTS:
+        raise UserError(f"--layout {layout!r}: choose {' or '.join(LAYOUTS)}")
     if n < 1:
         raise UserError(f"--n must be at least 1 (got {n})")
-    if grid < 1 or image_size % grid or image_size // grid < 4:
+    if layout == "grid" and (grid < 1 or image_size % grid or image_size // grid < 4):
         raise UserError(f"--image-size {image_size} must be a multiple of --grid {grid} with cells of at least 4 px")
+    if layout == "free" and (image_size % free_scenes.LABEL_GRID or image_size < 32):
+        raise UserError(
+            f"--image-size {image_size}: free scenes need a multiple of {free_scenes.LABEL_GRID}, at least 32"
+        )
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     cell = image_size // grid
     with open(out / "captions.jsonl", "w") as caps, open(out / "labels.jsonl", "w") as labels:
         for i in range(n):
             rng = np.random.default_rng([seed, i])
-            objs = draw_scene(rng, grid)
             name = f"images/{i:06d}.png"
-            Image.fromarray(render(objs, grid, image_size, rng)).save(out / name, optimize=False)
-            caps.write(json.dumps({"image": name, "captions": captions_for(objs, grid, rng, captions)}) + "\n")
-            labels.write(json.dumps(label_line(name, objs, grid, cell)) + "\n")
+            if layout == "grid":
+                objs = draw_scene(rng, grid)
+                pixels, texts = render(objs, grid, image_size, rng), captions_for(objs, grid, rng, captions)
+                line = label_line(name, objs, grid, cell)
+            else:
+                free, background = free_scenes.draw_free_scene(rng)
+                pixels = free_scenes.render_free(free, background, image_size, rng)
+                texts = free_scenes.free_captions(free, background, rng, captions)
+                line = free_scenes.free_label_line(name, free, image_size)
+            Image.fromarray(pixels).save(out / name, optimize=False)
+            caps.write(json.dumps({"image": name, "captions": texts}) + "\n")
+            labels.write(json.dumps(line) + "\n")
     meta = {
-        "image_labels": ["none", *COLOURS],
+        "layout": layout,
+        "image_labels": ["none", *COLOURS] if layout == "grid" else list(SHAPES),
         "cell_classes": class_names(),
         "cell_maps": {"shape": shape_names()},
         "tags": class_names()[1:],
-        "grid": grid,
+        "grid": grid if layout == "grid" else free_scenes.LABEL_GRID,
         "image_size": image_size,
         "seed": seed,
         "n": n,
