@@ -97,6 +97,41 @@ TEXT_TRAINING: dict[str, Any] = {
     "bf16": True,
 }
 PROBES = ("linear", "knn", "dense", "multilabel")
+# Issue 30: what makes a JEPA collapse at small scale, one factor at a time. `none` (nothing reads the captions) on
+# free scenes, where neither position nor a patch's own pixels answer the probes; patch 8 on 64 px, the tiny ViT,
+# 600 steps, the paper's loss, EMA auto (at most 5% of the starting weights left in the target encoder).
+FREE_TRAINING: dict[str, Any] = {
+    **SCENE_TRAINING,
+    "conditioning": "none",
+    "patch_size": 8,
+    "steps": 600,
+    "warmup_steps": 40,
+    "lr": 0.001,
+    "ema": "auto",
+    "loss": "norm",
+    "min_context": 0,
+    "text_lr_scale": 1.0,
+    "val_every": 100,
+    "checkpoint_every": 100,
+    "checkpoint_every_keep": 200,
+}
+FACTORS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "ema_0.996": {"ema": [0.996, 1.0]},
+    "ema_0.999": {"ema": [0.999, 1.0]},
+    "lr_3e-4": {"lr": 0.0003, "start_lr": 0.00006},
+    "lr_3e-3": {"lr": 0.003},
+    "wd_low": {"weight_decay": [0.04, 0.04]},
+    "loss_smooth_l1": {"loss": "smooth_l1"},
+    "loss_mse": {"loss": "mse"},
+    "predictor_2": {"predictor_depth": 2},
+    "predictor_wide": {"predictor_width": 384, "predictor_depth": 6},
+    "context_hard": {"context_scale": [0.3, 0.5]},
+    "context_cut": {"context_equalise": "cut"},
+    "patch_16": {"patch_size": 16},
+    "steps_1200": {"steps": 1200},
+}
+VARIANTS.update({name: {"conditioning": "none", **change} for name, change in FACTORS.items()})
 
 
 @dataclass(frozen=True)
@@ -106,6 +141,9 @@ class Experiment:
     masks: tuple[str, ...]
     section: str  # the name in the markers of the --readme file (docs/experiments.md)
     what: str  # the tables' first words
+    layout: str = "grid"  # `tcjepa synth --layout`
+    text: bool = True  # some variant reads captions: build the tiny T5 and the store
+    curves: bool = False  # probe every kept checkpoint too (`tcjepa eval --steps all`): learning curves
 
 
 EXPERIMENTS = {
@@ -118,6 +156,16 @@ EXPERIMENTS = {
         ("ijepa", "hard"),
         "text-experiment",
         "docs/experiments.md's protocol (patch 8 on 64 px, `norm` loss, N=4 `before_mlp`)",
+    ),
+    "factors": Experiment(
+        FREE_TRAINING,
+        tuple(FACTORS),
+        ("ijepa",),
+        "factors",
+        "issue 30's factor sweep (`none` on free scenes, patch 8 on 64 px, `norm` loss, EMA auto; one change each)",
+        layout="free",
+        text=False,
+        curves=True,
     ),
 }
 DIFFERENCE = ("cross", "none")  # paired by seed: cross − none
@@ -133,7 +181,9 @@ PROBE_COLUMNS = [
 ]
 TRAINING_COLUMNS = [
     ("rankme", "RankMe", "{:.1f}"),
+    ("rankme_centred", "RankMe centred", "{:.1f}"),
     ("val_true", "val loss", "{:.4f}"),
+    ("position_only", "position only", "{:.4f}"),
     ("val_shuffled", "shuffled", "{:.4f}"),
     ("val_notext", "no text", "{:.4f}"),
     ("ratio", "true/shuffled", "{:.3f}"),
@@ -266,13 +316,17 @@ def probes_report(run: Path, encoder: str = "target") -> Path:
     return run / "eval" / ("probes.json" if encoder == "target" else f"probes.{encoder}.json")
 
 
-def floors_source(runs: Path, seed: int, probes: list[str]) -> Path | None:
-    """A report of this experiment's runs with `seed` and `probes` that records its floors' inputs. The runs of
-    one experiment share the encoder architecture, images and labels, so one measurement of the floors serves
+def floors_source(runs: Path, seed: int, probes: list[str], settings: dict[str, Any]) -> Path | None:
+    """A report of this experiment's runs with `seed` and `probes`, of the encoder architecture `settings` give,
+    that records its floors' inputs. Such runs share the images and labels, so one measurement of the floors serves
     them all (`tcjepa eval --floors-from` checks that it does)."""
+    from evaluation.features import architecture
+    from train.config import TrainConfig, apply
+
+    wanted = architecture(apply(TrainConfig(), settings, "ablations"))
     for report in sorted(runs.glob(f"*-s{seed}/eval/probes.json")):
         inputs = recorded_floor_inputs(report)
-        if inputs is not None and set(inputs["probes"]) == set(probes):
+        if inputs is not None and set(inputs["probes"]) == set(probes) and inputs["architecture"] == wanted:
             return report
     return None
 
@@ -287,10 +341,12 @@ def run_one(
     probes: list[str],
     floors_from: Path | None = None,
     encoders: tuple[str, ...] = ENCODERS,
+    curves: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Train (or resume, or reuse) one run in `runs` and probe each of its `encoders` (or reuse their reports);
     returns each encoder's figures and floors. `floors_from`: the report of a run of the same encoder architecture
-    and seed, whose floors the probes reuse (the later encoders reuse the first's)."""
+    and seed, whose floors the probes reuse (the later encoders reuse the first's). `curves`: also every checkpoint
+    the run kept (`tcjepa eval --steps all`), each encoder's curve in its record."""
     run = runs / f"{variant}-{masks}-s{seed}"
     timing_path = run / "ablation-timing.json"
     steps = settings["steps"]
@@ -335,6 +391,18 @@ def run_one(
             file=sys.stderr,
             flush=True,
         )
+    data = [work / "data" / "images", "--labels", work / "data" / "labels.jsonl"]
+    for encoder in encoders if curves else ():
+        table = run / "eval" / ("labels.curves.json" if encoder == "target" else f"labels.{encoder}.curves.json")
+        if not table.exists():
+            tcjepa(
+                "eval",
+                run,
+                *data,
+                *[x for name in probes for x in ("--probe", name)],
+                *("--seed", seed, "--encoder", encoder, "--steps", "all", "--no-progress"),
+                *("--floors-from", reports[encoders[0]]),
+            )
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     val = [m for m in metrics if "val_loss_predict" in m][-1]
     out = {}
@@ -351,6 +419,18 @@ def run_one(
             "val_positive_cosine": val.get("val_positive_cosine"),
             **timing,
         }
+        table = run / "eval" / ("labels.curves.json" if encoder == "target" else f"labels.{encoder}.curves.json")
+        if curves:
+            out[encoder]["curve"] = json.loads(table.read_text())
+            out[encoder]["validation_curve"] = [
+                {
+                    k: m[k]
+                    for k in ("step", "val_loss_predict", "val_loss_position_only", "val_rankme_centred")
+                    if k in m
+                }
+                for m in metrics
+                if "val_loss_predict" in m
+            ]
     return out
 
 
@@ -551,7 +631,16 @@ def main() -> None:
     if args.steps is not None:
         settings["steps"] = args.steps
     work = args.work.resolve()
-    stats = prepare_scenes(work, args.images, args.t5_steps, seed=0, timings={}, captions=args.captions)
+    stats = prepare_scenes(
+        work,
+        args.images,
+        args.t5_steps,
+        seed=0,
+        timings={},
+        captions=args.captions,
+        layout=experiment.layout,
+        text=experiment.text,
+    )
     probes = [*PROBES, *(["attentive"] if args.attentive else [])]
     folder = runs_directory(work, args.experiment, settings)
     runs: dict[Group, dict[int, dict[str, Any]]] = {}
@@ -562,7 +651,16 @@ def main() -> None:
             encoders = tuple(args.encoders)
             by_seed = {
                 s: run_one(
-                    folder, work, run_settings, variant, masks, s, probes, floors_source(folder, s, probes), encoders
+                    folder,
+                    work,
+                    run_settings,
+                    variant,
+                    masks,
+                    s,
+                    probes,
+                    floors_source(folder, s, probes, run_settings),
+                    encoders,
+                    experiment.curves,
                 )
                 for s in seeds
             }
@@ -575,15 +673,19 @@ def main() -> None:
     }
     diffs = differences(runs, [k for k, _ in PROBE_COLUMNS] + ["rankme"])
     t5 = {
-        "steps": stats["t5_training"]["steps"],
+        "steps": stats["t5_training"]["steps"] if stats else 0,
         "colour_from_where": stats.get("t5_probe_accuracy", {}).get("colour_from_where", math.nan),
     }
     changed = ", ".join(f"`{item}`" for item in args.overrides)
+    text_encoder = (
+        f"; T5 trained {t5['steps']} steps, probe colour-from-position {_fmt(t5['colour_from_where'], '{:.2f}')}"
+        if experiment.text
+        else ""
+    )
     caption = (
         f"Measured by `benchmarks/ablations.py --experiment {args.experiment}` on `tcjepa synth` data ({args.images} "
-        f"scenes, {args.captions} captions; {settings['steps']} steps each, {experiment.what}"
-        f"{'; changed by --set: ' + changed if changed else ''}; T5 trained "
-        f"{t5['steps']} steps, probe colour-from-position {_fmt(t5['colour_from_where'], '{:.2f}')}). "
+        f"{experiment.layout} scenes, {args.captions} captions; {settings['steps']} steps each, {experiment.what}"
+        f"{'; changed by --set: ' + changed if changed else ''}{text_encoder}). "
         f"Probes on the {' and the '.join(ENCODER_NAMES[e] for e in args.encoders)}."
     )
     text = markdown(table, floors, diffs, {g: len(r) for g, r in runs.items()}, caption)

@@ -52,10 +52,17 @@ def announce(name: str) -> float:
 
 
 def prepare_scenes(
-    out: Path, n_images: int, t5_steps: int, seed: int, timings: dict[str, float], captions: str = SCENE_CAPTIONS
+    out: Path,
+    n_images: int,
+    t5_steps: int,
+    seed: int,
+    timings: dict[str, float],
+    captions: str = SCENE_CAPTIONS,
+    layout: str = "grid",
+    text: bool = True,
 ) -> dict[str, Any]:
-    """synth (`captions` full or partial), tiny models, the scenes' captions imported and embedded into `out`; returns
-    the tiny models' stats.
+    """synth (`layout`, `captions` full or partial), tiny models, the scenes' captions imported and embedded into
+    `out`; returns the tiny models' stats. Without `text`, the scenes alone (for runs that read no captions).
 
     Each part is skipped when its output is there, so a second call resumes.
     """
@@ -66,16 +73,21 @@ def prepare_scenes(
     from pipeline.devkit.tiny_models import build_tiny_models
 
     data = out / "data"
-    t = announce(f"synth: {n_images} scenes with 8 {captions} captions each -> {data}")
+    t = announce(f"synth: {n_images} {layout} scenes with 8 {captions} captions each -> {data}")
     if not (data / "classes.json").exists():
-        generate(data, n_images, seed=seed, captions=captions)
+        generate(data, n_images, seed=seed, captions=captions, layout=layout)
     have = sum(1 for _ in (data / "images").glob("*.png"))
     if have != n_images:
         raise UserError(f"{out} holds a demo of {have} scenes, not {n_images}; use another --out or --n-images {have}")
     made_with = json.loads((data / "classes.json").read_text()).get("captions", "full")
     if made_with != captions:
         raise UserError(f"{out} holds scenes with {made_with} captions, not {captions}; use another --out")
+    drawn = json.loads((data / "classes.json").read_text()).get("layout", "grid")
+    if drawn != layout:
+        raise UserError(f"{out} holds {drawn} scenes, not {layout} ones; use another --out")
     timings["synth_s"] = time.perf_counter() - t
+    if not text:
+        return {}
 
     models = out / "models"
     t = announce(f"tiny-models: T5 trained {t5_steps} steps on the scene captions, random tiny Qwen2-VL -> {models}")
