@@ -37,9 +37,21 @@ def main() -> int:
     if spec is None or not spec.submodule_search_locations:
         print("torchvision is not installed; nothing to patch")
         return 0
-    target = Path(list(spec.submodule_search_locations)[0]) / "_meta_registrations.py"
+    return fix(Path(list(spec.submodule_search_locations)[0]) / "_meta_registrations.py")
+
+
+def fix(target: Path) -> int:
+    """Patch `target` in place (0), or say in one line that its text is not the one this patch knows (1)."""
     before = target.read_text()
     after = patch_text(before)
+    guarded = all(f'register_fake("torchvision::{op}") if torchvision.extension._has_ops()' in after for op in OPS)
+    if not guarded:
+        print(
+            f"error: {target} has no unconditional nms/qnms fake registration to guard (another torchvision?); "
+            "the patch does not apply, and `import torchvision` may fail",
+            file=sys.stderr,
+        )
+        return 1
     if after != before:
         target.write_text(after)
     print(f"{'patched' if after != before else 'already patched'}: {target}")

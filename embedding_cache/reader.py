@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numcodecs import CRC32C
 
 from embedding_cache.codec import dequantize_numpy
 from embedding_cache.store import EmbeddingStore
@@ -109,7 +110,7 @@ class _Array:
         per_shard = self.shard_rows // self.chunk_rows
         path = self.directory / self.separator.join(["c", str(shard), *(["0"] * len(self.row_shape))])
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
-        index = np.frombuffer(mapped[-(16 * per_shard + 4) : -4], dtype="<u8").reshape(per_shard, 2)
+        index = shard_index(path, mapped, per_shard)
         chunk_bytes = self.chunk_rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         chunks: list[np.ndarray | None] = []
         for k in range(min(per_shard, self.n_chunks - shard * per_shard)):
@@ -128,6 +129,22 @@ class _Array:
 
     def _unmap(self, shard: int) -> None:
         self.views.pop(shard, None)  # the file closes with its last view
+
+
+def shard_index(path: Path, shard: np.ndarray, chunks: int) -> np.ndarray:
+    """The `uint64[chunks, 2]` (offset, nbytes) index at the end of a zarr v3 shard file's bytes `shard`, checked
+    against the crc32c stored after it (numcodecs' CRC32C, the codec zarr wrote it with): a damaged index would
+    point a read at the wrong bytes, so it is refused in one line."""
+    encoded = np.asarray(shard[-(16 * chunks + 4) :])
+    if len(encoded) != 16 * chunks + 4:
+        raise UserError(f"{path}: shorter than its shard index; the file is damaged (run `tcjepa store verify`)")
+    try:
+        CRC32C().decode(encoded)
+    except RuntimeError:
+        raise UserError(
+            f"{path}: its shard index fails its crc32c; the file is damaged (run `tcjepa store verify`)"
+        ) from None
+    return np.frombuffer(encoded[:-4], dtype="<u8").reshape(chunks, 2)
 
 
 def open_array(array_dir: Path, dtype: np.dtype, row_shape: tuple[int, ...], files: OpenFiles) -> _Array:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from embedding_cache.reader import shard_index
 from embedding_cache.store import KEY_BYTES, EmbeddingStore
 from embedding_cache.transform import array_sha256, requested
 from pipeline.core.digests import first_repeat
@@ -52,6 +53,14 @@ class StoreVerifyReport:
             f"ok: {self.segments} segments, {self.captions} captions, {self.tokens} tokens, "
             f"{self.bytes_hashed / 2**20:.1f} MiB hashed in {self.seconds:.1f} s{deep}{notes}"
         )
+
+
+def check_shard_indexes(array_dir: Path, shards: tuple[int, ...], chunks: tuple[int, ...]) -> None:
+    """Every shard file of the array at `array_dir` against its index's crc32c (`embedding_cache.reader.shard_index`):
+    a damaged index is named in one line before any of its chunks is read."""
+    per_shard = int(np.prod([s // c for s, c in zip(shards, chunks)]))
+    for shard in sorted(p for p in (array_dir / "c").rglob("*") if p.is_file()):
+        shard_index(shard, np.memmap(shard, dtype=np.uint8, mode="r"), per_shard)
 
 
 def verify_segment(
@@ -121,6 +130,11 @@ def verify_segment(
             raise problem("has no channel_scales, which this store's int8 codec needs") from None
         if channels.dtype != np.float32 or not np.array_equal(channels, expected_channels):
             raise problem("channel_scales differ from the store root's")
+    for name, array in (("tokens", tokens), *((("scales", scales),) if scales is not None else ())):
+        try:
+            check_shard_indexes(path / name, array.shards, array.chunks)
+        except UserError as exc:
+            raise problem(str(exc).removeprefix(f"{path}/")) from None
     recorded = attrs.get("sha256")
     if not isinstance(recorded, dict):
         raise problem("records no checksums (written by an older tcjepa); re-embed into a new store to verify it")

@@ -165,3 +165,25 @@ def test_spans_of_keys_are_where_the_key_lookup_points(tmp_path):
     tokens, _, offsets = reader.gather_spans_raw(spans)
     for j, i in enumerate((25, 3, 14, 3)):
         assert np.array_equal(tokens[offsets[j] : offsets[j + 1]], _caption(i)[1])
+
+
+def test_a_damaged_shard_index_is_refused_by_the_reader_and_by_store_verify(tmp_path):
+    """Each shard file ends with its index of inner chunks and that index's crc32c. A flipped bit in the index would
+    send a memory-mapped read to the wrong bytes: the reader checks the crc when it first maps the shard (numcodecs'
+    CRC32C) and refuses the file in one line, and `tcjepa store verify` reports it."""
+    from tests.conftest import refused
+
+    store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
+    _write(store, range(0, 20))
+    shards = sorted((tmp_path / "s" / "segments").glob("*/tokens/c/*/*"))
+    assert shards, "no shard file found"
+    first = int(EmbeddingReader(tmp_path / "s").locate(np.frombuffer(_caption(0)[0], dtype=np.uint8)[None])[0])
+    assert np.array_equal(EmbeddingReader(tmp_path / "s").get(first), _caption(0)[1])
+    data = bytearray(shards[0].read_bytes())
+    data[-10] ^= 0x01  # a bit of the index's last entry
+    shards[0].write_bytes(bytes(data))
+    with pytest.raises(UserError, match="its shard index fails its crc32c; the file is damaged") as caught:
+        EmbeddingReader(tmp_path / "s").get(first)
+    assert "\n" not in str(caught.value)
+    done = refused("store", "verify", tmp_path / "s")
+    assert done.returncode == 1 and "problem:" in done.stdout + done.stderr
