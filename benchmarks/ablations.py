@@ -357,8 +357,9 @@ def run_one(
         config = run.with_name(f"{run.name}.yaml")
         config.parent.mkdir(parents=True, exist_ok=True)
         config.write_text(json.dumps({**settings, "seed": seed}))  # JSON is YAML
-        text = [] if variant == "none" else ["--cache", work / "cache", "--store", store_for(work, variant)]
-        text += [] if variant == "none" else ["--recipe", SCENE_RECIPE]
+        reads_text = settings.get("conditioning", "cross") != "none"
+        text = ["--cache", work / "cache", "--store", store_for(work, variant)] if reads_text else []
+        text += ["--recipe", SCENE_RECIPE] if reads_text else []
         t0 = time.perf_counter()
         tcjepa("train", work / "data" / "images", *text, "--out", run, "--config", config, "--no-progress")
         t1 = time.perf_counter()
