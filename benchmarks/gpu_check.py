@@ -35,13 +35,14 @@ import numpy as np
 import torch
 
 from benchmarks.common import ROOT
-from train.config import TrainConfig
+from train.config import ModelConfig, TrainConfig
 from train.data import Batch, mask_config
 from train.jepa import build_models
-from train.loop import wrap_models
 from train.masks import sample_masks
+from train.optim import make_optimizer
+from train.parallel import wrap_models
 from train.schedules import WarmupCosine
-from train.step import TrainStep, make_optimizer, on_device, use_tensor_cores
+from train.step import TrainStep, on_device, use_tensor_cores
 
 # Dense bf16 peak per GPU, by name as torch reports it.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
@@ -149,7 +150,7 @@ class Rig:
         self.cfg = cfg
         self.text_dim = text_dim if cfg.conditioning != "none" else None
         self.device = device
-        self.model, self.target = build_models(cfg, self.text_dim)
+        self.model, self.target = build_models(ModelConfig.of(cfg), self.text_dim)
         self.model.to(device)
         self.target.to(device)
         self.grid = self.model.encoder.grid

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from train.config import TrainConfig
-from train.jepa import StepLosses
 from train.losses import TextRegularisers, prediction_loss, target_features
+from train.objective import StepLosses
 from train.predictor import Predictor, PredictorBlock, TextBatch
 from train.vit import init_weights, scale_residual_outputs
 
@@ -197,7 +197,8 @@ def compute_losses(
     cfg: TrainConfig,
     context_valid: torch.Tensor | None = None,
 ) -> StepLosses:
-    """`train.jepa.compute_losses` with the reference regularisers (the model's predictor a `ReferencePredictor`)."""
+    """`train.objective.compute_losses` with the reference regularisers (the model's predictor a
+    `ReferencePredictor`)."""
     with torch.no_grad():
         targets = target_features(target_encoder(images), target_idx)
     out = model(images, context_idx, target_idx, text, context_valid)

@@ -5,7 +5,9 @@ own pixels; neither says anything about what an encoder learned from context. Fo
 (either layout), with a random-init tiny ViT at the given patch size (the target encoder a run starts from):
 
 - `position_share`: the share of the layer-normed target features' variance that each position's mean over the
-  images explains (1 − Σ‖z_ip − μ_p‖² / Σ‖z_ip − μ‖²);
+  images explains (1 − Σ‖z_ip − μ_p‖² / Σ‖z_ip − μ‖²). A random-init ViT adds its full sin-cos position
+  embedding to a small patch embedding, so even on uniform noise it is 0.35 at patch 8 (the floor of this measure
+  on the untrained target); trained runs log the same share of their target (`val_position_share`);
 - the dense probes (per-cell class and shape, `evaluation.probes.dense_probe`, converged, on a seeded split) and the
   multi-label probe on three feature sets: each patch's full pixels, the mean colour of each patch, and the
   random-init encoder; the ceiling of every probe is 1 (labels are a function of the image), and `majority` is

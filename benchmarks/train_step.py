@@ -396,9 +396,11 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
 
     import benchmarks.reference_predictor as reference
     import train.jepa
+    from train.config import ModelConfig
     from train.data import mask_config
-    from train.jepa import build_models, ema_update, param_groups
+    from train.jepa import build_models, ema_update
     from train.masks import sample_masks
+    from train.optim import param_groups
     from train.predictor import TextBatch
 
     if args.threads:
@@ -408,10 +410,10 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     torch.manual_seed(args.seed)
-    model, target = build_models(cfg, args.text_dim if mode.conditioning != "none" else None)
+    model, target = build_models(ModelConfig.of(cfg), args.text_dim if mode.conditioning != "none" else None)
     if mode.reference:  # the same weights in the old layout, run by the old code
         model.predictor = reference.ReferencePredictor.like(model.predictor, model.encoder.grid)
-    compute_losses = reference.compute_losses if mode.reference else train.jepa.compute_losses
+    compute_losses = reference.compute_losses if mode.reference else train.objective.compute_losses
     model.to(device)
     target.to(device)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)

@@ -44,7 +44,7 @@ from pipeline.core.images import decode
 from pipeline.core.sources import ImageReader, ImageRef
 from train.checkpoint import ENCODER_SUFFIX, HISTORY, load_checkpoint
 from train.choices import VIT_SIZES
-from train.config import TrainConfig, apply, saved_config
+from train.config import ModelConfig, TrainConfig, apply, saved_config
 from train.data import image_policy, normalise
 from train.vit import VisionTransformer, build_vit
 
@@ -123,8 +123,8 @@ def floor_seed(eval_seed: int, run_seed: int) -> int:
 
 
 def _architecture(trained: TrainedRun) -> VisionTransformer:
-    cfg = trained.config
-    return build_vit(cfg.model, cfg.image_size, cfg.patch_size, cfg.width, cfg.depth, cfg.heads)
+    """The run's encoder as its saved model section builds it (untrained)."""
+    return build_vit(**architecture(trained.config))
 
 
 def run_encoder(trained: TrainedRun, which: str = "target") -> VisionTransformer:
@@ -237,8 +237,8 @@ def cache_key(step: int, image_size: int, refs: list[ImageRef], geometry: str = 
 
 
 def architecture(config: TrainConfig) -> dict[str, Any]:
-    """The encoder's architecture as the run's config gives it: what the random baseline is built from."""
-    return {k: getattr(config, k) for k in ("model", "image_size", "patch_size", "width", "depth", "heads")}
+    """The encoder's architecture as the run's model section gives it: what the random baseline is built from."""
+    return ModelConfig.of(config).encoder
 
 
 @dataclass

@@ -25,7 +25,7 @@ from evaluation.features import load_run
 from evaluation.preprocess import resize_whole
 from pipeline.core.errors import UserError
 from pipeline.core.images import decode
-from train.config import TrainConfig
+from train.config import ModelConfig, TrainConfig
 from train.data import image_policy, mask_config, normalise
 from train.jepa import JEPA, build_models
 from train.losses import target_features
@@ -174,7 +174,7 @@ def render(run: Path, image_path: Path, captions: list[str], text_model: Path, o
     if cfg.store is None:
         raise UserError(f"{run}'s config names no embedding store")
     enc, shuffled = encode_captions([captions, _shuffle_words(captions, cfg.seed)], text_model, Path(cfg.store))
-    model, target = build_models(cfg, enc.tokens.shape[-1])
+    model, target = build_models(ModelConfig.of(cfg), enc.tokens.shape[-1])
     model.load_state_dict(state["model"])
     target.load_state_dict(state["target"])
     model.eval()

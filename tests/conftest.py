@@ -353,7 +353,8 @@ def train_steps(cfg: TrainConfig, model: Any, target: Any, batches: list) -> lis
     """The loss parts of one optimizer step per batch, taken by the trainer's step on the CPU."""
     import torch
 
-    from train.step import TrainStep, make_optimizer, on_device
+    from train.optim import make_optimizer
+    from train.step import TrainStep, on_device
 
     optimizer = make_optimizer(model, cfg, torch.device("cpu"))
     step = TrainStep(model, model, target, optimizer, cfg, torch.device("cpu"))

@@ -19,8 +19,9 @@ from tests.conftest import (
     tcjepa,
     train_steps,
 )
-from train.config import TrainConfig
-from train.jepa import build_models, checkpoint_blocks, compile_blocks
+from train.config import ModelConfig, TrainConfig
+from train.jepa import build_models
+from train.parallel import checkpoint_blocks, compile_blocks
 
 
 @pytest.mark.slow
@@ -67,7 +68,7 @@ def test_a_compiled_run_recompiles_at_most_4_times_and_never_breaks_its_graph(
 def test_compiled_checkpointed_accumulated_blocks_train_as_eager_ones():
     cfg = TrainConfig(**{**STEP_CONFIG.__dict__, "compile": True, "checkpoint_activations": True, "accum_steps": 2})
     torch.manual_seed(0)
-    model, target = build_models(cfg, STEP_TEXT_DIM)
+    model, target = build_models(ModelConfig.of(cfg), STEP_TEXT_DIM)
     eager, eager_target = copy.deepcopy(model), copy.deepcopy(target)
     compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks)
     checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)

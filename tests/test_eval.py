@@ -477,11 +477,12 @@ def test_the_random_floor_is_never_the_runs_starting_weights(cross_run):
     the run's, and its weights share nothing with θ₀; an explicit --floor-seed equal to the run's is refused."""
     from evaluation.evaluate import EvalConfig, resolved_floor_seed
     from evaluation.features import floor_seed
+    from train.config import ModelConfig
     from train.jepa import build_models
 
     trained = load_run(cross_run)
     torch.manual_seed(trained.config.seed)
-    theta0 = build_models(trained.config, text_dim=16)[0].encoder.state_dict()
+    theta0 = build_models(ModelConfig.of(trained.config), text_dim=16)[0].encoder.state_dict()
     same = random_encoder(trained, trained.config.seed).state_dict()
     assert all(torch.equal(same[k], theta0[k]) for k in theta0)
     for seed in (0, 1, 2):

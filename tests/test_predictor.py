@@ -366,7 +366,7 @@ def test_residual_max_equals_autograd_masked_max(broadcast):
 
 def test_predictor_mlp_ratio_is_four_whatever_the_encoder():
     """vit_giant's encoder uses an MLP ratio of 48/11; I-JEPA's predictor always uses 4."""
-    from train.config import TrainConfig
+    from train.config import ModelConfig, TrainConfig
     from train.jepa import build_models
 
     cfg = TrainConfig(
@@ -380,7 +380,7 @@ def test_predictor_mlp_ratio_is_four_whatever_the_encoder():
         predictor_depth=1,
         conditioning="none",
     )
-    model, _ = build_models(cfg, text_dim=None)
+    model, _ = build_models(ModelConfig.of(cfg), text_dim=None)
     assert model.encoder.blocks[0].mlp.fc1.out_features == int(88 * 48 / 11)
     assert model.predictor.blocks[0].mlp.fc1.out_features == 4 * 32
 
@@ -426,8 +426,9 @@ def test_widths_that_heads_or_position_embeddings_cannot_split_are_refused_in_on
 @pytest.mark.parametrize("conditioning", ["cross", "sequence", "none"])
 def test_a_padded_context_gives_the_same_prediction_and_regularisers_as_the_unpadded_one(conditioning):
     """Image 0 alone (its own context length) and beside an image with a longer context (so padded): same outputs."""
-    from train.config import TrainConfig
-    from train.jepa import build_models, compute_losses
+    from train.config import ModelConfig, TrainConfig
+    from train.jepa import build_models
+    from train.objective import compute_losses
 
     torch.manual_seed(0)
     cfg = TrainConfig(
@@ -442,7 +443,7 @@ def test_a_padded_context_gives_the_same_prediction_and_regularisers_as_the_unpa
         store="s",
         bf16=False,
     )
-    model, target = build_models(cfg, text_dim=16)
+    model, target = build_models(ModelConfig.of(cfg), text_dim=16)
     model.eval()
     g = torch.Generator().manual_seed(3)
     images = torch.randn(2, 3, 32, 32, generator=g)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import STEP_CONFIG, STEP_TEXT_DIM, assert_same_models, step_batch, train_steps
-from train.config import TrainConfig
+from train.config import ModelConfig, TrainConfig
 from train.data import Batch
-from train.jepa import build_models, checkpoint_blocks
+from train.jepa import build_models
+from train.parallel import checkpoint_blocks
 from train.step import micro_batches, on_device
 
 
@@ -22,7 +23,7 @@ def test_accumulated_micro_batches_give_the_one_batch_update(pool):
     counts = [[mb.images_with_text() for mb in micro_batches(b, 4)] for b in batches]
     assert any(len(set(c)) > 1 for c in counts), f"micro-batches must differ in images with text: {counts}"
     torch.manual_seed(0)
-    model, target = build_models(cfg, STEP_TEXT_DIM)
+    model, target = build_models(ModelConfig.of(cfg), STEP_TEXT_DIM)
     results = {}
     for k in (1, 2, 4):
         m, t = copy.deepcopy(model), copy.deepcopy(target)
@@ -53,7 +54,7 @@ def test_micro_batches_are_the_batch_rows_with_only_padding_dropped():
 
 def test_checkpointed_blocks_train_the_same_and_keep_their_names():
     torch.manual_seed(0)
-    model, target = build_models(STEP_CONFIG, STEP_TEXT_DIM)
+    model, target = build_models(ModelConfig.of(STEP_CONFIG), STEP_TEXT_DIM)
     plain, plain_target = copy.deepcopy(model), copy.deepcopy(target)
     checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)
     assert type(model.encoder.blocks[0]).__name__ == "CheckpointWrapper"

@@ -15,10 +15,11 @@ from embedding_cache.reader import EmbeddingReader, StoreKeys
 from embedding_cache.store import EmbeddingStore, TokenLayout
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.sources import ImageRef
-from train.config import TrainConfig
+from train.config import ModelConfig, TrainConfig
 from train.data import Batch, StepBatches, crop_box
 from train.data_index import TrainIndex, build_index, verify_images
-from train.jepa import apply_schedules, build_models, ema_update, param_groups
+from train.jepa import build_models, ema_update
+from train.optim import apply_schedules, param_groups
 from train.partitions import split_partitions
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import to_device
@@ -140,7 +141,9 @@ def _republished(path, into):
 
 
 def test_an_index_whose_store_changed_is_refused(setup, tmp_path, synth_dir, annotated_cache):
-    from train.loop import INDEX, Runtime, load_or_build_index
+    from train.inputs import load_or_build_index
+    from train.run_dir import INDEX
+    from train.runtime import Runtime
 
     _, cfg = setup
     store = tmp_path / "store"
@@ -250,7 +253,7 @@ def test_ema_update_and_optimizer_groups():
         cache="c",
         store="s",
     )
-    model, target = build_models(cfg, text_dim=16)
+    model, target = build_models(ModelConfig.of(cfg), text_dim=16)
     assert not any(p.requires_grad for p in target.parameters())
     for p in model.encoder.parameters():
         p.data.add_(1.0)

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.core.errors import UserError
 from tests.conftest import sets, tcjepa
-from train.config import TrainConfig
+from train.config import ModelConfig, TrainConfig
 from train.initial import initialise
 from train.jepa import build_models
 
@@ -25,7 +25,7 @@ TINY_ARGS = [
 
 def _models(seed: int, patch_size: int = 16, conditioning: str = "none"):
     torch.manual_seed(seed)
-    return build_models(TrainConfig(**TINY, patch_size=patch_size, conditioning=conditioning), None)
+    return build_models(ModelConfig.of(TrainConfig(**TINY, patch_size=patch_size, conditioning=conditioning)), None)
 
 
 def _swapped(t: torch.Tensor, axis: int) -> torch.Tensor:
@@ -143,7 +143,7 @@ def test_the_mapped_network_computes_ijepas_function_up_to_swapped_channel_halve
 def test_a_text_run_takes_ijepas_encoders_and_a_new_predictor(official, capsys):
     _, path = official
     torch.manual_seed(4)
-    model, target = build_models(TrainConfig(**TINY, patch_size=16, conditioning="cross"), 16)
+    model, target = build_models(ModelConfig.of(TrainConfig(**TINY, patch_size=16, conditioning="cross")), 16)
     before = {k: v.clone() for k, v in model.predictor.state_dict().items()}
     initialise(path, model, target)
     assert all(torch.equal(v, before[k]) for k, v in model.predictor.state_dict().items())
@@ -156,7 +156,7 @@ def test_another_architecture_or_file_is_refused_in_one_line(official, tmp_path)
         initialise(path, *_models(seed=5, patch_size=8))
     assert "\n" not in str(caught.value)
     torch.manual_seed(6)
-    deeper = build_models(TrainConfig(**{**TINY, "depth": 3}, patch_size=16, conditioning="none"), None)
+    deeper = build_models(ModelConfig.of(TrainConfig(**{**TINY, "depth": 3}, patch_size=16, conditioning="none")), None)
     with pytest.raises(UserError, match=r"does not fit this run's architecture \(blocks.2.norm1.weight is missing"):
         initialise(path, *deeper)
     other = tmp_path / "other.pth.tar"

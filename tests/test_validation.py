@@ -15,12 +15,13 @@ import torch
 from benchmarks.startup import build_run
 from embedding_cache.store import EmbeddingStore
 from tests.conftest import REPO
-from train.config import TrainConfig
+from train.config import ModelConfig, TrainConfig
 from train.data import StepBatches
 from train.data_index import build_index
 from train.jepa import build_models
 from train.metrics import effective_rank, effective_rank_from_gram
-from train.step import TrainStep, make_optimizer
+from train.optim import make_optimizer
+from train.step import TrainStep
 from train.validation import chunks_of, validate_in_chunks
 
 
@@ -70,10 +71,27 @@ def _config(images: str, cache: str, store: str, width: int, **settings: Any) ->
 
 def _tiny(cfg: TrainConfig, width: int | None):
     torch.manual_seed(0)
-    model, target = build_models(cfg, width)
+    model, target = build_models(ModelConfig.of(cfg), width)
     step = TrainStep(model, model, target, make_optimizer(model, cfg, torch.device("cpu")), cfg, torch.device("cpu"))
     model.eval()
     return step, target
+
+
+def test_the_position_share_is_the_variance_the_position_means_explain():
+    """By hand on stacked features `[n, L, D]`: 1 − Σ‖z − μ_p‖² / Σ‖z − μ‖²; features equal at every image: 1;
+    features that do not depend on the position: about 0."""
+    from train.validation import position_share
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(7, 5, 3, generator=g, dtype=torch.float64) + torch.randn(1, 5, 3, generator=g, dtype=torch.float64)
+    flat = z.reshape(-1, 3)
+    expected = 1 - (z - z.mean(0)).square().sum() / (z - z.mean((0, 1))).square().sum()
+    assert position_share(flat.T @ flat, z.sum(0), 7) == pytest.approx(float(expected), rel=1e-9)
+    same = z[:1].expand(7, -1, -1).reshape(-1, 3)
+    assert position_share(same.T @ same, z[:1].expand(7, -1, -1).sum(0), 7) == pytest.approx(1.0)
+    noise = torch.randn(2000, 5, 3, generator=g, dtype=torch.float64)
+    flat = noise.reshape(-1, 3)
+    assert position_share(flat.T @ flat, noise.sum(0), 2000) < 0.01
 
 
 def test_figures_in_chunks_are_those_of_one_batch(synth_dir, annotated_cache, vector_store):
@@ -97,6 +115,7 @@ def test_figures_in_chunks_are_those_of_one_batch(synth_dir, annotated_cache, ve
             "val_positive_cosine",
             "val_rankme",
             "val_rankme_centred",
+            "val_position_share",
             "val_loss_position_only",
             "val_cosine_quantiles",
         }
@@ -128,11 +147,13 @@ def test_the_position_only_floor_and_the_centred_rank_see_what_position_explains
     ids = np.arange(10)
     seeing = validate_in_chunks(step, target, data, ids, 3, 0, 1)
     assert seeing["val_loss_position_only"] > 0.1 and seeing["val_rankme_centred"] > 2
+    assert 0.05 < seeing["val_position_share"] < 0.95
     with torch.no_grad():
         target.patch_embed.weight.zero_()
         target.patch_embed.bias.zero_()
     blind = validate_in_chunks(step, target, data, ids, 3, 0, 1)
     assert blind["val_loss_position_only"] == pytest.approx(0.0, abs=1e-4)
+    assert blind["val_position_share"] == pytest.approx(1.0, abs=1e-6), "position explains all of it"
     assert blind["val_rankme"] > 2 and blind["val_loss_predict"] > 0.1
 
 

@@ -31,6 +31,16 @@ from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes, fsync_dir
@@ -280,3 +290,69 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
     latest = _latest_sharded(run)
     assert latest is not None
     return {"model": state["model"], "target": state["target"], "step": step, "config": latest["config"]}
+
+
+class Checkpointer:
+    """Saves and resumes one run's context encoder and predictor, target encoder and optimizer, whole or sharded.
+
+    Under FSDP every process writes its own shards (no gather); otherwise rank 0 writes full state dicts. Either way
+    rank 0 also writes the two encoders as safetensors (under FSDP gathered to it, on CPU: the encoders only).
+    Resuming takes the newer of the two formats, into whatever this process holds (whole or sharded).
+    """
+
+    def __init__(
+        self, run: Path, model: nn.Module, target: nn.Module, optimizer: torch.optim.Optimizer, main: bool
+    ) -> None:
+        self.run = run
+        self.model = model
+        self.target = target
+        self.optimizer = optimizer
+        self.main = main
+
+    def resume(self) -> int:
+        """Load the run's newest checkpoint, of either format, into this process's models and optimizer; its step,
+        or 0 when there is none."""
+        sharded = sharded_checkpoint(self.run)
+        full = load_full_checkpoint(self.run)
+        if sharded is not None and (full is None or sharded[1] > int(full["step"])):
+            state = self._sharded_state()
+            step = load_sharded_into(self.run, state)
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+            set_model_state_dict(self.target, state["target"])
+            return step
+        if full is None:
+            return 0
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, full["model"], options=options)
+        set_model_state_dict(self.target, full["target"], options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, full["optimizer"], options=options)
+        return int(full["step"])
+
+    def save(self, step: int, config: dict[str, Any], sharded: bool, keep: int, every_keep: int) -> None:
+        """Checkpoint `step` (a collective: every process calls it), with the run's `config`."""
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=full))
+        target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
+        if self.main:
+            context = {k.removeprefix("encoder."): v for k, v in model.items() if k.startswith("encoder.")}
+            save_encoders(self.run, {"target_encoder": target, "context_encoder": context}, step, config)
+        if sharded:
+            save_sharded_checkpoint(self.run, self._sharded_state(), step, config, keep, every_keep)
+        elif self.main:
+            state = {
+                "model": model,
+                "target": target,
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
+                "step": step,
+                "config": config,
+            }
+            save_checkpoint(self.run, state, keep, every_keep)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def _sharded_state(self) -> dict[str, Any]:
+        """This process's shards (plain tensors on one process) of model, target and optimizer, keyed by name."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "target": get_model_state_dict(self.target), "optimizer": optimizer}

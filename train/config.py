@@ -255,6 +255,39 @@ class TrainConfig:
         return self.store
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model section of a run's config: what builds the encoders and the predictor (`train.jepa.build_models`),
+    and all that evaluation, export and viz need to rebuild them from a saved run (`ModelConfig.of`)."""
+
+    model: str
+    image_size: int
+    patch_size: int
+    width: int | None
+    depth: int | None
+    heads: int | None
+    predictor_width: int
+    predictor_depth: int | None
+    predictor_heads: int | None
+    conditioning: str
+    pool: str
+    conditioner: str
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> ModelConfig:
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def encoder(self) -> dict[str, Any]:
+        """The encoder's architecture alone (what a random-init floor of the same encoder is built from)."""
+        return {k: getattr(self, k) for k in ("model", "image_size", "patch_size", "width", "depth", "heads")}
+
+    @property
+    def resolved_predictor_heads(self) -> int:
+        """The predictor's attention heads: `predictor_heads`, or by default the encoder's."""
+        return self.predictor_heads or self.heads or VIT_SIZES[self.model].heads
+
+
 # Options that change neither the data nor the maths: a resumed run may change them.
 RUNTIME_ONLY = {
     "num_workers",
@@ -509,7 +542,7 @@ def validate(config: TrainConfig) -> None:
 
 def resolved_predictor_heads(config: TrainConfig) -> int:
     """The predictor's attention heads: `predictor_heads`, or by default the encoder's."""
-    return config.predictor_heads or config.heads or VIT_SIZES[config.model].heads
+    return ModelConfig.of(config).resolved_predictor_heads
 
 
 def mask_settings(config: TrainConfig) -> MaskConfig:

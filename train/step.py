@@ -25,7 +25,8 @@ from torch import nn
 
 from train.config import TrainConfig
 from train.data import Normalise
-from train.jepa import JEPA, StepLosses, compute_losses, ema_update, param_groups
+from train.jepa import JEPA, ema_update
+from train.objective import StepLosses, compute_losses
 from train.predictor import TextBatch
 from train.vit import VisionTransformer
 
@@ -285,9 +286,3 @@ def use_tensor_cores() -> None:
     float32 with it."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
-
-
-def make_optimizer(model: JEPA, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over `param_groups`; on CUDA the fused kernel (one launch for every parameter, no host sync)."""
-    fused = True if device.type == "cuda" else None
-    return torch.optim.AdamW(param_groups(model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas, fused=fused)

@@ -15,7 +15,8 @@ Two shortcuts are measured beside them. Position alone predicts much of a target
 position-only loss is what a predictor that outputs, at each target position, that position's mean target feature
 over the other validation images (leave-one-out) reaches, with the run's loss; and RankMe with each position's mean
 removed (the Gram matrix less Σ_p s_p s_pᵀ / n, s_p the features' sum at position p) is the rank of what varies
-between images rather than between positions. The position-only loss needs those means first: a second pass of the
+between images rather than between positions; `val_position_share` is the share of the features' variance those
+means explain. The position-only loss needs those means first: a second pass of the
 target encoder over the chunks.
 """
 
@@ -160,7 +161,19 @@ def validate_in_chunks(
         out["val_cosine_quantiles"] = histogram_quantiles(histogram, COSINE_QUANTILES)
     out["val_rankme"] = effective_rank_from_gram(gram)
     out["val_rankme_centred"] = effective_rank_from_gram(gram - position_sums.T @ position_sums / n)
+    out["val_position_share"] = position_share(gram, position_sums, n)
     return out
+
+
+def position_share(gram: torch.Tensor, position_sums: torch.Tensor, images: float) -> float:
+    """The share of the features' variance that each position's mean over the images explains: 1 − (variance
+    around each position's mean) / (variance around the overall mean), from the Gram matrix over every token and
+    the per-position sums `[L, D]` over `images` images."""
+    total_sum = position_sums.sum(dim=0)
+    tokens = images * position_sums.shape[0]
+    around_overall = torch.trace(gram) - total_sum @ total_sum / tokens
+    around_positions = torch.trace(gram) - (position_sums * position_sums).sum() / images
+    return float(1 - around_positions / around_overall.clamp_min(1e-12))
 
 
 def _normed_targets(step: TrainStep, target: VisionTransformer, mb: Any) -> torch.Tensor:

@@ -6,9 +6,9 @@ background: position alone predicts ~71% of a random-init target encoder's featu
 pixels tell its cell's shape (0.85 patch accuracy). A JEPA can then lower its loss from position and pixels, and a
 probe measures the pixels, not what the encoder learned from context. Here:
 
-- the background is one of several dull colours under one of several textures (noise, gradients, stripes,
-  checks) with a random period and phase, so position cannot predict it;
-- 3 to 6 objects per scene, each centred anywhere, 14 to 30 px across on 64 px (about 2 to 4 patches of 8 px),
+- the background is one of several dull colours under one of several strong textures (noise, a gradient,
+  stripes, checks) at a random angle, period and phase, so position cannot predict it;
+- 4 to 8 objects per scene, each centred anywhere, 18 to 36 px across on 64 px (about 2 to 5 patches of 8 px),
   drawn in order so later ones hide parts of earlier ones: a patch mostly shows a fragment (an edge, a corner, a
   stripe) whose shape only the surroundings tell.
 
@@ -45,9 +45,9 @@ BACKGROUNDS = {
     "grey": (85, 85, 85),
     "plum": (90, 65, 90),
 }
-BACKGROUND_TEXTURES = ("noise", "horizontal gradient", "vertical gradient", "stripes", "checks")
-OBJECTS = (3, 6)  # fewest and most objects per scene
-SIDE = (14 / 64, 30 / 64)  # an object's side as a fraction of the image's
+BACKGROUND_TEXTURES = ("noise", "gradient", "stripes", "checks")
+OBJECTS = (4, 8)  # fewest and most objects per scene
+SIDE = (18 / 64, 36 / 64)  # an object's side as a fraction of the image's
 LABEL_GRID = 8  # label cells per side
 REGIONS = ("top", "middle", "bottom"), ("left", "centre", "right")
 
@@ -92,7 +92,7 @@ def draw_free_scene(rng: np.random.Generator) -> tuple[list[FreeObj], dict[str, 
         "texture": BACKGROUND_TEXTURES[rng.integers(len(BACKGROUND_TEXTURES))],
         "period": float(rng.uniform(4, 16)),
         "phase": float(rng.uniform(0, 1)),
-        "angle": int(rng.integers(2)),
+        "angle": float(rng.uniform(0, 2 * np.pi)),  # of stripes and gradients: no direction is the usual one
     }
     return objs, background
 
@@ -100,19 +100,18 @@ def draw_free_scene(rng: np.random.Generator) -> tuple[list[FreeObj], dict[str, 
 def _background(spec: dict[str, object], size: int, rng: np.random.Generator) -> np.ndarray:
     base = np.array(BACKGROUNDS[str(spec["colour"])], dtype=np.float32)
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    period, phase = float(spec["period"]), float(spec["phase"])  # type: ignore[arg-type]
-    along = yy if spec["angle"] else xx
+    period, phase, angle = (float(spec[k]) for k in ("period", "phase", "angle"))  # type: ignore[arg-type]
+    along = np.cos(angle) * xx + np.sin(angle) * yy  # pixels along the texture's direction
     texture = spec["texture"]
-    if texture == "horizontal gradient":
-        shade = (xx / size - 0.5) * 1.2
-    elif texture == "vertical gradient":
-        shade = (yy / size - 0.5) * 1.2
+    if texture == "gradient":
+        shade = (along - along.min()) / max(float(np.ptp(along)), 1.0) * 1.6 - 0.8 + (phase - 0.5)
     elif texture == "stripes":
-        shade = 0.5 * np.sign(np.sin(2 * np.pi * (along / period + phase)))
+        shade = 0.8 * np.sign(np.sin(2 * np.pi * (along / period + phase)))
     elif texture == "checks":
-        shade = 0.5 * np.sign(np.sin(2 * np.pi * (xx / period + phase)) * np.sin(2 * np.pi * (yy / period + phase)))
+        across = -np.sin(angle) * xx + np.cos(angle) * yy
+        shade = 0.8 * np.sign(np.sin(2 * np.pi * (along / period + phase)) * np.sin(2 * np.pi * (across / period)))
     else:
-        shade = rng.normal(0, 0.35, size=(size, size))
+        shade = rng.normal(0, 0.6, size=(size, size))
     img = base * (1 + 0.5 * shade[..., None])
     return img + rng.normal(0, 4, size=img.shape)
 

@@ -1,0 +1,129 @@
+"""How the models run on many processes and fast on one: DDP, FSDP2 or HSDP around them, compiled blocks and blocks
+whose activations are recomputed in the backward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.core.errors import UserError
+from train.config import TrainConfig
+from train.jepa import JEPA
+from train.predictor import TextBatch
+from train.runtime import processes_per_node
+from train.vit import VisionTransformer
+
+
+def wrap_models(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """The module that trains: blocks compiled and/or checkpointed in place, then, in a process group, DDP around
+    the JEPA, or FSDP2 sharding of the JEPA and the target alike (the same mesh, block by block, so the EMA is
+    shard-local)."""
+    if cfg.compile:
+        compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks)
+    if cfg.checkpoint_activations:
+        checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)
+    if not dist.is_initialized():
+        return model
+    if cfg.fsdp:
+        shard(model, target, cfg, device)
+        return model
+    return torch.nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in, no copy out
+        # Every parameter gets a gradient every step (a caption-less image is masked, not skipped); DDP's reducer
+        # cannot skip the all-reduce of accumulated micro-batches (`no_sync`) with a static graph, though.
+        static_graph=cfg.accum_steps == 1,
+        bucket_cap_mb=cfg.ddp_bucket_mb,
+        **_no_buffer_sync(),
+    )
+
+
+def _no_buffer_sync() -> dict[str, Any]:
+    """No buffer broadcast before each forward (the only buffers are fixed position embeddings and normalisation
+    constants): `forward_sync_buffers=False` where torch has it (2.13), `broadcast_buffers=False` before."""
+    if "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def shard(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torch.device) -> None:
+    """FSDP2 over every process (a 1-D mesh), or with `shard_within_node` HSDP: sharded across a node's processes and
+    replicated across nodes (a 2-D mesh, nodes × processes per node). bf16 parameters in forward and backward when
+    `bf16`, gradients reduced in float32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    if cfg.shard_within_node:
+        per_node = processes_per_node(world)
+        if world % per_node:
+            raise UserError(f"shard_within_node: {world} processes are not whole nodes of {per_node}")
+        mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=torch.float32)
+    for root, blocks in ((model, [*model.encoder.blocks, *model.predictor.blocks]), (target, list(target.blocks))):
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(root, mesh=mesh, mp_policy=policy)
+
+
+def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` (a block's forward) called with its batch and sequence dims marked dynamic.
+
+    Blocks are called as `block(x [B, L, d], key_mask [B, L] | None, *rest)`; a `TextBatch` in `rest` has a dynamic
+    batch dim only (N is fixed and words are padded to max_words). Duck sizing is off so that two dims that happen to
+    be equal when a graph is traced (B·M = L on some step) are not assumed equal forever, which would recompile.
+    """
+    from torch._dynamo import maybe_mark_dynamic
+    from torch.fx.experimental import _config as shape_config
+
+    def forward(x: torch.Tensor, key_mask: torch.Tensor | None = None, *rest: Any) -> Any:
+        for tensor in (x, key_mask):
+            if tensor is not None:
+                maybe_mark_dynamic(tensor, 0)
+                maybe_mark_dynamic(tensor, 1)
+        for arg in rest:
+            if isinstance(arg, TextBatch):
+                maybe_mark_dynamic(arg.tokens, 0)
+                maybe_mark_dynamic(arg.lengths, 0)
+        with shape_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set by install_config_module
+            return compiled(x, key_mask, *rest)
+
+    return forward
+
+
+def compile_blocks(*stacks: nn.ModuleList) -> None:
+    """torch.compile each block's forward (a whole graph, no break allowed), one graph shared by all blocks alike.
+
+    Shapes: the batch and sequence lengths are marked dynamic rather than padded to a few bucket sizes. Context and
+    target lengths change every step (block sizes are drawn per step, contexts are padded only to the batch's
+    longest) and the validation batch has its own size: buckets would compile one graph per (context bucket,
+    target size, batch size) and pad every step to its bucket, while marked dims compile one graph per block type and
+    grad mode for the whole run. The price is CUDA graphs, which need static shapes; at ViT-B/16 and batches of 64+
+    per GPU the kernels are long enough that launch overhead is small.
+
+    Only `forward` is compiled: module hooks (DDP, FSDP's all-gathers, activation checkpointing) stay outside the
+    graph, and the state-dict keys do not change.
+    """
+    for blocks in stacks:
+        for block in blocks:
+            block.forward = _mark_lengths_dynamic(torch.compile(block.forward, fullgraph=True))
+
+
+def checkpoint_blocks(*stacks: nn.ModuleList) -> None:
+    """Recompute each block's activations in the backward (torch.utils.checkpoint, non-reentrant) instead of keeping
+    them. The blocks are wrapped in place; state-dict keys stay those of the unwrapped model (the wrapper strips its
+    prefix on save and restores it on load)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    for blocks in stacks:
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)

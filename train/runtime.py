@@ -1,0 +1,129 @@
+"""The processes of a run: their ranks and device, the process group, and agreement across ranks.
+
+A run is one process or a torchrun group. Every step that can fail on one rank (a bad --out, a damaged remote file)
+runs through `agreed`, so that all ranks stop with its message instead of waiting in a barrier until a timeout, and
+stop signals are agreed after a step (`StopRequests`), so that every rank stops after the same one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from pipeline.core.devices import resolve_device
+from pipeline.core.errors import DataProblem, UserError
+from train.config import TrainConfig
+from train.step import use_tensor_cores
+
+T = TypeVar("T")
+# What Slurm (`--signal`) and Kubernetes send before they kill a job: finish the step, checkpoint, exit 75.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def local_rank() -> int:
+    """This process's number on its node (torchrun's LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def processes_per_node(world: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE (all processes on one node without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def start_runtime(cfg: TrainConfig) -> Runtime:
+    """Join the torchrun process group when there is one, and pick this process's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = resolve_device(cfg.device, local_rank())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        use_tensor_cores()
+    if world > 1 and not dist.is_initialized():
+        # A long timeout: rank 0 may spend a while building the index while the others wait.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
+    return Runtime(rank, world, device)
+
+
+def barrier(rt: Runtime) -> None:
+    if rt.world > 1:
+        dist.barrier()
+
+
+def agreed(rt: Runtime, step: Callable[[], T], on: bool) -> T | None:
+    """Run `step` where `on`, then every process learns whether all succeeded (a barrier too).
+
+    A failure on one rank (a bad --out, a damaged remote file) then stops every rank with
+    its message, instead of leaving the others waiting in a barrier until the timeout.
+    """
+    result, error = None, None
+    if on:
+        try:
+            result = step()
+        except (UserError, DataProblem, OSError) as exc:
+            error = exc
+    ok = error is None
+    if rt.world > 1:
+        flag = torch.tensor([int(ok)], device=rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+    if error is not None:
+        raise error
+    if not ok:
+        raise UserError("another process of this run failed (its message is above); stopping")
+    return result
+
+
+class StopRequests:
+    """Records a stop signal (SIGTERM, SIGUSR1) while training, and lets every process agree on it after a step.
+
+    The handler only notes the signal; the loop asks `agreed()` after each step. Under torchrun the processes
+    all-reduce their flags (on a CPU gloo group, so no GPU stream is waited for) and stop after the same step
+    even when the signal reached them at different steps.
+    """
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.signal: int | None = None
+        self.group = None
+        if rt.world > 1:
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.signal = signum
+
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        """Stop signals are noted, not fatal, inside the block; the previous handlers come back after it."""
+        previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def agreed(self) -> int | None:
+        """The stop signal any process received (the highest number), or None to go on."""
+        if self.rt.world == 1:
+            return self.signal
+        flag = torch.tensor([self.signal or 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item()) or None
