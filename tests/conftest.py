@@ -1,32 +1,23 @@
-"""Session-wide fixtures and the helpers tests share.
+"""Session-wide fixtures and the suite's hooks.
 
 Tiny models, synthetic data, a caption cache, an embedding store, trained runs and an S3 server are built once per
-test session. Tests run the CLI through `tcjepa` (wait for it) or `start_tcjepa` (a process to watch and kill), and end
-only the processes they started (`kill_tree`).
+test session. The hooks mark tests with the tiers of the fixtures they use, keep the tests that share a costly thing
+in one pytest-xdist worker, order the tiers, and start the trained tiny T5's build beside the tests. What tests share
+besides fixtures (running the CLI, tiny training runs, stores, images, ...) lives in `tests/support`.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shlex
-import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import redirect_stderr, redirect_stdout, suppress
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-
-from embedding_cache.store import TokenLayout
-from train.config import TrainConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -35,7 +26,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # work on the machine) share, OpenMP's waiting threads made tiny models up to ~10x slower than one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-REPO = Path(__file__).resolve().parents[1]
+# The helpers' asserts explain their failures as a test's do: pytest rewrites tests/support when it imports it (below,
+# after this line, and in the test modules).
+pytest.register_assert_rewrite("tests.support")
+
+from tests.support.builds import SYNTH_ARGS, built_once, session_root  # noqa: E402
+from tests.support.captions import TINY_VLLM_ARGS  # noqa: E402
+from tests.support.commands import cli, tcjepa  # noqa: E402
+from tests.support.processes import kill_tree, start  # noqa: E402
+from tests.support.stores import SMALL_STORE, VECTOR_WIDTH, caption_vector  # noqa: E402
+from tests.support.training import EXACT_STEPS, REFERENCE_STEPS, train_args  # noqa: E402
 
 # --- tiers -------------------------------------------------------------------------------------------------------
 
@@ -84,478 +84,7 @@ def _turn(item: pytest.Item) -> int:
     return 0 if any(item.get_closest_marker(m) for m in TIER_MARKERS) else 1
 
 
-# --- running the CLI --------------------------------------------------------------------------------------------
-
-
-def cli(*args: object) -> list[str]:
-    """The command line of `tcjepa ARGS` in this interpreter."""
-    return [sys.executable, "-m", "pipeline", *map(str, args)]
-
-
-def torchrun(*args: object, launch: tuple[str, ...] = ("--standalone", "--nproc-per-node", "2")) -> list[str]:
-    """The command line of `torchrun LAUNCH -m pipeline ARGS` (default: two processes on this host)."""
-    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "pipeline", *map(str, args)]
-
-
-def two_nodes(name: str) -> tuple[str, ...]:
-    """torchrun's launch options for two nodes of one process each, meeting at a c10d rendezvous on loopback."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    endpoint = ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", name)
-    return ("--nnodes", "2", "--nproc-per-node", "1", *endpoint)
-
-
-def run_command(
-    command: list[str], check: bool = True, timeout: float = 600, **kwargs: Any
-) -> subprocess.CompletedProcess:
-    """Run `command` in the repository (or `cwd=`), capturing its text output; with `check`, a failure shows its
-    stderr. Past `timeout` it is ended with every process it started (subprocess.run ends only the first), and
-    the test fails with its stderr."""
-    child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **{"cwd": REPO, **kwargs}
-    )
-    try:
-        out, err = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _end_family(child)
-        raise AssertionError(
-            f"{' '.join(map(str, command[1:]))} still running after {timeout} s; its stderr:\n"
-            f"{(child.communicate()[1] or '')[-3000:]}"
-        ) from None
-    proc = subprocess.CompletedProcess(command, child.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(command[1:])} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-        )
-    return proc
-
-
-def tcjepa(*args: object, check: bool = True, timeout: float = 600, **kwargs: Any) -> subprocess.CompletedProcess:
-    """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
-    return run_command(cli(*args), check=check, timeout=timeout, **kwargs)
-
-
-def refused(*args: object) -> subprocess.CompletedProcess:
-    """`tcjepa ARGS` through the console script's own entry point (`pipeline.cli.main`), in this process: for
-    commands that must be refused before any work. Everything but the process start (~2.5 CPU-seconds of imports)
-    is the real path, exit status and stderr included; the same error path is checked from a process once per
-    command (test_cli.py, and a `tcjepa(..., check=False)` test in each command's module)."""
-    from pipeline.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    argv = sys.argv
-    sys.argv = ["tcjepa", *map(str, args)]
-    try:
-        with redirect_stdout(out), redirect_stderr(err):
-            main()
-        code: int | str | None = 0
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        sys.argv = argv
-    assert code != 0, f"tcjepa {' '.join(map(str, args))} was not refused:\n{out.getvalue()[-2000:]}"
-    return subprocess.CompletedProcess(["tcjepa", *map(str, args)], code, out.getvalue(), err.getvalue())
-
-
-def python_module(
-    module: str, *args: object, check: bool = True, timeout: float = 600, **kwargs: Any
-) -> subprocess.CompletedProcess:
-    """Run `python -m MODULE ARGS` (a benchmark, say) in the repository, as `tcjepa` runs the CLI."""
-    return run_command([sys.executable, "-m", module, *map(str, args)], check=check, timeout=timeout, **kwargs)
-
-
-def start(command: list[str], quiet: bool = False, **kwargs: Any) -> subprocess.Popen:
-    """Start `command` in the repository in a session of its own (so `kill_tree` can end it and its children);
-    text pipes for its output, or none when `quiet`."""
-    streams: dict[str, Any] = (
-        {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        if quiet
-        else {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    )
-    return subprocess.Popen(command, start_new_session=True, **{"cwd": REPO, **streams, **kwargs})
-
-
-def start_tcjepa(*args: object, quiet: bool = False, **kwargs: Any) -> subprocess.Popen:
-    """Start `tcjepa ARGS` (see `start`)."""
-    return start(cli(*args), quiet=quiet, **kwargs)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[str, str]]:
-    """Wait for processes started with pipes; each must succeed. Their (stdout, stderr). Past `timeout` (for all
-    together) every one is ended with what it started, and the test fails with the end of each one's stderr."""
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.returncode == 0, err[-3000:]
-            outs.append((out, err))
-    except subprocess.TimeoutExpired:
-        tails = []
-        for p in procs:
-            if p.poll() is None:
-                _end_family(p)
-            tails.append((p.communicate()[1] or "")[-2000:])
-        raise AssertionError(f"still running after {timeout} s; their stderr:\n" + "\n---\n".join(tails)) from None
-    return outs
-
-
-def _family(proc: subprocess.Popen) -> list[Any]:
-    import psutil
-
-    try:
-        parent = psutil.Process(proc.pid)
-        return [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def freeze_tree(proc: subprocess.Popen) -> list[Any]:
-    """SIGSTOP a process this test started and every process under it, until none is left running; returns them.
-
-    The state the processes left on disk then stays as it is while the test looks at it.
-    """
-    import psutil
-
-    stopped: dict[int, Any] = {}
-    while True:
-        family = [p for p in _family(proc) if p.pid not in stopped]
-        if not family:
-            return list(stopped.values())
-        for p in family:
-            with suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGSTOP)
-                stopped[p.pid] = p
-
-
-def thaw(family: list[Any]) -> None:
-    """SIGCONT what `freeze_tree` stopped."""
-    import psutil
-
-    for p in family:
-        with suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGCONT)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a process this test started and every process under it, by their ids, and wait until they are gone.
-
-    Stopped first, so none can start another; torchrun's workers and Ray's actors live in sessions of their own,
-    which is why a process group is not enough.
-    """
-    _end_family(proc)
-    proc.communicate() if proc.stdout is not None and not proc.stdout.closed else proc.wait()
-
-
-def _end_family(proc: subprocess.Popen) -> None:
-    import psutil
-
-    family = freeze_tree(proc)
-    for p in family:
-        with suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(family, timeout=60)
-
-
-def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
-    """Kill `proc` and everything under it (`kill_tree`) at the first moment `ready()` holds, which is checked again
-    with all of them stopped: the kill lands exactly in the state the test waited for, not at a moment chosen by a
-    clock."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, "the process ended before the moment to kill it"
-        assert time.monotonic() < deadline, "the moment to kill the process never came"
-        if ready():
-            family = freeze_tree(proc)
-            if ready():
-                kill_tree(proc)
-                return
-            thaw(family)
-        time.sleep(0.02)
-
-
-def descendants(proc: subprocess.Popen, marker: str) -> list[Any]:
-    """Processes under `proc` whose command line contains `marker` (e.g. one Ray actor's class)."""
-    import psutil
-
-    found = []
-    for p in _family(proc)[1:]:
-        with suppress(psutil.NoSuchProcess):
-            if marker in " ".join(p.cmdline()):
-                found.append(p)
-    return found
-
-
-# --- training ---------------------------------------------------------------------------------------------------
-
-
-def sets(*pairs: str) -> list[str]:
-    """`--set key=value` for each pair."""
-    return [arg for pair in pairs for arg in ("--set", pair)]
-
-
-# A tiny run: 8×8 patches of 8 px, a 2-layer encoder and predictor, 4 captions per image.
-TINY_TRAIN = [
-    *("--model", "vit_tiny", "--patch-size", "8", "--image-size", "64", "--batch-size", "8"),
-    *("--captions-per-image", "4", "--no-progress"),
-    *sets("depth=2", "predictor_width=96", "predictor_depth=2", "min_context=4", "val_images=8"),
-    *sets("num_workers=1", "warmup_steps=2"),
-]
-LOSS_KEYS = ("loss", "loss_predict", "loss_sparse", "loss_consistency")
-# The reference run: 12 steps of `cross`, logging every step, validating and checkpointing every 4.
-REFERENCE_STEPS = ["--steps", "12", *sets("log_every=1", "val_every=4", "checkpoint_every=4")]
-# Runs compared across process counts: float32 (bf16 rounds differently per batch split), a checkpoint every 2 steps.
-EXACT_STEPS = ["--steps", "8", *sets("log_every=1", "val_every=4", "checkpoint_every=2", "bf16=false")]
-
-
-def train_args(images: Path, cache: Path | str | None, store: Path | str | None, run: Path, *extra: object) -> list:
-    """`tcjepa train` arguments of a tiny run on `images` (with a cache and store unless they are None)."""
-    data = [] if cache is None else ["--cache", cache, "--store", store]
-    return ["train", images, *data, "--out", run, *TINY_TRAIN, *extra]
-
-
-# --- the training step in one process (test_step, test_compile) -------------------------------------------------
-
-STEP_TEXT_DIM = 16
-STEP_GRID = (8, 8)
-# A tiny model for steps on synthetic batches, float32 so that ways of computing the same update agree to rounding.
-STEP_CONFIG = TrainConfig(
-    model="vit_tiny",
-    image_size=64,
-    patch_size=8,
-    depth=2,
-    width=64,
-    heads=2,
-    predictor_width=32,
-    predictor_depth=2,
-    predictor_heads=2,
-    captions_per_image=3,
-    max_words=10,
-    min_context=4,
-    batch_size=8,
-    bf16=False,
-    grad_clip=1.0,
-    cache="unused",
-    store="unused",
-)
-
-
-def step_batch(step: int, cfg: TrainConfig = STEP_CONFIG) -> Any:
-    """A synthetic batch of `cfg`'s shapes; 40% of its images without any caption, so that micro-batches differ in
-    how many images the regularisers average."""
-    from benchmarks.gpu_check import synthetic_batch
-
-    return synthetic_batch(cfg, STEP_GRID, step, STEP_TEXT_DIM, missing=0.4)
-
-
-def train_steps(cfg: TrainConfig, model: Any, target: Any, batches: list) -> list:
-    """The loss parts of one optimizer step per batch, taken by the trainer's step on the CPU."""
-    import torch
-
-    from train.optim import make_optimizer
-    from train.step import TrainStep, on_device
-
-    optimizer = make_optimizer(model, cfg, torch.device("cpu"))
-    step = TrainStep(model, model, target, optimizer, cfg, torch.device("cpu"))
-    return [step(micro, 0.99) for _, micro in on_device(batches, torch.device("cpu"), cfg.accum_steps)]
-
-
-def assert_same_models(a: Any, b: Any, rtol: float, atol: float) -> None:
-    """Every entry of two models' state dicts agrees within `atol` plus `rtol` of that tensor's largest magnitude.
-
-    Relative to the tensor, not to each element: AdamW divides by the root of the squared gradients, so an element
-    whose gradient is near zero moves by up to the learning rate on float32 rounding noise alone."""
-    import torch
-
-    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
-        scale = float(y.abs().max()) if y.is_floating_point() and y.numel() else 0.0
-        torch.testing.assert_close(x, y, rtol=0.0, atol=atol + rtol * scale, msg=name)
-
-
-def metrics(run: Path) -> list[dict]:
-    """The lines of a run's metrics.jsonl."""
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_close_runs(a: list[dict], b: list[dict]) -> None:
-    """Two runs' metrics agree step by step: losses within float32 reduction-order noise, schedules exactly."""
-    assert [m["step"] for m in a] == [m["step"] for m in b]
-    for x, y in zip(a, b):
-        for key in (*LOSS_KEYS, "val_loss_predict"):
-            if key in x:
-                assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-5), (x["step"], key)
-        if "lr" in x:
-            assert (x["lr"], x["wd"], x["ema"]) == (y["lr"], y["wd"], y["ema"])
-
-
-# --- stores ------------------------------------------------------------------------------------------------------
-
-
-def store_keys(store: Path) -> list[bytes]:
-    """Every caption key of a local store, segment by segment."""
-    from embedding_cache.store import EmbeddingStore
-
-    opened = EmbeddingStore(store)
-    return [k.tobytes() for segment in opened.segment_ids() for k in opened.read_keys(segment)]
-
-
-def assert_same_embeddings(got: Path, want: Path) -> None:
-    """Two local stores hold the same captions, each once, with vectors equal up to bfloat16 rounding (another batch
-    composition changes the last bits)."""
-    from embedding_cache.reader import EmbeddingReader
-
-    keys = store_keys(got)
-    assert len(keys) == len(set(keys)), "a caption is stored twice"
-    assert set(keys) == set(store_keys(want)), "captions lost or added"
-    a, b = EmbeddingReader(got), EmbeddingReader(want)
-    for key in keys:
-        np.testing.assert_allclose(
-            a.get_key(key).astype(np.float32), b.get_key(key).astype(np.float32), atol=0.02, rtol=0.02
-        )
-
-
-# A store of made-up vectors: `numbered_caption(i)` is caption i (its key, `[length, TEST_WIDTH]` float16 vectors).
-TEST_ENCODER = {"kind": "t5-encoder", "model": "fake", "max_length": 64}
-TEST_WIDTH = 8
-
-
-TEST_LAYOUT = TokenLayout(chunk_tokens=16, shard_chunks=4)  # 64-token shards: captions cross chunks and shards
-
-
-def numbered_caption(i: int, length: int | None = None) -> tuple[bytes, np.ndarray]:
-    from pipeline.core.recipes import text_key
-
-    rng = np.random.default_rng(i)
-    n = int(rng.integers(0, 40)) if length is None else length
-    return text_key(f"caption {i}"), rng.standard_normal((n, TEST_WIDTH)).astype(np.float16)
-
-
-def publish_captions(store: Any, ids: Any) -> Any:
-    """Write `numbered_caption(i)` for each of `ids` into a new segment of `store` and publish it."""
-    writer = store.new_segment(TEST_LAYOUT)
-    for i in ids:
-        writer.append(*numbered_caption(i))
-    writer.finish()
-    return store.publish(writer)
-
-
-# --- images ------------------------------------------------------------------------------------------------------
-
-
-def png(colour: Any, size: tuple[int, int] = (32, 24), mode: str = "RGB") -> bytes:
-    """A PNG of one colour."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new(mode, size, colour).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def bad_image_catalogue() -> dict[str, tuple[bytes, str | None]]:
-    """name -> (bytes, expected failure reason prefix or None when it must decode)."""
-    from PIL import Image
-
-    rgb = png("green", (40, 30))
-    jpeg = io.BytesIO()
-    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(jpeg, format="JPEG")
-    palette = io.BytesIO()
-    Image.new("P", (20, 20), 3).save(palette, format="PNG", transparency=3)
-    sixteen = io.BytesIO()
-    Image.fromarray(np.full((20, 20), 40000, dtype=np.uint16)).save(sixteen, format="PNG")
-    bomb = io.BytesIO()
-    Image.new("1", (10_000, 9_000)).save(bomb, format="PNG")
-    return {
-        "ok.png": (rgb, None),
-        "truncated.png": (rgb[: len(rgb) // 2], "corrupt or truncated"),
-        "zero.png": (b"", "empty file"),
-        "pixel.png": (png("red", (1, 1)), "too small"),
-        "bomb.png": (bomb.getvalue(), "decompression bomb"),
-        "cmyk.jpg": (jpeg.getvalue(), None),
-        "palette_alpha.png": (palette.getvalue(), None),
-        "rgba.png": (png((255, 0, 0, 0), (20, 20), "RGBA"), None),
-        "la.png": (png((128, 255), (20, 20), "LA"), None),
-        "sixteen_bit.png": (sixteen.getvalue(), None),
-        "png_named.jpg": (png("blue", (40, 30)), None),
-        "text.png": (b"hello, I am not an image", "not an image"),
-        "huge_but_decodable.png": (png("white", (3000, 2000)), None),
-    }
-
-
-# --- captioning with the tiny VLM --------------------------------------------------------------------------------
-
-TINY_VLLM_ARGS = {"max_model_len": 1024}
-CAPTION_MAX_TOKENS = 12
-# `tcjepa caption` flags of the configuration `caption_config` makes.
-VLLM_CLI = [
-    "--vllm-arg",
-    "max_model_len=1024",
-    "--max-tokens",
-    str(CAPTION_MAX_TOKENS),
-    "--chunk-images",
-    "4",
-    "--decode-workers",
-    "1",
-]
-
-
-def caption_config(images: list, cache: Path, tiny_models: Path, **kw: Any):
-    """A `CaptionConfig` for the tiny VLM on vLLM (the settings of `VLLM_CLI`)."""
-    from captioning.engines import SamplingConfig
-    from captioning.job import CaptionConfig
-
-    return CaptionConfig(
-        inputs=images,
-        cache=cache,
-        model=str(tiny_models / "vlm"),
-        engine_args=dict(TINY_VLLM_ARGS),
-        sampling=SamplingConfig(max_tokens=CAPTION_MAX_TOKENS),
-        chunk_images=4,
-        decode_workers=1,
-        **kw,
-    )
-
-
-def caption_rows(cache: Path, recipe: str | None = None) -> list[dict]:
-    """Every caption row of a cache (of one recipe)."""
-    from captioning.cache import CaptionCache
-
-    return CaptionCache(cache).read_captions(recipes=None if recipe is None else [recipe]).to_pylist()
-
-
 # --- session fixtures --------------------------------------------------------------------------------------------
-
-
-def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's common temporary directory: the base directory of the one process, or under pytest-xdist the
-    controller's, which holds each worker's."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
-    """The directory `name`, made by `build(directory)` once per test session and then only read.
-
-    Under pytest-xdist every worker process would build its own copy of a session fixture; here the first worker to
-    ask builds it in the session's common temporary directory (the workers' base directories' parent) while the
-    others wait on its lock, and all of them use that one. A build that failed leaves no `.done` mark: the next
-    worker to ask builds it again (and fails as loudly). Only for fixtures no test writes into.
-    """
-    from filelock import FileLock
-
-    shared = session_root(tmp_path_factory) / "built-once"
-    shared.mkdir(exist_ok=True)
-    out, done = shared / name, shared / f"{name}.done"
-    with FileLock(str(shared / f"{name}.lock")):
-        if not done.exists():
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir()
-            build(out)
-            done.touch()
-    return out
-
-
-SYNTH_ARGS = ("--n-images", 40, "--seed", 3)  # the session's synthetic scenes
 
 
 @pytest.fixture(scope="session")
@@ -569,19 +98,6 @@ def tiny_models(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "tiny", lambda out: tcjepa("tiny-models", "--out", out))
 
 
-def another_t5(tiny_models: Path, out: Path) -> Path:
-    """A copy of the session's tiny T5 with one weight changed: another encoder to every recipe, for the price of a
-    file copy (building one with `tcjepa tiny-models --seed 1` costs ~10 CPU-seconds)."""
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(tiny_models / "t5", out)
-    weights = load_file(out / "model.safetensors")
-    first = sorted(weights)[0]
-    weights[first] = weights[first] + np.ones((), weights[first].dtype)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 @pytest.fixture(scope="session")
 def annotated_cache(tmp_path_factory, synth_dir) -> Path:
     annotations = synth_dir / "captions.jsonl"
@@ -589,10 +105,6 @@ def annotated_cache(tmp_path_factory, synth_dir) -> Path:
         tmp_path_factory, "cache", lambda out: tcjepa("caption", "--cache", out / "cache", "--annotations", annotations)
     )
     return out / "cache"
-
-
-# The embedding settings of `annotated_store`: small chunks and shards, so captions cross both.
-SMALL_STORE = ["--chunk-tokens", "64", "--shard-chunks", "4", "--window", "64", "--no-progress"]
 
 
 @pytest.fixture(scope="session")
@@ -606,15 +118,6 @@ def annotated_store(tmp_path_factory, annotated_cache, tiny_models) -> Path:
         (out / "embed.stdout").write_text(done.stdout)  # what the command said, for test_embed
 
     return built_once(tmp_path_factory, "store", build) / "store"
-
-
-VECTOR_WIDTH = 16
-
-
-def caption_vector(key: bytes, text: str) -> np.ndarray:
-    """A stand-in caption embedding, a function of the caption: one row per word and one for EOS."""
-    rng = np.random.default_rng(list(key[:8]))
-    return rng.standard_normal((len(text.split()) + 1, VECTOR_WIDTH)).astype(np.float16)
 
 
 @pytest.fixture(scope="session")
@@ -744,20 +247,6 @@ def s3_server() -> Iterator[dict[str, str]]:
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
     }
     server.stop()
-
-
-def s3_bucket(server: dict[str, str], name: str) -> Any:
-    """An s3fs file system on the session's S3 server (`s3_server`), with the bucket `name` made."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(
-        key=server["AWS_ACCESS_KEY_ID"],
-        secret=server["AWS_SECRET_ACCESS_KEY"],
-        endpoint_url=server["AWS_ENDPOINT_URL"],
-        skip_instance_cache=True,
-    )
-    fs.mkdir(name)
-    return fs
 
 
 @pytest.fixture

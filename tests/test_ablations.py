@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from benchmarks import ablations
-from tests.conftest import python_module
+from tests.support.commands import python_module
 
 
 def test_mean_and_sample_standard_deviation_over_seeds():

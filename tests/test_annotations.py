@@ -4,7 +4,7 @@ from PIL import Image
 
 from captioning.cache import CaptionCache
 from pipeline.core.recipes import sha256_file
-from tests.conftest import refused, tcjepa
+from tests.support.commands import refused, tcjepa
 
 
 def _image(path, colour):

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.conftest import python_module
+from tests.support.commands import python_module
 
 
 def _result(*args: object) -> dict:

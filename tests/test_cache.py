@@ -9,7 +9,7 @@ from captioning.cache import CaptionCache, caption_row
 from captioning.verify import verify_cache
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import recipe_hash
-from tests.conftest import refused, tcjepa
+from tests.support.commands import refused, tcjepa
 
 RECIPE = {"kind": "test", "model": "m"}
 

@@ -11,16 +11,12 @@ from captioning.job import CaptionConfig, in_shard, run_caption
 from captioning.prompts import samples_per_prompt
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import sha256_file
-from tests.conftest import (
-    TINY_VLLM_ARGS,
-    bad_image_catalogue,
-    kill_when,
-    refused,
-    start_tcjepa,
-    tcjepa,
-)
-from tests.conftest import caption_config as _cfg
-from tests.conftest import caption_rows as _rows
+from tests.support.captions import TINY_VLLM_ARGS
+from tests.support.captions import caption_config as _cfg
+from tests.support.captions import caption_rows as _rows
+from tests.support.commands import refused, start_tcjepa, tcjepa
+from tests.support.images import bad_image_catalogue
+from tests.support.processes import kill_when
 
 
 def _keyed(rows):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 PLAIN = '@torch.library.register_fake("torchvision::{op}")\ndef meta_{op}(*args):\n    pass\n'
 

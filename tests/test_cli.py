@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from tests.conftest import tcjepa
+from tests.support.commands import tcjepa
 
 
 def test_usage_errors_are_one_line_with_where_the_help_is():

@@ -18,7 +18,8 @@ from captioning.cache import CaptionCache, caption_row
 from captioning.compact import compact_cache, plan_groups
 from captioning.verify import verify_cache
 from pipeline.core.errors import UserError
-from tests.conftest import REPO, refused, tcjepa
+from tests.support.commands import refused, tcjepa
+from tests.support.repo import REPO
 
 
 def _many_small_shards(root: Path, shards: int = 24, images_per_shard: int = 6) -> CaptionCache:

@@ -10,15 +10,9 @@ import os
 import pytest
 import torch
 
-from tests.conftest import (
-    STEP_CONFIG,
-    STEP_TEXT_DIM,
-    TINY_TRAIN,
-    assert_same_models,
-    step_batch,
-    tcjepa,
-    train_steps,
-)
+from tests.support.commands import tcjepa
+from tests.support.training import TINY_TRAIN
+from tests.support.training_step import STEP_CONFIG, STEP_TEXT_DIM, assert_same_models, step_batch, train_steps
 from train.config import ModelConfig, TrainConfig
 from train.jepa import build_models
 from train.parallel import checkpoint_blocks, compile_blocks

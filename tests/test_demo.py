@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import tcjepa
+from tests.support.commands import tcjepa
 
 
 @pytest.mark.slow

@@ -12,17 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    EXACT_STEPS,
-    assert_close_runs,
-    finish,
-    metrics,
-    run_command,
-    start,
-    tcjepa,
-    torchrun,
-    train_args,
-)
+from tests.support.commands import run_command, tcjepa, torchrun
+from tests.support.processes import finish, start
+from tests.support.training import EXACT_STEPS, assert_close_runs, metrics, train_args
 from train.checkpoint import LATEST, SHARDED, load_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -20,7 +20,9 @@ from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import STAGING, EmbeddingStore
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import sha256_file
-from tests.conftest import SMALL_STORE, assert_same_embeddings, kill_when, refused, start_tcjepa, store_keys, tcjepa
+from tests.support.commands import refused, start_tcjepa, tcjepa
+from tests.support.processes import kill_when
+from tests.support.stores import SMALL_STORE, assert_same_embeddings, store_keys
 
 
 def _embed(cache, store, tiny_models, **changes) -> EmbedReport:

@@ -33,7 +33,8 @@ from evaluation.probes import (
 from evaluation.protocol import GRAD_TOLERANCE, L2_GRID, L2_LIMITS
 from pipeline.core.errors import UserError
 from pipeline.core.sources import list_images
-from tests.conftest import another_t5, refused, tcjepa
+from tests.support.commands import refused, tcjepa
+from tests.support.models import another_t5
 
 
 @pytest.fixture(scope="module")

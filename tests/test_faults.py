@@ -21,7 +21,8 @@ import pytest
 
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.recipes import sha256_file
-from tests.conftest import cli, run_command, sets, tcjepa, train_args
+from tests.support.commands import cli, run_command, tcjepa
+from tests.support.training import sets, train_args
 
 
 def _file_size_limit(max_bytes: int) -> Callable[[], None]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 # Installed as sitecustomize in every Python process of the check (the torchrun one too).
 BLOCKER = """

@@ -19,7 +19,8 @@ from embedding_cache.store import EmbeddingStore, TokenLayout
 from embedding_cache.transform import fit_transform
 from pipeline.core.images import load_rgb, open_image, oriented_size
 from pipeline.core.recipes import text_key
-from tests.conftest import assert_close_runs, metrics, tcjepa, train_args
+from tests.support.commands import tcjepa
+from tests.support.training import assert_close_runs, metrics, train_args
 from train.data import Batch, BatchBuffers
 from train.images import EncodedImages, crop_resize, device_decodable, draft_reduction
 from train.step import to_device

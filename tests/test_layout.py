@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 PACKAGES = ("pipeline", "captioning", "embedding_cache", "train", "evaluation")
 

@@ -14,17 +14,11 @@ import pytest
 
 from captioning.cache import CaptionCache
 from captioning.job import run_caption
-from tests.conftest import (
-    VLLM_CLI,
-    assert_same_embeddings,
-    bad_image_catalogue,
-    caption_config,
-    caption_rows,
-    descendants,
-    finish,
-    start_tcjepa,
-    tcjepa,
-)
+from tests.support.captions import VLLM_CLI, caption_config, caption_rows
+from tests.support.commands import start_tcjepa, tcjepa
+from tests.support.images import bad_image_catalogue
+from tests.support.processes import descendants, finish
+from tests.support.stores import assert_same_embeddings
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 WITHOUT_RAY_ADDRESS = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

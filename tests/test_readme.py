@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 PACKAGES = ("pipeline", "captioning", "embedding_cache", "train", "evaluation")
 README_MAX_LINES = 300

@@ -14,22 +14,12 @@ from captioning.remote_cache import mirror_cache
 from embedding_cache.remote_store import mirror_store
 from pipeline.core.errors import DataProblem
 from pipeline.core.remote import mirror_path
-from tests.conftest import (
-    EXACT_STEPS,
-    REPO,
-    TINY_TRAIN,
-    assert_close_runs,
-    assert_same_embeddings,
-    finish,
-    kill_when,
-    metrics,
-    s3_bucket,
-    start,
-    start_tcjepa,
-    tcjepa,
-    torchrun,
-    two_nodes,
-)
+from tests.support.commands import start_tcjepa, tcjepa, torchrun, two_nodes
+from tests.support.processes import finish, kill_when, start
+from tests.support.repo import REPO
+from tests.support.s3 import s3_bucket
+from tests.support.stores import assert_same_embeddings
+from tests.support.training import EXACT_STEPS, TINY_TRAIN, assert_close_runs, metrics
 
 pytestmark = pytest.mark.s3
 BUCKET = "tcjepa-test"

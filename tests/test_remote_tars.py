@@ -14,18 +14,10 @@ import pytest
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.remote_tars import ShardMembers, fetch_shards, read_images, shard_mirror
 from pipeline.core.sources import ImageRef, list_images
-from tests.conftest import (
-    TINY_TRAIN,
-    assert_close_runs,
-    cli,
-    finish,
-    metrics,
-    s3_bucket,
-    sets,
-    start,
-    torchrun,
-    two_nodes,
-)
+from tests.support.commands import cli, torchrun, two_nodes
+from tests.support.processes import finish, start
+from tests.support.s3 import s3_bucket
+from tests.support.training import TINY_TRAIN, assert_close_runs, metrics, sets
 
 pytestmark = pytest.mark.s3
 BUCKET = "tcjepa-tars"

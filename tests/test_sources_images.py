@@ -15,7 +15,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.recipes import sha256_bytes
 from pipeline.core.sources import ImageReader, iter_images, list_images
-from tests.conftest import bad_image_catalogue, png
+from tests.support.images import bad_image_catalogue, png
 
 IMAGES = {f"im{i}.png": png((40 * i, 255 - 30 * i, 90)) for i in range(5)}
 

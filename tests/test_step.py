@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tests.conftest import STEP_CONFIG, STEP_TEXT_DIM, assert_same_models, step_batch, train_steps
+from tests.support.training_step import STEP_CONFIG, STEP_TEXT_DIM, assert_same_models, step_batch, train_steps
 from train.config import ModelConfig, TrainConfig
 from train.data import Batch
 from train.jepa import build_models

@@ -18,7 +18,7 @@ from embedding_cache.transform import fit_pca, fit_transform
 from embedding_cache.verify import verify_store
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import recipe_hash, text_key
-from tests.conftest import refused, tcjepa
+from tests.support.commands import refused, tcjepa
 
 ENC = {"kind": "t5-encoder", "model": "fake", "max_length": 64}
 SMALL = ["--chunk-tokens", "64", "--shard-chunks", "4", "--window", "64", "--no-progress"]

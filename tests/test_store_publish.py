@@ -20,7 +20,7 @@ import zarr
 
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import STAGING, EmbeddingStore
-from tests.conftest import TEST_ENCODER, TEST_LAYOUT, TEST_WIDTH, numbered_caption, publish_captions
+from tests.support.stores import TEST_ENCODER, TEST_LAYOUT, TEST_WIDTH, numbered_caption, publish_captions
 
 
 def _staged(store: EmbeddingStore, ids, **attrs):

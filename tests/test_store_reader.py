@@ -9,11 +9,11 @@ from embedding_cache.reader import EmbeddingReader, StoreKeys
 from embedding_cache.store import EmbeddingStore, TokenLayout
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
-from tests.conftest import TEST_ENCODER as ENC
-from tests.conftest import TEST_LAYOUT as LAYOUT
-from tests.conftest import TEST_WIDTH as D
-from tests.conftest import numbered_caption as _caption
-from tests.conftest import publish_captions as _write
+from tests.support.stores import TEST_ENCODER as ENC
+from tests.support.stores import TEST_LAYOUT as LAYOUT
+from tests.support.stores import TEST_WIDTH as D
+from tests.support.stores import numbered_caption as _caption
+from tests.support.stores import publish_captions as _write
 
 
 def test_reader_returns_exactly_what_zarr_returns(tmp_path):
@@ -171,7 +171,7 @@ def test_a_damaged_shard_index_is_refused_by_the_reader_and_by_store_verify(tmp_
     """Each shard file ends with its index of inner chunks and that index's crc32c. A flipped bit in the index would
     send a memory-mapped read to the wrong bytes: the reader checks the crc when it first maps the shard (numcodecs'
     CRC32C) and refuses the file in one line, and `tcjepa store verify` reports it."""
-    from tests.conftest import refused
+    from tests.support.commands import refused
 
     store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
     _write(store, range(0, 20))

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 # Five tests of a group, five of none and one of the unit tier; each records its worker and the order it ran in.
 TESTS = """

@@ -4,7 +4,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline.devkit import synth
-from tests.conftest import refused, tcjepa
+from tests.support.commands import refused, tcjepa
 
 
 def test_synth_files_labels_and_captions(synth_dir):

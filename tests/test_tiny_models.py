@@ -2,7 +2,7 @@ import hashlib
 
 import pytest
 
-from tests.conftest import tcjepa
+from tests.support.commands import tcjepa
 
 
 def _digests(root):

@@ -16,22 +16,16 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import (
+from tests.support.commands import cli, refused, run_command, start_tcjepa, tcjepa, torchrun
+from tests.support.processes import kill_tree, start
+from tests.support.training import (
     EXACT_STEPS,
     LOSS_KEYS,
     REFERENCE_STEPS,
     TINY_TRAIN,
     assert_close_runs,
-    cli,
-    kill_tree,
     metrics,
-    refused,
-    run_command,
     sets,
-    start,
-    start_tcjepa,
-    tcjepa,
-    torchrun,
     train_args,
 )
 from train.checkpoint import checkpoint_step, has_checkpoint

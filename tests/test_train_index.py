@@ -12,7 +12,8 @@ from embedding_cache.reader import EmbeddingReader
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
 from pipeline.core.sources import ImageReader
-from tests.conftest import REPO, png
+from tests.support.images import png
+from tests.support.repo import REPO
 from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index
 
 N = 40  # images in the session's synth_dir, 8 captions each

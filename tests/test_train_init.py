@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipeline.core.errors import UserError
-from tests.conftest import sets, tcjepa
+from tests.support.commands import tcjepa
+from tests.support.training import sets
 from train.config import ModelConfig, TrainConfig
 from train.initial import initialise
 from train.jepa import build_models

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from pipeline.core.errors import UserError
-from tests.conftest import sets, tcjepa, train_args
+from tests.support.commands import tcjepa
+from tests.support.training import sets, train_args
 from train.reporting import Progress, check_loggers, format_line
 
 RECORD = {

@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.startup import build_run
 from embedding_cache.store import EmbeddingStore
-from tests.conftest import REPO
+from tests.support.repo import REPO
 from train.config import ModelConfig, TrainConfig
 from train.data import StepBatches
 from train.data_index import build_index

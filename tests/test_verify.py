@@ -18,7 +18,7 @@ from embedding_cache.store import EmbeddingStore, array_sha256
 from embedding_cache.verify import verify_store
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import canonical_json, sha256_file
-from tests.conftest import tcjepa
+from tests.support.commands import tcjepa
 
 
 @pytest.fixture

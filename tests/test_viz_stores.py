@@ -12,7 +12,8 @@ from embedding_cache.reader import EmbeddingReader
 from evaluation.viz import encode_captions
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
-from tests.conftest import another_t5, tcjepa
+from tests.support.commands import tcjepa
+from tests.support.models import another_t5
 
 
 @pytest.mark.parametrize("codec_args", [["--store-dtype", "int8"], ["--store-dtype", "int8", "--project-dim", "16"]])
