@@ -47,9 +47,13 @@ def _fit(x: np.ndarray, y: np.ndarray, l2: float, multilabel: bool) -> Any:
     return [one(y[:, j]) for j in range(y.shape[1])] if multilabel else one(y)
 
 
-def _scores(model: Any, x: np.ndarray, multilabel: bool) -> np.ndarray:
+def _scores(model: Any, x: np.ndarray, multilabel: bool, classes: int = 0) -> np.ndarray:
+    """Log-probabilities `[n, classes]` (a class the training rows lack, or a probability of 0 in float64, at
+    e^-745), or per-label logits for the multi-label problem."""
     if not multilabel:
-        return model.predict_log_proba(x)
+        out = np.full((len(x), classes), np.log(1e-323))
+        out[:, model.classes_] = np.log(np.clip(model.predict_proba(x), 1e-323, None))
+        return out
     columns = [
         np.full(len(x), math.log(m / (1 - m)) if 0 < m < 1 else (50.0 if m else -50.0))
         if isinstance(m, float)
@@ -75,23 +79,25 @@ def sklearn_probe(
     """The probe's test figure by scikit-learn: the penalty of `grid` chosen on validation, refitted on train +
     validation."""
     multilabel = kind == "multilabel"
+    classes = 0 if multilabel else int(y.max()) + 1
     train, val, test = rows
     xt, xv = _standardise(x[train], x[val])
     ranked = []
     for l2 in grid:
-        metric, loss = _selection(_scores(_fit(xt, y[train], l2, multilabel), xv, multilabel), y[val], multilabel)
+        scores = _scores(_fit(xt, y[train], l2, multilabel), xv, multilabel, classes)
+        metric, loss = _selection(scores, y[val], multilabel)
         ranked.append((metric, -loss, l2))
     best = max(ranked)
     tied = [r for r in ranked if r[:2] == best[:2]]
     l2 = sorted(r[2] for r in tied)[len(tied) // 2]
     trainval = np.concatenate([train, val])
     xtv, xs = _standardise(x[trainval], x[test])
-    scores = _scores(_fit(xtv, y[trainval], l2, multilabel), xs, multilabel)
+    scores = _scores(_fit(xtv, y[trainval], l2, multilabel), xs, multilabel, classes)
     if multilabel:
         figure = mean_average_precision(scores, y[test] > 0.5)[0]
     elif kind == "dense":
         pred = scores.argmax(1)
-        figure = {"patch_accuracy": float((pred == y[test]).mean()), "miou": mean_iou(pred, y[test], int(y.max()) + 1)}
+        figure = {"patch_accuracy": float((pred == y[test]).mean()), "miou": mean_iou(pred, y[test], classes)}
     else:
         figure = float((scores.argmax(1) == y[test]).mean())
     return {"l2": l2, "figure": figure}

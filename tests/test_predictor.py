@@ -603,3 +603,48 @@ def test_cross_attention_and_regularisers_compile_as_one_graph(pool):
     traced = torch.autograd.grad(compiled(text.tokens, text.lengths), list(lean.parameters()))
     for got, want in zip(traced, eager):
         torch.testing.assert_close(got, want)
+
+
+def test_sigreg_is_the_epps_pulley_distance_of_the_projections_from_a_standard_normal():
+    """By a fine numerical integral for one direction; near 0 for standard normal embeddings, large for collapsed
+    ones (every embedding the same vector) and for a wrong scale; directions drawn from (seed, step) alone."""
+    from train.losses import sigreg, sigreg_directions
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4000, 1, generator=g, dtype=torch.float64)
+    t = torch.linspace(-3, 3, 6001, dtype=torch.float64)
+    error = (torch.cos(z * t).mean(0) - torch.exp(-0.5 * t * t)) ** 2 + torch.sin(z * t).mean(0) ** 2
+    by_hand = float(torch.trapezoid(error * torch.exp(-0.5 * t * t), t))
+    assert float(sigreg(z, torch.ones(1, 1))) == pytest.approx(by_hand, rel=0.05, abs=1e-5)
+    directions = sigreg_directions(16, 64, seed=3, step=5, device=torch.device("cpu"))
+    assert directions.shape == (16, 64) and torch.allclose(directions.norm(dim=0), torch.ones(64))
+    assert torch.equal(directions, sigreg_directions(16, 64, seed=3, step=5, device=torch.device("cpu")))
+    assert not torch.equal(directions, sigreg_directions(16, 64, seed=3, step=6, device=torch.device("cpu")))
+    normal = float(sigreg(torch.randn(4000, 16, generator=g), directions))
+    collapsed = float(sigreg(torch.randn(1, 16, generator=g).expand(4000, 16), directions))
+    squeezed = float(sigreg(0.2 * torch.randn(4000, 16, generator=g), directions))
+    assert normal < 0.002 and collapsed > 50 * normal and squeezed > 20 * normal
+
+
+def test_a_step_with_sigreg_reports_it_and_moves_the_context_encoder_towards_it():
+    """`sigreg` > 0: the step's fifth part is SIGReg of the context tokens, and its gradient reaches the encoder (the
+    encoder differs after one step from the same step without it); 0 leaves the objective as it was."""
+    import dataclasses
+
+    from tests.support.training_step import STEP_CONFIG, STEP_TEXT_DIM, step_batch, train_steps
+    from train.config import ModelConfig
+    from train.jepa import build_models
+
+    with_sigreg = dataclasses.replace(STEP_CONFIG, sigreg=1.0, sigreg_directions=32)
+    encoders, parts = [], []
+    for cfg in (STEP_CONFIG, with_sigreg):
+        torch.manual_seed(0)
+        model, target = build_models(ModelConfig.of(cfg), STEP_TEXT_DIM)
+        parts.append(torch.stack(train_steps(cfg, model, target, [step_batch(0, cfg)])))
+        encoders.append(model.encoder.state_dict())
+    assert float(parts[0][0, 4]) == 0.0 and float(parts[1][0, 4]) > 0
+    total, predict, sparse, consistency, anti_collapse = parts[1][0]
+    lam, beta = with_sigreg.lambda_sparse, with_sigreg.beta_consistency
+    torch.testing.assert_close(total, predict + lam * sparse + beta * consistency + 1.0 * anti_collapse)
+    assert torch.equal(parts[0][0, 1], parts[1][0, 1]), "the same prediction loss before the update"
+    assert any(not torch.equal(encoders[0][k], encoders[1][k]) for k in encoders[0])

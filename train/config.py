@@ -175,6 +175,12 @@ class TrainConfig:
         "paper's formula), or per attention head with each caption's keys centred over its words (what the softmax "
         "acts on; a shift shared by all words cannot make every cosine negative)",
     )
+    sigreg: float = setting(
+        0.0,
+        "weight of LeJEPA's SIGReg on the context encoder's tokens (their projections on random directions pushed "
+        "towards N(0, 1), an anti-collapse term; 0: off, the paper's objective)",
+    )
+    sigreg_directions: int = setting(256, "random directions SIGReg projects on (drawn anew each step)")
     # optimisation
     batch_size: int = setting(64, "global batch size (all ranks together; divisible by the number of processes)")
     partitions: int = setting(
@@ -475,6 +481,7 @@ POSITIVE = (
     "checkpoint_keep",
     "accum_steps",
     "ddp_bucket_mb",
+    "sigreg_directions",
 )
 
 
@@ -494,8 +501,8 @@ def validate(config: TrainConfig) -> None:
         raise UserError(f"checkpoint_every_keep must be >= 0 (0: none), got {config.checkpoint_every_keep}")
     if not 0.0 <= config.min_coverage <= 1.0:
         raise UserError(f"min_coverage must be in [0, 1], got {config.min_coverage}")
-    if config.lambda_sparse < 0 or config.beta_consistency < 0:
-        raise UserError("lambda_sparse and beta_consistency must be >= 0")
+    if config.lambda_sparse < 0 or config.beta_consistency < 0 or config.sigreg < 0:
+        raise UserError("lambda_sparse, beta_consistency and sigreg must be >= 0")
     if not (0 < config.crop_scale[0] <= config.crop_scale[1] <= 1 and 0 < config.crop_ratio[0] <= config.crop_ratio[1]):
         raise UserError(
             f"crop_scale must satisfy 0 < low <= high <= 1 and crop_ratio 0 < low <= high; got {config.crop_scale}, "

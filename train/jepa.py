@@ -37,7 +37,9 @@ class JEPA(nn.Module):
         context_valid: torch.Tensor | None = None,
     ) -> PredictorOutput:
         context = self.encoder(images, keep=context_idx, keep_valid=context_valid)
-        return self.predictor(context, context_idx, target_idx, text, context_valid)
+        out = self.predictor(context, context_idx, target_idx, text, context_valid)
+        out.context = context
+        return out
 
 
 def build_models(model: ModelConfig, text_dim: int | None) -> tuple[JEPA, VisionTransformer]:

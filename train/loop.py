@@ -160,7 +160,7 @@ class Trainer:
         itself queues its work and moves on.
         """
         cfg, rt = self.cfg, self.rt
-        sums = torch.zeros(4, device=rt.device)
+        sums = torch.zeros(5, device=rt.device)
         replaced = 0
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
@@ -169,7 +169,7 @@ class Trainer:
         batches = on_device(loader, rt.device, cfg.accum_steps)
         try:
             for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
-                sums += self.step(micro, self._set_schedules(step))
+                sums += self.step(micro, self._set_schedules(step), step)
                 done = step + 1
                 logged_steps += 1
                 images_seen += cfg.batch_size
@@ -191,6 +191,7 @@ class Trainer:
                         "loss_predict": means[1],
                         "loss_sparse": means[2],
                         "loss_consistency": means[3],
+                        **({"loss_sigreg": means[4]} if cfg.sigreg > 0 else {}),
                         "lr": self.lr(step),
                         "wd": self.wd(step),
                         "ema": self.ema(step),

@@ -335,3 +335,29 @@ def text_regularisers(
     )
     counted = (words.sum(dim=1) * token_mask.sum(dim=1)).sum()  # valid words × real tokens, the same every layer
     return TextRegularisers(sparse, consistency, positive / counted.clamp_min(1), counted)
+
+
+SIGREG_KNOTS = 17  # quadrature points of the Epps–Pulley integral over t in [0, SIGREG_T]
+SIGREG_T = 3.0
+
+
+def sigreg_directions(width: int, count: int, seed: int, step: int, device: torch.device) -> torch.Tensor:
+    """`[width, count]` random unit directions for step `step`: drawn from (seed, step) alone, so every process of a
+    run draws the same ones and a resumed run the same as an uninterrupted one."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    directions = torch.randn(width, count, generator=generator)
+    return (directions / directions.norm(dim=0, keepdim=True)).to(device)
+
+
+def sigreg(embeddings: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+    """LeJEPA's SIGReg: how far the embeddings `[n, D]`, projected on unit `directions` `[D, K]`, are from N(0, 1),
+    by the Epps–Pulley statistic: ∫ |φ_n(t) − e^{−t²/2}|² e^{−t²/2} dt over t (symmetric, so twice the integral over
+    [0, T], by the trapezoid rule), φ_n the projections' empirical characteristic function; averaged over the
+    directions. 0 when every projection is standard normal; it grows as the embeddings collapse onto fewer
+    directions."""
+    z = embeddings.float() @ directions.float()  # [n, K]
+    t = torch.linspace(0, SIGREG_T, SIGREG_KNOTS, device=z.device)
+    phase = z[..., None] * t  # [n, K, T]
+    gauss = torch.exp(-0.5 * t * t)
+    error = (torch.cos(phase).mean(0) - gauss).square() + torch.sin(phase).mean(0).square()  # [K, T]
+    return 2 * torch.trapezoid(error * gauss, t, dim=-1).mean()

@@ -1,4 +1,5 @@
-"""One batch's objective: L = L_predict + λ·L_sparse + β·L_consistency, and each micro-batch's share of it.
+"""One batch's objective: L = L_predict + λ·L_sparse + β·L_consistency (+ an optional anti-collapse term, LeJEPA's
+SIGReg on the context encoder's tokens, off by default), and each micro-batch's share of it.
 
 The loss functions themselves are `train.losses`'s; this module runs the target encoder, the JEPA and those functions
 on a batch with the run's settings (its loss, its regulariser weights and cosine).
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from train.config import TrainConfig, resolved_predictor_heads
-from train.losses import prediction_loss, target_features, text_regularisers
+from train.losses import prediction_loss, sigreg, target_features, text_regularisers
 from train.predictor import PredictorOutput, TextBatch
 from train.vit import VisionTransformer
 
@@ -26,15 +27,23 @@ class StepLosses:
     positive_fraction: torch.Tensor | None  # [L] in cross mode
     cosine_pairs: torch.Tensor | None = None  # the valid patch–word pairs `positive_fraction` is a share of
     output: PredictorOutput | None = None  # cross mode: the predictor's output (validation reads its cosines)
+    sigreg: torch.Tensor | None = None  # SIGReg of the context tokens (with `sigreg` > 0 and directions)
 
     def weighted(self, predict: float, text: float | torch.Tensor, cfg: TrainConfig) -> StepLosses:
         """A micro-batch's share of its step's losses: the prediction loss (a mean over target patches, the same
-        number per image) times its share of the images, the regularisers (means over images with captions) times its
-        share of those, so the shares of a step's micro-batches add up to the whole batch's losses."""
+        number per image) and SIGReg times its share of the images, the regularisers (means over images with
+        captions) times its share of those, so the shares of a step's micro-batches add up to the whole batch's."""
+        sig = None if self.sigreg is None else self.sigreg * predict
         scaled = replace(
-            self, predict=self.predict * predict, sparse=self.sparse * text, consistency=self.consistency * text
+            self,
+            predict=self.predict * predict,
+            sparse=self.sparse * text,
+            consistency=self.consistency * text,
+            sigreg=sig,
         )
         scaled.total = scaled.predict + cfg.lambda_sparse * scaled.sparse + cfg.beta_consistency * scaled.consistency
+        if sig is not None:
+            scaled.total = scaled.total + cfg.sigreg * sig
         return scaled
 
 
@@ -47,8 +56,10 @@ def compute_losses(
     text: TextBatch | None,
     cfg: TrainConfig,
     context_valid: torch.Tensor | None = None,
+    sigreg_directions: torch.Tensor | None = None,
 ) -> StepLosses:
-    """L = L_predict + λ·L_sparse + β·L_consistency for one batch (regularisers only in cross mode with text).
+    """L = L_predict + λ·L_sparse + β·L_consistency for one batch (regularisers only in cross mode with text), plus
+    `cfg.sigreg` × SIGReg of the context encoder's real tokens when `sigreg_directions` `[D, K]` are given.
 
     `context_valid` bool `[B, Lc]` marks real context patches when contexts are padded to one length.
     """
@@ -57,8 +68,13 @@ def compute_losses(
     out = model(images, context_idx, target_idx, text, context_valid)
     predict = prediction_loss(out.prediction, targets, cfg.loss)
     zero = predict.new_zeros(())
+    anti_collapse = None
+    if sigreg_directions is not None and cfg.sigreg > 0 and out.context is not None:
+        tokens = out.context if context_valid is None else out.context[context_valid]
+        anti_collapse = sigreg(tokens.reshape(-1, tokens.shape[-1]), sigreg_directions)
+    extra = zero if anti_collapse is None else cfg.sigreg * anti_collapse
     if not out.queries or text is None:
-        return StepLosses(predict, predict, zero, zero, None)
+        return StepLosses(predict + extra, predict, zero, zero, None, sigreg=anti_collapse)
     regs = text_regularisers(
         out.queries,
         out.keys,
@@ -68,5 +84,7 @@ def compute_losses(
         cosine=cfg.regulariser_cosine,
         heads=resolved_predictor_heads(cfg),
     )
-    total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency
-    return StepLosses(total, predict, regs.sparse, regs.consistency, regs.positive_fraction, regs.pairs, out)
+    total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency + extra
+    return StepLosses(
+        total, predict, regs.sparse, regs.consistency, regs.positive_fraction, regs.pairs, out, anti_collapse
+    )

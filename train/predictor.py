@@ -82,6 +82,7 @@ class PredictorOutput:
     queries: list[torch.Tensor]  # cross mode: per layer, the cross-attention queries [B, M*T, d]; else empty
     keys: list[torch.Tensor]  # cross mode: per layer, the caption word keys [B, N, S, d]; else empty
     token_valid: torch.Tensor | None = None  # bool [B, M*T]: False on context padding (None: no padding)
+    context: torch.Tensor | None = None  # the context encoder's tokens [B, Lc, D] (`JEPA` sets it; SIGReg reads it)
 
     @property
     def cosines(self) -> list[torch.Tensor]:

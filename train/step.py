@@ -26,6 +26,7 @@ from torch import nn
 from train.config import TrainConfig
 from train.data import Normalise
 from train.jepa import JEPA, ema_update
+from train.losses import sigreg_directions
 from train.objective import StepLosses, compute_losses
 from train.predictor import TextBatch
 from train.vit import VisionTransformer
@@ -202,7 +203,8 @@ def _reduce_gradients(module: nn.Module, now: bool) -> Iterator[None]:
 
 class TrainStep:
     """The trainer's step: `step(micro_batches, momentum)` does forward and backward of every micro-batch, one AdamW
-    update and the EMA of the target encoder; it returns the step's loss parts (total, predict, sparse, consistency)
+    update and the EMA of the target encoder; it returns the step's loss parts (total, predict, sparse, consistency,
+    sigreg)
     as a tensor on the device, never read here."""
 
     def __init__(
@@ -237,14 +239,25 @@ class TrainStep:
         # the shuffled and caption-less controls of validation are not.
         return TextBatch(tokens, mb.lengths.clone())
 
-    def losses(self, module: nn.Module, mb: DeviceBatch, text: TextBatch | None) -> StepLosses:
-        """`mb`'s losses through `module` with captions `text` (the batch's own, shuffled ones, or none)."""
+    def losses(
+        self, module: nn.Module, mb: DeviceBatch, text: TextBatch | None, directions: torch.Tensor | None = None
+    ) -> StepLosses:
+        """`mb`'s losses through `module` with captions `text` (the batch's own, shuffled ones, or none); with SIGReg's
+        `directions`, its term too (training only: validation reports the prediction loss)."""
         valid = None
         if self.masked:
             valid = torch.arange(mb.context.shape[1], device=mb.context.device) < mb.context_lengths[:, None]
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.cfg.bf16):
             return compute_losses(
-                module, self.target, self.normalise(mb.images), mb.context, mb.targets, text, self.cfg, valid
+                module,
+                self.target,
+                self.normalise(mb.images),
+                mb.context,
+                mb.targets,
+                text,
+                self.cfg,
+                valid,
+                directions,
             )
 
     def _text_shares(self, micro: list[DeviceBatch]) -> list[torch.Tensor | float]:
@@ -260,17 +273,24 @@ class TrainStep:
         scale = dist.get_world_size() / total.clamp_min(1)
         return [n * scale for n in mine]
 
-    def __call__(self, micro: list[DeviceBatch], momentum: float) -> torch.Tensor:
+    def __call__(self, micro: list[DeviceBatch], momentum: float, step: int = 0) -> torch.Tensor:
+        """One optimiser step (`step`: the run's step, which draws SIGReg's directions); returns the loss parts
+        (total, predict, sparse, consistency, sigreg) on the device."""
         images = sum(len(mb) for mb in micro)
         text_shares = self._text_shares(micro)
-        parts = torch.zeros(4, device=self.device)
+        parts = torch.zeros(5, device=self.device)
+        directions = None
+        if self.cfg.sigreg > 0:
+            width = self.model.encoder.width
+            directions = sigreg_directions(width, self.cfg.sigreg_directions, self.cfg.seed, step, self.device)
         self.optimizer.zero_grad(set_to_none=True)
         for i, (mb, text_share) in enumerate(zip(micro, text_shares)):
             with _reduce_gradients(self.module, now=i == len(micro) - 1):
-                losses = self.losses(self.module, mb, self.text(mb))
+                losses = self.losses(self.module, mb, self.text(mb), directions)
                 share = losses.weighted(len(mb) / images, text_share, self.cfg)
                 share.total.backward()
-            parts += torch.stack([share.total, share.predict, share.sparse, share.consistency]).detach().float()
+            sig = share.sigreg if share.sigreg is not None else share.predict.new_zeros(())
+            parts += torch.stack([share.total, share.predict, share.sparse, share.consistency, sig]).detach().float()
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
