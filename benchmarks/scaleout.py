@@ -102,7 +102,8 @@ def main() -> None:
     from captioning.annotations import import_annotations
     from captioning.cache import CaptionCache
     from captioning.engines import SamplingConfig
-    from captioning.job import CaptionConfig, run_caption
+    from captioning.job import run_caption
+    from captioning.work import CaptionConfig
     from embedding_cache.job import EmbedConfig, run_embed
     from pipeline.core.sources import IMAGE_SUFFIXES
     from pipeline.devkit.synth import generate

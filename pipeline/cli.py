@@ -242,7 +242,8 @@ def caption(
     if not images or model is None:
         raise UserError("captioning needs IMAGES and --model (or --annotations FILE to import captions)")
     from captioning.engines import SamplingConfig
-    from captioning.job import CaptionConfig, run_caption
+    from captioning.job import run_caption
+    from captioning.work import CaptionConfig
     from pipeline.core.images import ImagePolicy
 
     cfg = CaptionConfig(
