@@ -104,7 +104,8 @@ def main() -> None:
     from captioning.engines import SamplingConfig
     from captioning.job import run_caption
     from captioning.work import CaptionConfig
-    from embedding_cache.job import EmbedConfig, run_embed
+    from embedding_cache.job import run_embed
+    from embedding_cache.work import EmbedConfig
     from pipeline.core.sources import IMAGE_SUFFIXES
     from pipeline.devkit.synth import generate
     from pipeline.devkit.tiny_models import build_tiny_models

@@ -499,7 +499,8 @@ def embed(
     ] = None,
 ) -> None:
     """Encode every caption not yet in the store with T5 and append them as a new segment."""
-    from embedding_cache.job import EmbedConfig, run_embed
+    from embedding_cache.job import run_embed
+    from embedding_cache.work import EmbedConfig
 
     cfg = EmbedConfig(
         cache=cache,
