@@ -106,7 +106,7 @@ def main() -> None:
     from captioning.work import CaptionConfig
     from embedding_cache.job import run_embed
     from embedding_cache.work import EmbedConfig
-    from pipeline.core.sources import IMAGE_SUFFIXES
+    from pipeline.core.refs import IMAGE_SUFFIXES
     from pipeline.devkit.synth import generate
     from pipeline.devkit.tiny_models import build_tiny_models
 

@@ -28,7 +28,8 @@ from captioning.work import CaptionConfig, CaptionReport, caption_images, in_sha
 from pipeline.core.images import decode
 from pipeline.core.ray_cluster import actor_resources, start_ray
 from pipeline.core.recipes import sha256_bytes
-from pipeline.core.sources import ImageReader, ImageRef
+from pipeline.core.refs import ImageRef
+from pipeline.core.sources import ImageReader
 
 TO_CAPTION, OTHER_SHARD, CACHED, FAILED = "to-caption", "other-shard", "cached", "failed"  # what a read task found
 
