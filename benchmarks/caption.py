@@ -35,7 +35,7 @@ def main() -> None:
     from captioning.work import CaptionConfig, request_seed
     from pipeline.core.images import ImagePolicy, decode
     from pipeline.core.recipes import sha256_bytes
-    from pipeline.devkit.synth import generate
+    from pipeline.devkit.dataset import generate
     from pipeline.devkit.tiny_vlm import build_tiny_vlm
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -107,7 +107,7 @@ def main() -> None:
     from embedding_cache.job import run_embed
     from embedding_cache.work import EmbedConfig
     from pipeline.core.refs import IMAGE_SUFFIXES
-    from pipeline.devkit.synth import generate
+    from pipeline.devkit.dataset import generate
     from pipeline.devkit.tiny_models import build_tiny_models
 
     results: dict[str, Any] = {"benchmark": "scaleout", "cpus": os.cpu_count()}

@@ -93,7 +93,7 @@ def synth(
     ] = "grid",
 ) -> None:
     """Draw synthetic scenes of shapes with 8 captions each that say what is where."""
-    from pipeline.devkit.synth import generate
+    from pipeline.devkit.dataset import generate
 
     generate(out, n_images, image_size=image_size, grid=grid, seed=seed, captions=captions, layout=layout)
     typer.echo(f"wrote {n_images} images, captions.jsonl and labels.jsonl to {out}")
