@@ -29,12 +29,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from captioning.engines import CaptionRequest, SamplingConfig
-    from captioning.job import CaptionConfig, request_seed, run_caption
+    from captioning.job import run_caption
     from captioning.prompts import DEFAULT_PROMPTS, samples_per_prompt
     from captioning.vllm_engine import VLLMEngine
+    from captioning.work import CaptionConfig, request_seed
     from pipeline.core.images import ImagePolicy, decode
     from pipeline.core.recipes import sha256_bytes
-    from pipeline.devkit.synth import generate
+    from pipeline.devkit.dataset import generate
     from pipeline.devkit.tiny_vlm import build_tiny_vlm
 
     with tempfile.TemporaryDirectory() as tmp:

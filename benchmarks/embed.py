@@ -51,7 +51,8 @@ def main() -> None:
 
     from captioning.cache import CaptionCache, caption_row
     from embedding_cache.encode import load_tokenizer
-    from embedding_cache.job import EmbedConfig, run_embed
+    from embedding_cache.job import run_embed
+    from embedding_cache.work import EmbedConfig
     from pipeline.devkit.tiny_t5 import build_t5_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -176,7 +176,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     stages = args.stages.split(",")
 
-    from pipeline.devkit.synth import generate
+    from pipeline.devkit.dataset import generate
     from pipeline.devkit.tiny_models import build_tiny_models
 
     results: dict[str, Any] = {}

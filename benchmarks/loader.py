@@ -42,7 +42,8 @@ from embedding_cache.store import EmbeddingStore, TokenLayout
 from embedding_cache.transform import fit_transform
 from pipeline.core.images import decode
 from pipeline.core.recipes import text_key
-from pipeline.core.sources import ImageReader, ImageRef
+from pipeline.core.refs import ImageRef
+from pipeline.core.sources import ImageReader
 from train.config import TrainConfig
 from train.data import Batch, StepBatches, crop_box, image_policy
 from train.data_index import TrainIndex

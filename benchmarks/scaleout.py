@@ -102,10 +102,12 @@ def main() -> None:
     from captioning.annotations import import_annotations
     from captioning.cache import CaptionCache
     from captioning.engines import SamplingConfig
-    from captioning.job import CaptionConfig, run_caption
-    from embedding_cache.job import EmbedConfig, run_embed
-    from pipeline.core.sources import IMAGE_SUFFIXES
-    from pipeline.devkit.synth import generate
+    from captioning.job import run_caption
+    from captioning.work import CaptionConfig
+    from embedding_cache.job import run_embed
+    from embedding_cache.work import EmbedConfig
+    from pipeline.core.refs import IMAGE_SUFFIXES
+    from pipeline.devkit.dataset import generate
     from pipeline.devkit.tiny_models import build_tiny_models
 
     results: dict[str, Any] = {"benchmark": "scaleout", "cpus": os.cpu_count()}

@@ -22,12 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from captioning.job import CaptionConfig, CaptionReport, caption_images, in_shard, make_engine
 from captioning.prompts import Prompt
+from captioning.remote_cache import open_cache_for_writing
+from captioning.work import CaptionConfig, CaptionReport, caption_images, in_shard, make_engine
 from pipeline.core.images import decode
 from pipeline.core.ray_cluster import actor_resources, start_ray
 from pipeline.core.recipes import sha256_bytes
-from pipeline.core.sources import ImageReader, ImageRef
+from pipeline.core.refs import ImageRef
+from pipeline.core.sources import ImageReader
 
 TO_CAPTION, OTHER_SHARD, CACHED, FAILED = "to-caption", "other-shard", "cached", "failed"  # what a read task found
 
@@ -85,8 +87,6 @@ class CaptionActor:
     """A Ray Data actor: the captioning engine started once; each batch captioned and committed to the cache."""
 
     def __init__(self, cfg: CaptionConfig, prompts: list[Prompt], counts: list[int], recipe_id: str) -> None:
-        from captioning.remote_cache import open_cache_for_writing
-
         self.cfg, self.prompts, self.counts, self.recipe_id = cfg, prompts, counts, recipe_id
         self.cache = open_cache_for_writing(cfg.cache, cfg.mirror)
         self.engine: Any = None  # started on the first image to caption: a finished cache never starts one

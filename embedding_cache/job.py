@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,69 +25,13 @@ import numpy as np
 from captioning.cache import CaptionCache
 from captioning.remote_cache import local_cache
 from embedding_cache.codec import CODECS
-from embedding_cache.encode import NonFiniteEmbedding, T5Encoder, encoder_recipe, load_tokenizer, plan_batches, tokenize
+from embedding_cache.encode import T5Encoder, encoder_recipe, load_tokenizer, tokenize
+from embedding_cache.ray_executor import embed_on_ray
 from embedding_cache.remote_store import open_existing_store, open_store_for_writing
 from embedding_cache.store import KEY_BYTES, EmbeddingStore, SegmentWriter, TokenLayout, payload_bytes
 from embedding_cache.transform import FIT_TOKENS, codec_of, fit_summary, fit_transform, needs_fit
+from embedding_cache.work import EmbedConfig, EmbedReport, encode_window
 from pipeline.core.errors import UserError
-
-
-@dataclass
-class EmbedConfig:
-    """What `tcjepa embed` was asked to do; the encoder-recipe fields are `model`, `max_length`, `eos`,
-    `compute_dtype`, `store_dtype` and `project_dim`, the rest only say how the work is done."""
-
-    cache: str | Path  # a directory or an fsspec URL (mirrored locally)
-    store: str | Path  # a directory or an s3:// URL
-    model: str
-    recipes: list[str] = field(default_factory=list)
-    token_budget: int = 16384
-    max_length: int = 128  # what the trainer reads (`max_words`)
-    eos: bool = True
-    compute_dtype: str = "bfloat16"
-    store_dtype: str = "float16"  # the store's codec: float16, or int8 (+ a float32 scale per token)
-    project_dim: int | None = None  # a fixed PCA to this width, fitted when the store is made
-    device: str = "auto"
-    window: int = 8192
-    segment_mb: float = 4096.0
-    chunk_tokens: int | None = None
-    shard_chunks: int | None = None
-    dry_run: bool = False
-    progress: bool = True
-    mirror: Path | None = None  # where an s3:// store's keys are mirrored (default ~/.cache/tcjepa/mirror)
-    executor: str = "local"  # local, or ray (a Ray Data actor pool; not part of the encoder recipe)
-    ray_address: str | None = None  # an existing cluster; default: RAY_ADDRESS, else a local instance
-    ray_actors: int | None = None  # default: one per GPU in the cluster, else 1
-
-
-@dataclass
-class EmbedReport:
-    captions_selected: int = 0
-    unique_texts: int = 0
-    already_stored: int = 0
-    encoded: int = 0
-    tokens: int = 0
-    truncated: int = 0
-    segments: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    bytes_added: int = 0
-    # (seconds since start, captions) of each finished batch
-    timeline: list[tuple[float, int]] = field(default_factory=list)
-    stored_as: str = ""  # the store's codec, width and projection, in words
-    projected_bytes: dict[str, int] = field(default_factory=dict)  # dry run: bytes added, by codec (and width)
-
-    def summary(self, dry_run: bool) -> str:
-        head = "would encode" if dry_run else "encoded"
-        rate = f", {self.tokens / self.seconds:,.0f} tokens/s" if self.seconds > 0 and not dry_run else ""
-        line = (
-            f"{self.captions_selected} captions, {self.unique_texts} distinct texts, {self.already_stored} already "
-            "stored; "
-            f"{head} {self.encoded} captions, {self.tokens} tokens ({self.bytes_added / 2**20:.1f} MiB), "
-            f"{self.truncated} truncated to --max-length{rate}; segments published: {len(self.segments)}"
-        )
-        if self.projected_bytes:
-            line += "; bytes on disk: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.projected_bytes.items())
-        return line + (f"; {self.stored_as}" if self.stored_as else "")
 
 
 def stored_as(store: EmbeddingStore) -> str:
@@ -173,8 +115,6 @@ def run_embed(cfg: EmbedConfig) -> EmbedReport:
         base = store.default_layout()
         layout = TokenLayout(cfg.chunk_tokens or base.chunk_tokens, cfg.shard_chunks or base.shard_chunks)
         if cfg.executor == "ray":
-            from embedding_cache.ray_executor import embed_on_ray
-
             embed_on_ray(
                 cfg, selection.texts, selection.keys, selection.todo, store.encoder, store.width, layout, report
             )
@@ -317,36 +257,3 @@ def _embed_here(
     finally:
         bar.close()
     report.seconds = time.perf_counter() - started
-
-
-def encode_window(
-    encoder: T5Encoder,
-    tokenizer: Any,
-    texts: list[str],
-    keys: np.ndarray,
-    cfg: EmbedConfig,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[list[np.ndarray], int]:
-    """Token embeddings of `texts`, in their order, and how many were truncated; encoder batches grouped by length.
-
-    Both executors encode through here, so their vectors agree. `progress(captions, tokens)` follows each batch.
-    """
-    ids, truncated = tokenize(tokenizer, texts, cfg.max_length, cfg.eos)
-    outputs: list[np.ndarray] = [np.empty(0)] * len(ids)
-    if not ids:
-        return outputs, truncated
-    for batch in plan_batches(np.array([len(x) for x in ids], dtype=np.int64), cfg.token_budget):
-        try:
-            encoded = encoder.encode([ids[i] for i in batch])
-        except NonFiniteEmbedding as exc:
-            i = batch[exc.index]
-            raise UserError(
-                f"caption {keys[i].tobytes().hex()[:16]} ({texts[i][:60]!r}) encodes to non-finite or "
-                "float16-overflowing "
-                f"values with --dtype {cfg.compute_dtype}; try --dtype float32 or check the model weights"
-            ) from None
-        for j, out in zip(batch, encoded):
-            outputs[j] = out
-        if progress is not None:
-            progress(len(batch), sum(len(ids[j]) for j in batch))
-    return outputs, truncated

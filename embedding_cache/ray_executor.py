@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from embedding_cache.job import EmbedConfig, EmbedReport, encode_window
+from embedding_cache.encode import T5Encoder, load_tokenizer
+from embedding_cache.remote_store import open_store_for_writing
 from embedding_cache.store import KEY_BYTES, TokenLayout
+from embedding_cache.work import EmbedConfig, EmbedReport, encode_window
 from pipeline.core.ray_cluster import actor_resources, start_ray
 
 
@@ -29,9 +31,6 @@ class SegmentPerBatch:
     """A Ray Data actor: T5 loaded once; each batch of captions becomes one published segment."""
 
     def __init__(self, cfg: EmbedConfig, recipe: dict[str, Any], width: int, layout: TokenLayout) -> None:
-        from embedding_cache.encode import T5Encoder, load_tokenizer
-        from embedding_cache.remote_store import open_store_for_writing
-
         self.cfg, self.layout = cfg, layout
         self.tokenizer = load_tokenizer(cfg.model)
         self.encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)

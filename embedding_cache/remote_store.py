@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
+from embedding_cache.segment_check import verify_segment
 from embedding_cache.store import STAGING, EmbeddingStore, PublishResult, SegmentWriter, write_empty_root
 from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, requested
 from pipeline.core.errors import DataProblem, UserError
@@ -87,8 +88,6 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
     `only` is how a training node fetches just the segments that hold its run's captions (a store for ImageNet-21k
     with a large T5 runs to tens of TB); the local root lists every segment fetched, now or earlier.
     """
-    from embedding_cache.verify import verify_segment
-
     fs, root = remote_root(url, "zarr.json", "an embedding store")
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,8 @@ from evaluation.protocol import FLOORS
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes
-from pipeline.core.sources import ImageRef, list_images
+from pipeline.core.refs import ImageRef
+from pipeline.core.sources import list_images
 from train.config import TrainConfig
 from train.data import IMAGENET_MEAN, IMAGENET_STD
 

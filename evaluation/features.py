@@ -41,7 +41,8 @@ from evaluation.preprocess import CROP_FRACTION, prepare
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import UserError
 from pipeline.core.images import decode
-from pipeline.core.sources import ImageReader, ImageRef
+from pipeline.core.refs import ImageRef
+from pipeline.core.sources import ImageReader
 from train.checkpoint import ENCODER_SUFFIX, HISTORY, load_checkpoint
 from train.choices import VIT_SIZES
 from train.config import ModelConfig, TrainConfig, apply, saved_config

@@ -34,7 +34,8 @@ import numpy as np
 
 from evaluation.preprocess import placement
 from pipeline.core.errors import UserError
-from pipeline.core.sources import ImageRef, list_images
+from pipeline.core.refs import ImageRef
+from pipeline.core.sources import list_images
 
 CELLS = "cells"  # the per-cell map given as "cells" (probe `dense`); others are named in "cell_maps"
 _MAP_NAME = re.compile(r"[a-z0-9_]+")

@@ -93,7 +93,7 @@ def synth(
     ] = "grid",
 ) -> None:
     """Draw synthetic scenes of shapes with 8 captions each that say what is where."""
-    from pipeline.devkit.synth import generate
+    from pipeline.devkit.dataset import generate
 
     generate(out, n_images, image_size=image_size, grid=grid, seed=seed, captions=captions, layout=layout)
     typer.echo(f"wrote {n_images} images, captions.jsonl and labels.jsonl to {out}")
@@ -242,7 +242,8 @@ def caption(
     if not images or model is None:
         raise UserError("captioning needs IMAGES and --model (or --annotations FILE to import captions)")
     from captioning.engines import SamplingConfig
-    from captioning.job import CaptionConfig, run_caption
+    from captioning.job import run_caption
+    from captioning.work import CaptionConfig
     from pipeline.core.images import ImagePolicy
 
     cfg = CaptionConfig(
@@ -498,7 +499,8 @@ def embed(
     ] = None,
 ) -> None:
     """Encode every caption not yet in the store with T5 and append them as a new segment."""
-    from embedding_cache.job import EmbedConfig, run_embed
+    from embedding_cache.job import run_embed
+    from embedding_cache.work import EmbedConfig
 
     cfg = EmbedConfig(
         cache=cache,

@@ -31,7 +31,8 @@ FLOOR_NAMES = {"baseline": "random init", "pixels": "patch colours", "patch_pixe
 def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:
     """The tiny random Qwen2-VL through vLLM on a few images: the real captioning path, junk text in its own recipe."""
     from captioning.engines import SamplingConfig
-    from captioning.job import CaptionConfig, run_caption
+    from captioning.job import run_caption
+    from captioning.work import CaptionConfig
 
     t = announce(
         f"caption: the tiny random Qwen2-VL through vLLM on {DEMO_VLM_IMAGES} images (junk text by construction; its "

@@ -7,8 +7,9 @@ import pytest
 
 from captioning.cache import CaptionCache
 from captioning.engines import SamplingConfig
-from captioning.job import CaptionConfig, in_shard, run_caption
+from captioning.job import run_caption
 from captioning.prompts import samples_per_prompt
+from captioning.work import CaptionConfig, in_shard
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import sha256_file
 from tests.support.captions import TINY_VLLM_ARGS

@@ -15,9 +15,10 @@ import zarr
 
 from captioning.cache import CaptionCache, caption_row
 from embedding_cache.encode import plan_batches, tokenize
-from embedding_cache.job import EmbedConfig, EmbedReport, run_embed
+from embedding_cache.job import run_embed
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import STAGING, EmbeddingStore
+from embedding_cache.work import EmbedConfig, EmbedReport
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import sha256_file
 from tests.support.commands import refused, start_tcjepa, tcjepa

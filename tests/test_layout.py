@@ -1,8 +1,10 @@
-"""The layout's promise: arrows between packages point one way.
+"""The layout's promise: arrows between packages point one way, and so do those between modules.
 
 A unit is a subpackage (``pipeline.core``) or a top-level package's own modules
 (``pipeline`` = cli, demo). Every import statement counts: module level, inside
-functions, and under ``TYPE_CHECKING``. Modules inside one unit may import each other.
+functions, and under ``TYPE_CHECKING``. Modules inside one unit may import each other,
+but no module may reach itself through its imports: an import inside a function hides
+such a circle from Python, not from the reader.
 """
 
 from __future__ import annotations
@@ -126,3 +128,67 @@ def test_stages_stand_on_the_ground_not_on_the_cli() -> None:
     for stage in ("captioning", "embedding_cache", "train", "evaluation"):
         assert not graph[stage] & {"pipeline", "pipeline.devkit"}, (stage, graph[stage])
     assert "evaluation" not in graph["train"], "train must not import evaluation (evaluation reads runs)"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the project and the project modules its import statements name (anywhere in the file)."""
+    paths = {module_name(path): path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))}
+    return {
+        module: {name for name in imported_modules(path) if name in paths and name != module}
+        for module, path in paths.items()
+    }
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of `graph` (Tarjan), each sorted; a module on no circle is one alone."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_no_import_circle_between_modules() -> None:
+    """No module imports, directly or through others, a module that imports it back, even from inside a function."""
+    graph = module_graph()
+    assert {"pipeline.cli", "pipeline.core.sources", "captioning.job", "embedding_cache.job", "train.loop"} <= set(
+        graph
+    )
+    circles = []
+    for component in strongly_connected(graph):
+        if len(component) > 1:
+            inside = set(component)
+            cycle = find_cycle({m: graph[m] & inside for m in component})
+            assert cycle is not None
+            circles.append(" -> ".join(cycle))
+    assert not circles, "import circles between modules: " + "; ".join(circles)
+
+
+def test_the_component_finder_finds_circles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert sorted(strongly_connected(graph)) == [["a", "b", "c"], ["d"], ["e"]]

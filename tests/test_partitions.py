@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.core.sources import ImageRef
+from pipeline.core.refs import ImageRef
 from train.config import TrainConfig
 from train.data import StepBatches
 from train.data_index import TrainIndex, build_index

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from pipeline.core.errors import DataProblem, UserError
-from pipeline.core.remote_tars import ShardMembers, fetch_shards, read_images, shard_mirror
-from pipeline.core.sources import ImageRef, list_images
+from pipeline.core.refs import ImageRef
+from pipeline.core.remote_tars import ShardMembers, fetch_shards, shard_mirror
+from pipeline.core.sources import list_images, read_images
 from tests.support.commands import cli, torchrun, two_nodes
 from tests.support.processes import finish, start
 from tests.support.s3 import s3_bucket

@@ -3,7 +3,7 @@ import json
 import numpy as np
 from PIL import Image
 
-from pipeline.devkit import synth
+from pipeline.devkit import dataset, synth
 from tests.support.commands import refused, tcjepa
 
 
@@ -121,10 +121,10 @@ def test_synth_writes_the_caption_mode_and_refuses_an_unknown_one(tmp_path):
 
     from pipeline.core.errors import UserError
 
-    synth.generate(tmp_path / "p", 3, captions="partial")
+    dataset.generate(tmp_path / "p", 3, captions="partial")
     assert json.loads((tmp_path / "p" / "classes.json").read_text())["captions"] == "partial"
     with pytest.raises(UserError, match="choose full or partial"):
-        synth.generate(tmp_path / "x", 3, captions="some")
+        dataset.generate(tmp_path / "x", 3, captions="some")
 
 
 def test_free_scenes_label_the_object_on_top_at_each_cell_centre(tmp_path):

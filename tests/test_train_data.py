@@ -14,7 +14,7 @@ from PIL import Image, ImageOps
 from embedding_cache.reader import EmbeddingReader, StoreKeys
 from embedding_cache.store import EmbeddingStore, TokenLayout
 from pipeline.core.errors import DataProblem, UserError
-from pipeline.core.sources import ImageRef
+from pipeline.core.refs import ImageRef
 from train.config import ModelConfig, TrainConfig
 from train.data import Batch, StepBatches, crop_box
 from train.data_index import TrainIndex, build_index, verify_images

@@ -88,7 +88,7 @@ def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, a
             reads.append(ref.source_id)
             return super().read(ref)
 
-    monkeypatch.setattr("pipeline.core.remote_tars.ImageReader", CountingReader)  # the index build reads through it
+    monkeypatch.setattr("pipeline.core.sources.ImageReader", CountingReader)  # the index build reads through it
     index = build_index([synth_dir], annotated_cache, store, [], verify_sample=5, progress=False)
     assert len(reads) == 5, "only the verification sample is read; the cache knows every image's sha256"
     assert len(index) == N and index.coverage == {8: N} and index.left_out == {} and index.missing_embeddings == 0

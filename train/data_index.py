@@ -41,9 +41,9 @@ from embedding_cache.reader import Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.refs import ImageRef
 from pipeline.core.remote import is_remote
-from pipeline.core.remote_tars import read_images
-from pipeline.core.sources import ImageReader, ImageRef, list_images
+from pipeline.core.sources import ImageReader, list_images, read_images
 
 FORMAT = "tcjepa-train-index"
 VERSION = 2

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -31,15 +31,8 @@ import numpy as np
 
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
-from pipeline.core.remote import filesystem, is_remote, mirror_lock, mirror_path, remote_call, remote_error
-from pipeline.core.sources import (
-    IMAGE_SUFFIXES,
-    TABLE_SUFFIXES,
-    TAR_SUFFIXES,
-    ImageReader,
-    ImageRef,
-    tar_member_refs,
-)
+from pipeline.core.refs import IMAGE_SUFFIXES, TABLE_SUFFIXES, TAR_SUFFIXES, ImageRef, tar_member_refs
+from pipeline.core.remote import filesystem, mirror_lock, mirror_path, remote_call, remote_error
 
 HEADER_READ_AHEAD = 4096  # bytes a header read fetches: the header (and any long-name block) and little else
 LIST_THREADS = 16  # shards whose headers are read at once
@@ -104,27 +97,9 @@ def _shard_refs(url: str, label: str) -> list[ImageRef]:
     return remote_call(url, walk)
 
 
-def read_images(refs: Sequence[ImageRef], batch: int = RANGE_BATCH) -> Iterator[bytes | None]:
-    """Each ref's bytes, in order (None: unreadable): local ones through an `ImageReader`, tar members on object
-    storage by byte range, `batch` refs' requests at once. For building the run index, not for training."""
-    reader = ImageReader()
-    try:
-        for start in range(0, len(refs), batch):
-            chunk = refs[start : start + batch]
-            fetched = iter(_ranges([r for r in chunk if is_remote(r.path)]))
-            for ref in chunk:
-                if is_remote(ref.path):
-                    yield next(fetched)
-                    continue
-                try:
-                    yield reader.read(ref)
-                except OSError:
-                    yield None
-    finally:
-        reader.close()
-
-
-def _ranges(refs: list[ImageRef]) -> list[bytes | None]:
+def read_ranges(refs: list[ImageRef]) -> list[bytes | None]:
+    """Each ref's bytes (None: unreadable), tar members on object storage read by byte range, all at once
+    (one `cat_ranges` call per protocol)."""
     out: list[bytes | None] = [None] * len(refs)
     protocols: dict[str, list[int]] = {}
     for i, ref in enumerate(refs):

@@ -17,7 +17,7 @@ beside the images: a WebDataset sample's ``.txt`` (one caption per non-blank lin
 and ``.json`` (``caption`` or ``captions``) members, or a table's caption column.
 
 The trainer reads images at random instead: `list_images(inputs)` lists the
-same images as `ImageRef`s without reading their bytes, and an `ImageReader`
+same images as `ImageRef`s (`pipeline.core.refs`) without reading their bytes, and an `ImageReader`
 in each DataLoader worker fetches one image per call (a file read, one
 ``pread`` from a tar shard, one row of a memory-mapped Arrow table).
 """
@@ -25,27 +25,32 @@ in each DataLoader worker fetches one image per call (a file read, one
 from __future__ import annotations
 
 import os
-import sys
 import tarfile
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import UserError
+from pipeline.core.refs import (
+    IMAGE_SUFFIXES,
+    TABLE_SUFFIXES,
+    TAR_SUFFIXES,
+    ImageRef,
+    skip_warning,
+    tar_member_refs,
+)
+from pipeline.core.remote import is_remote
+from pipeline.core.remote_tars import RANGE_BATCH, list_remote_tars, read_ranges
 
 if TYPE_CHECKING:
     import datasets
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
-TABLE_SUFFIXES = (".parquet",)
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 IMAGE_COLUMNS = ("image", "img", "jpg", "png", "image_bytes")
 HF_PREFIX = "hf:"
 DEFAULT_SPLIT = "train"
 CAPTION_SUFFIXES = (".txt", ".json")
-COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ")  # gzip, bzip2, xz
 OPEN_HANDLES = 64  # per reader: enough for a worker's working set, far below the fd limit
 
 
@@ -65,18 +70,6 @@ class Sample:
     key: str  # the sample's key (tar: member path without its extensions; table: the row's source id)
     captions: list[object]
     problems: list[str]  # caption members that could not be read as text or JSON
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """Where one image's bytes are, so that a worker can read it without scanning its source."""
-
-    source_id: str  # exactly the source id iter_images gives the same image
-    kind: str  # "file" | "tar" | "table"
-    path: str  # absolute path of the file / tar shard / parquet file / HF dataset dir
-    offset: int = 0  # tar: byte offset of the member's data; table: row number
-    size: int = -1  # tar: member size in bytes
-    column: str = ""  # table: image column
 
 
 def _leaves(kinds: list[tuple[Path, str]]) -> Iterator[tuple[Path, str, str]]:
@@ -452,47 +445,14 @@ def _table_samples(
 # ---- random access (the trainer) ----------------------------------------------------------
 
 
-def _skip_warning(label: str, problem: str) -> None:
-    """A source list_images cannot list: iter_images reports it as an error entry, here it is said once."""
-    print(f"warning: {label}: {problem}; its images are left out", file=sys.stderr)
-
-
 def _tar_refs(path: Path, label: str) -> list[ImageRef]:
     """Regular image members of an uncompressed tar shard, from the headers alone."""
     try:
         with open(path, "rb") as f:
             return tar_member_refs(f, label, os.path.abspath(path), str(path))
     except OSError as exc:
-        _skip_warning(label, f"unreadable tar shard ({exc})")
+        skip_warning(label, f"unreadable tar shard ({exc})")
         return []
-
-
-def tar_member_refs(f: BinaryIO, label: str, where: str, shown: str) -> list[ImageRef]:
-    """Refs of the regular image members of the uncompressed tar shard open as `f` (seekable: only the headers are
-    read), with source ids ``label::member`` and `where` as their path; a compressed shard (named `shown`) is refused.
-    """
-    compressed = f.read(6).startswith(COMPRESSED_MAGIC)
-    if compressed:
-        raise UserError(
-            f"{shown}: compressed tar shard; training reads images at random offsets, so decompress it first (e.g. "
-            "gunzip -k) and pass the .tar"
-        )
-    f.seek(0)
-    try:
-        tar = tarfile.open(fileobj=f, mode="r:")
-    except tarfile.TarError as exc:
-        _skip_warning(label, f"unreadable tar shard ({exc})")
-        return []
-    refs: list[ImageRef] = []
-    with tar:
-        try:
-            for member in tar:
-                # links and sparse members have no contiguous data to pread; iter_images reports links as errors
-                if member.name.lower().endswith(IMAGE_SUFFIXES) and member.isreg() and not member.issparse():
-                    refs.append(ImageRef(f"{label}::{member.name}", "tar", where, member.offset_data, member.size))
-        except (tarfile.TarError, EOFError) as exc:
-            _skip_warning(label, f"tar shard ends early or is corrupt ({exc}); members after the damage")
-    return refs
 
 
 def _parquet_refs(path: Path, column: str | None, label: str) -> list[ImageRef]:
@@ -502,7 +462,7 @@ def _parquet_refs(path: Path, column: str | None, label: str) -> list[ImageRef]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a corrupt file
-        _skip_warning(label, f"unreadable parquet file ({exc})")
+        skip_warning(label, f"unreadable parquet file ({exc})")
         return []
     name = _image_column(pf.schema_arrow.names, column, str(path))
     where = os.path.abspath(path)
@@ -536,14 +496,10 @@ def list_images(
     listed as a local folder's are (source ids ``relative/path.tar::member``), their headers read by byte range, and
     their refs keep the shard's URL as their path (`pipeline.core.remote_tars`).
     """
-    from pipeline.core.remote import is_remote
-
     local = iter(_check_inputs([Path(i) for i in inputs if not is_remote(str(i))], split))
     remote = [str(i) for i in inputs if is_remote(str(i))]
     shards: dict[str, list[ImageRef]] = {}
     if remote:
-        from pipeline.core.remote_tars import list_remote_tars
-
         shards = list_remote_tars(remote)
     refs: list[ImageRef] = []
     for given in inputs:
@@ -562,6 +518,27 @@ def list_images(
             else:
                 refs.append(ImageRef(label, "file", os.path.abspath(path)))
     return refs
+
+
+def read_images(refs: Sequence[ImageRef], batch: int = RANGE_BATCH) -> Iterator[bytes | None]:
+    """Each ref's bytes, in order (None: unreadable): local ones through an `ImageReader`, tar members on object
+    storage by byte range (`pipeline.core.remote_tars.read_ranges`), `batch` refs' requests at once. For building the
+    run index, not for training."""
+    reader = ImageReader()
+    try:
+        for start in range(0, len(refs), batch):
+            chunk = refs[start : start + batch]
+            fetched = iter(read_ranges([r for r in chunk if is_remote(r.path)]))
+            for ref in chunk:
+                if is_remote(ref.path):
+                    yield next(fetched)
+                    continue
+                try:
+                    yield reader.read(ref)
+                except OSError:
+                    yield None
+    finally:
+        reader.close()
 
 
 def count_images(inputs: list[Path], image_column: str | None = None) -> int | None:

@@ -68,8 +68,9 @@ def prepare_scenes(
     """
     from captioning.annotations import import_annotations
     from captioning.cache import CaptionCache
-    from embedding_cache.job import EmbedConfig, run_embed
-    from pipeline.devkit.synth import generate
+    from embedding_cache.job import run_embed
+    from embedding_cache.work import EmbedConfig
+    from pipeline.devkit.dataset import generate
     from pipeline.devkit.tiny_models import build_tiny_models
 
     data = out / "data"

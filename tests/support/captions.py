@@ -24,7 +24,7 @@ VLLM_CLI = [
 def caption_config(images: list, cache: Path, tiny_models: Path, **kw: Any):
     """A `CaptionConfig` for the tiny VLM on vLLM (the settings of `VLLM_CLI`)."""
     from captioning.engines import SamplingConfig
-    from captioning.job import CaptionConfig
+    from captioning.work import CaptionConfig
 
     return CaptionConfig(
         inputs=images,
