@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numcodecs import CRC32C
 
 from embedding_cache.codec import dequantize_numpy
 from embedding_cache.store import EmbeddingStore
@@ -135,6 +134,10 @@ def shard_index(path: Path, shard: np.ndarray, chunks: int) -> np.ndarray:
     """The `uint64[chunks, 2]` (offset, nbytes) index at the end of a zarr v3 shard file's bytes `shard`, checked
     against the crc32c stored after it (numcodecs' CRC32C, the codec zarr wrote it with): a damaged index would
     point a read at the wrong bytes, so it is refused in one line."""
+    # Imported here: the trainer's step modules import this one, and runs without a store (the GPU check's machine
+    # has no numcodecs) never map a shard.
+    from numcodecs import CRC32C
+
     encoded = np.asarray(shard[-(16 * chunks + 4) :])
     if len(encoded) != 16 * chunks + 4:
         raise UserError(f"{path}: shorter than its shard index; the file is damaged (run `tcjepa store verify`)")
