@@ -130,6 +130,7 @@ FACTORS: dict[str, dict[str, Any]] = {
     "context_cut": {"context_equalise": "cut"},
     "patch_16": {"patch_size": 16},
     "steps_1200": {"steps": 1200},
+    "sigreg": {"sigreg": 0.5},  # LeJEPA's anti-collapse term on the context tokens (not the default)
 }
 VARIANTS.update({name: {"conditioning": "none", **change} for name, change in FACTORS.items()})
 
