@@ -44,6 +44,12 @@ class ImportReport:
             f"{self.captions_already_cached} already cached; skipped: {skipped}"
         )
 
+    def check_usable(self, inputs: list[Path]) -> None:
+        """Refuse an import that found no usable caption in `inputs` (none added, none already cached)."""
+        if self.captions_added + self.captions_already_cached == 0:
+            shown = " ".join(map(str, inputs[:3]))
+            raise UserError(f"--annotations {shown}: no usable caption (skipped: {dict(self.skipped)})")
+
 
 def _clean_caption(value: Any, skipped: Counter) -> str | None:
     """The caption text with outer whitespace removed, or None (counted) when unusable."""

@@ -108,6 +108,18 @@ class CacheInfo:
     failures: int
     recipes: list[dict[str, Any]] = field(default_factory=list)
 
+    def summary(self, name: str) -> str:
+        """The counts of cache `name`, then a line per recipe (`tcjepa cache info`)."""
+        lines = [
+            f"{name}: {self.images} images, {self.captions} captions, {self.shards} shards, {self.failures} failures"
+        ]
+        for r in self.recipes:
+            lines.append(
+                f"  recipe {r['hash'][:12]}  {r['kind']:<12} {r['name'] or '-':<24} {r['images']:>9} images "
+                f"{r['captions']:>10} captions"
+            )
+        return "\n".join(lines)
+
 
 def _made_by_a_creator(name: str) -> bool:
     """Entries that creating a cache makes before CACHE.json appears (its temporary included)."""

@@ -154,6 +154,38 @@ def check_version(root: Path, version: Any) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StoreInfo:
+    """What a store holds (`tcjepa store info`): its encoder recipe, codec, projection and counts."""
+
+    encoder_hash: str
+    encoder: dict[str, Any]
+    version: int
+    d_model: int  # the stored width (the projection's dim, if any)
+    codec: str
+    projection: dict[str, Any] | None  # dim, source_width, explained_variance
+    bytes_per_token: int
+    segments: int
+    captions: int
+    tokens: int
+    bytes_on_disk: int
+
+    def summary(self) -> str:
+        projection = self.projection
+        pca = (
+            f" (PCA {projection['source_width']} -> {projection['dim']}, "
+            f"{100 * projection['explained_variance']:.1f}% of the variance)"
+            if projection
+            else ""
+        )
+        return (
+            f"{self.segments} segments, {self.captions} captions, {self.tokens} tokens; {self.codec}, width "
+            f"{self.d_model}{pca}, {self.bytes_per_token} bytes per token; {self.bytes_on_disk / 2**20:.2f} MiB on "
+            f"disk; encoder {self.encoder_hash[:12]} ({self.encoder.get('model', self.encoder.get('kind'))}, max "
+            f"length {self.encoder.get('max_length')})"
+        )
+
+
 class EmbeddingStore:
     """A store on the local file system, opened for reading or appending."""
 
@@ -301,6 +333,25 @@ class EmbeddingStore:
             captions += int(attrs["captions"])
             tokens += int(attrs["tokens"])
         return {"segments": len(self.segment_ids()), "captions": captions, "tokens": tokens}
+
+    def info(self) -> StoreInfo:
+        """The encoder recipe, codec, projection, bytes per token, counts and bytes on disk of the store."""
+        projection, stats = self.encoder.get("projection"), self.stats()
+        return StoreInfo(
+            encoder_hash=self.encoder_hash,
+            encoder=self.encoder,
+            version=self.version,
+            d_model=self.width,
+            codec=self.codec,
+            projection=None
+            if projection is None
+            else {k: projection[k] for k in ("dim", "source_width", "explained_variance")},
+            bytes_per_token=self.bytes_per_token,
+            segments=stats["segments"],
+            captions=stats["captions"],
+            tokens=stats["tokens"],
+            bytes_on_disk=sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file()),
+        )
 
     def _lock(self) -> FileLock:
         return FileLock(str(self.root / ".lock"), timeout=LOCK_TIMEOUT_S)

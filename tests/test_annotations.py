@@ -1,8 +1,13 @@
 import json
+from collections import Counter
+from pathlib import Path
 
+import pytest
 from PIL import Image
 
+from captioning.annotations import ImportReport
 from captioning.cache import CaptionCache
+from pipeline.core.errors import UserError
 from pipeline.core.recipes import sha256_file
 from tests.support.commands import refused, tcjepa
 
@@ -106,6 +111,19 @@ def test_unusable_annotation_files_fail_with_one_line(tmp_path):
         proc = refused("caption", "--cache", tmp_path / "cache", "--annotations", path)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+
+
+def test_an_import_is_usable_when_it_finds_a_caption_new_or_already_cached():
+    """The rule `caption --annotations` refuses by: no caption added and none already cached."""
+    inputs = [Path("a.jsonl"), Path("b.tar"), Path("c.tar"), Path("d.tar")]
+    nothing = ImportReport("0" * 64, skipped=Counter({"missing image file": 2}))
+    with pytest.raises(UserError) as caught:
+        nothing.check_usable(inputs)
+    assert (
+        str(caught.value) == "--annotations a.jsonl b.tar c.tar: no usable caption (skipped: {'missing image file': 2})"
+    )
+    ImportReport("0" * 64, captions_added=1).check_usable(inputs)
+    ImportReport("0" * 64, captions_already_cached=1).check_usable(inputs)
 
 
 # ---- captions that sit beside the images: WebDataset shards, tables, hf: sources ---------------------------------

@@ -5,7 +5,7 @@ import threading
 import pyarrow.parquet as pq
 import pytest
 
-from captioning.cache import CaptionCache, caption_row
+from captioning.cache import CacheInfo, CaptionCache, caption_row
 from captioning.verify import verify_cache
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import recipe_hash
@@ -159,6 +159,18 @@ def test_concurrent_writers_in_threads(tmp_path):
     for t in threads:
         t.join(60)
     _assert_each_key_once(tmp_path / "c", {recipe_hash(RECIPE): 120})
+
+
+def test_cache_info_summary_is_a_line_of_counts_then_a_row_per_recipe():
+    recipes = [
+        {"hash": "ab" * 32, "name": "coco", "kind": "annotations", "images": 2, "captions": 3},
+        {"hash": "cd" * 32, "name": None, "kind": "vlm", "images": 1, "captions": 8},
+    ]
+    assert CacheInfo(shards=1, captions=11, images=2, failures=4, recipes=recipes).summary("s3://b/c") == (
+        "s3://b/c: 2 images, 11 captions, 1 shards, 4 failures\n"
+        f"  recipe {'ab' * 6}  annotations  coco                             2 images          3 captions\n"
+        f"  recipe {'cd' * 6}  vlm          -                                1 images          8 captions"
+    )
 
 
 def test_cache_info_cli(annotated_cache):

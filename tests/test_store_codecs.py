@@ -198,6 +198,26 @@ def test_versions_newer_refused_older_read_and_int8_never_read_as_float16(tmp_pa
         verify_store(lying, progress=False)
 
 
+def test_store_info_names_codec_projection_counts_and_size(tmp_path):
+    """`EmbeddingStore.info()`, what `tcjepa store info` prints: a projected int8 store, made through the API."""
+    vectors = planted(400, 64, seed=5)
+    lengths = _lengths(len(vectors), seed=6)
+    _fill(_int8_store(tmp_path / "s", vectors, project_dim=16), vectors, lengths)
+    info = EmbeddingStore(tmp_path / "s").info()
+    assert (info.codec, info.version, info.d_model, info.bytes_per_token) == ("int8", 2, 16, 20)
+    assert (info.segments, info.captions, info.tokens) == (1, len(lengths), 400)
+    assert info.encoder["model"] == "fake" and info.encoder_hash == recipe_hash(info.encoder)
+    assert set(info.projection) == {"dim", "source_width", "explained_variance"}
+    assert (info.projection["dim"], info.projection["source_width"]) == (16, 64)
+    assert info.bytes_on_disk == sum(p.stat().st_size for p in (tmp_path / "s").rglob("*") if p.is_file())
+    variance = 100 * info.projection["explained_variance"]
+    assert info.summary() == (
+        f"1 segments, {len(lengths)} captions, 400 tokens; int8, width 16 (PCA 64 -> 16, {variance:.1f}% of the "
+        f"variance), 20 bytes per token; {info.bytes_on_disk / 2**20:.2f} MiB on disk; encoder "
+        f"{info.encoder_hash[:12]} (fake, max length 64)"
+    )
+
+
 def test_small_stores_stay_small_on_disk(tmp_path):
     """The last chunk is no longer padded to 16 MiB: a ~2 MiB store takes about its payload, in either codec, and
     so does a segment of several full shards plus a partial one."""

@@ -9,7 +9,17 @@ import pytest
 import yaml
 
 from pipeline.core.errors import UserError
-from train.config import TrainConfig, apply, differences, load_yaml, parse_set, saved_config, to_dict, validate
+from train.config import (
+    TrainConfig,
+    apply,
+    differences,
+    load_yaml,
+    parse_set,
+    resolve,
+    saved_config,
+    to_dict,
+    validate,
+)
 
 
 def _set(*pairs: str) -> TrainConfig:
@@ -92,6 +102,36 @@ def test_settings_that_cannot_work_are_refused_before_anything_is_built(changes,
 def test_the_defaults_and_a_textless_run_without_a_cache_are_valid():
     validate(_settings())
     validate(TrainConfig(conditioning="none"))
+
+
+def test_config_sources_stack_saved_run_or_file_then_flags_then_set(tmp_path):
+    """`resolve`, the merge `tcjepa train` makes: the run's saved config (read as that run had it), or instead the
+    --config file, under the flags (None: not given), under --set; each layer refused in one line naming it."""
+    run = tmp_path / "run"
+    assert resolve(run) == TrainConfig()
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"steps": 5, "lr": 0.5, "seed": 3}))
+    saved = resolve(run)
+    assert (saved.steps, saved.lr, saved.seed, saved.conditioner) == (5, 0.5, 3, "mha")
+    flagged = resolve(run, flags={"steps": 7, "lr": None, "recipes": ["r"]})
+    assert (flagged.steps, flagged.lr, flagged.seed, flagged.recipes) == (7, 0.5, 3, ["r"])
+    both = resolve(run, flags={"steps": 7}, sets=["steps=9", "batch_size=8"])
+    assert (both.steps, both.batch_size, both.lr) == (9, 8, 0.5)
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(yaml.safe_dump({"lr": 0.2, "batch_size": 16, "steps": 4}))
+    filed = resolve(run, config_file, flags={"batch_size": 32}, sets=["steps=6"])
+    assert (filed.lr, filed.batch_size, filed.steps, filed.seed, filed.conditioner) == (0.2, 32, 6, 0, "paper")
+    for kwargs, message in (
+        ({"flags": {"stepz": 1}}, "command line: unknown config key 'stepz' (did you mean 'steps'?)"),
+        ({"sets": ["lr=fast"]}, "config key 'lr': expected a number"),
+        ({"config_file": tmp_path / "absent.yaml"}, f"--config {tmp_path / 'absent.yaml'}: no such file"),
+    ):
+        with pytest.raises(UserError) as caught:
+            resolve(run, **kwargs)
+        assert message in str(caught.value)
+    (run / "config.yaml").write_text(yaml.safe_dump({"stepz": 5}))
+    with pytest.raises(UserError, match=f"^{run / 'config.yaml'}: unknown config key 'stepz'"):
+        resolve(run)
 
 
 def test_config_files_that_cannot_be_read_are_named(tmp_path):

@@ -1,4 +1,5 @@
-"""The training configuration: one flat dataclass, filled from defaults < YAML < CLI flags < `--set key=value`.
+"""The training configuration: one flat dataclass, filled from defaults < YAML < CLI flags < `--set key=value`
+(`resolve`, which the CLI and any Python caller of `train.loop.run_training` use).
 
 Every field carries its help text (shown by `tcjepa train --help-config`)
 and type-checked when set, so a typo or a wrong type is a one-line error, not
@@ -67,6 +68,15 @@ def field_help(name: str) -> str:
     return str(next(f for f in dataclasses.fields(TrainConfig) if f.name == name).metadata["help"])
 
 
+def describe_keys() -> str:
+    """Every config key with what it does and its default, a line each (`tcjepa train --help-config`)."""
+    lines = []
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        lines.append(f"{f.name:<20} {f.metadata['help']} (default: {default!r})")
+    return "\n".join(lines)
+
+
 @dataclass
 class TrainConfig:
     """Every setting of a training run. Each field says what it does (`tcjepa train --help-config` lists them);
@@ -79,8 +89,14 @@ class TrainConfig:
         "fsspec URLs (s3://bucket/shard.tar, or a prefix holding .tar shards): each node fetches the shards of its "
         "partitions into --mirror, checked against the index, and reads only those copies",
     )
-    cache: str | None = setting(None, "caption cache directory (needed unless conditioning is none)")
-    store: str | None = setting(None, "embedding store made by `tcjepa embed` from that cache")
+    cache: str | None = setting(
+        None,
+        "caption cache: a directory or an fsspec URL such as s3://bucket/cache, mirrored locally (needed unless "
+        "conditioning is none)",
+    )
+    store: str | None = setting(
+        None, "embedding store made by `tcjepa embed` from that cache: a directory or an fsspec URL (mirrored locally)"
+    )
     mirror: str | None = setting(
         None,
         "local directory for copies of a cache, store or image tar shards given as fsspec URLs (s3://...); "
@@ -418,6 +434,23 @@ def load_yaml(path: Path) -> dict[str, Any]:
 def parse_set(pairs: list[str]) -> dict[str, Any]:
     """`--set key=value` overrides (`--set ema=[0.99,1.0]`)."""
     return parse_key_values(pairs, "--set", "lr=5e-4")
+
+
+def resolve(
+    out: Path, config_file: Path | None = None, flags: dict[str, Any] | None = None, sets: list[str] | None = None
+) -> TrainConfig:
+    """The config of a run into `out`, as `tcjepa train` makes it: the defaults, then the config `out` saved
+    (RUN/config.yaml, read as that run had it), or instead `config_file` (YAML) when one is given, then `flags`
+    (config keys; None values are left out), then `sets` (`--set key=value` pairs). Each layer is type-checked
+    and refused in one line naming where it came from."""
+    saved = Path(out) / "config.yaml"
+    config = TrainConfig()
+    if config_file is None and saved.exists():
+        config = apply(config, saved_config(load_yaml(saved)), str(saved))
+    if config_file is not None:
+        config = apply(config, load_yaml(config_file), str(config_file))
+    config = apply(config, {k: v for k, v in (flags or {}).items() if v is not None}, "command line")
+    return apply(config, parse_set(sets or []), "--set")
 
 
 def to_dict(config: TrainConfig) -> dict[str, Any]:
