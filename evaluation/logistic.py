@@ -15,7 +15,8 @@ fitted by the same method; `benchmarks.probe_check` compares the two on a report
 
 The penalty is swept on a validation split: the grid of `L2_GRID`, strongest first, each fit starting from the
 previous one's weights. When the best penalty is an end of the grid, the grid is extended past it a decade at a
-time (within `L2_LIMITS`), so that the chosen value is never an edge of what was tried, or the result says so.
+time (within `L2_LIMITS`, and past the lower one to no penalty at all, the end of the range), so that the chosen
+value is never an edge of what was tried, or the result says so.
 """
 
 from __future__ import annotations
@@ -171,8 +172,11 @@ def sweep_l2(
 
     while True:
         i = best()
-        if i == len(fits) - 1 and fits[-1].l2 / 10 >= L2_LIMITS[0] * (1 - 1e-9):
-            fits.append(fit(fits[-1].l2 / 10, fits[-1]))
+        weakest = fits[-1].l2
+        if i == len(fits) - 1 and weakest > 0:
+            # a decade weaker, or past the lower limit no penalty at all: the end of the range, not of the sweep
+            weaker = weakest / 10 if weakest / 10 >= L2_LIMITS[0] * (1 - 1e-9) else 0.0
+            fits.append(fit(weaker, fits[-1]))
             ranked[id(fits[-1])] = score(fits[-1])
         elif i == 0 and fits[0].l2 * 10 <= L2_LIMITS[1] * (1 + 1e-9):
             fits.insert(0, fit(fits[0].l2 * 10, fits[0]))
@@ -183,7 +187,9 @@ def sweep_l2(
     return Sweep(
         chosen=fits[i],
         scores={_label(f.l2): ranked[id(f)][0] for f in fits},
-        at_edge=i in (0, len(fits) - 1),
+        # no penalty (l2 = 0) is the end of the range itself; the strongest penalty tried is an edge past which the
+        # range goes on (up to a constant predictor), so a winner there is reported as at the edge
+        at_edge=i == 0 or (i == len(fits) - 1 and fits[i].l2 > 0),
         converged=all(f.converged for f in fits),
     )
 

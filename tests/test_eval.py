@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -850,3 +851,25 @@ def test_viz_refuses_a_text_model_other_than_the_stores(tmp_path, cross_run, syn
         check=False,
     )
     assert done.returncode == 2 and "not the encoder that made" in done.stderr
+
+
+def test_the_penalty_sweep_goes_past_a_winning_end_down_to_no_penalty_and_up_to_its_limit():
+    """The sweep's logic alone, with fits that only carry their penalty: when weaker always scores better it goes a
+    decade at a time past the grid, past the lower limit to no penalty at all (the end of the range: not an edge);
+    when stronger always scores better it stops at the upper limit and says the optimum is at that edge; an optimum
+    inside the grid is found without extending it."""
+    from evaluation.logistic import LogisticFit, Standardise, sweep_l2
+
+    def fake(l2: float, start: LogisticFit | None) -> LogisticFit:
+        return LogisticFit(
+            torch.zeros(1, 1), torch.zeros(1), Standardise(torch.zeros(1), torch.ones(1)), l2, 1, 0.0, 0.0
+        )
+
+    weaker = sweep_l2(fake, lambda f: (-f.l2, 0.0))
+    assert weaker.chosen.l2 == 0.0 and not weaker.at_edge and weaker.converged
+    assert min(float(k.removeprefix("l2=")) for k in weaker.scores if k != "l2=0e+00") == pytest.approx(L2_LIMITS[0])
+    stronger = sweep_l2(fake, lambda f: (f.l2, 0.0))
+    assert stronger.chosen.l2 == pytest.approx(L2_LIMITS[1]) and stronger.at_edge
+    inside = sweep_l2(fake, lambda f: (-abs(math.log10(f.l2) + 3) if f.l2 else -99.0, 0.0))
+    assert inside.chosen.l2 == pytest.approx(1e-3) and not inside.at_edge
+    assert set(inside.scores) == {f"l2={l2:.0e}" for l2 in L2_GRID}, "an inside optimum extends nothing"
