@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar, cast
 import typer
 
 from evaluation.protocol import HELP as EVAL_PROTOCOL
+from pipeline.core import logs
 from pipeline.core.errors import STOPPED_STATUS, DataProblem, Stopped, UserError, os_error_line
 
 app = typer.Typer(
@@ -522,6 +523,7 @@ def main() -> None:
     # click's UsageError, as the click that typer ships defines it (BadParameter's base)
     usage_error = cast(type[Exception], typer.BadParameter.__base__)
     try:
+        logs.configure()  # the stages' messages: bare lines on stderr
         code = app(prog_name="tcjepa", standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
     except usage_error as exc:  # a missing or unknown option: one line, and where the help is

@@ -25,6 +25,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One compute thread per process, here and in every process a test starts: on 2 cores that other processes (or other
 # work on the machine) share, OpenMP's waiting threads made tiny models up to ~10x slower than one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What the commands say is checked as a user sees it by default: at INFO, rank 0's.
+os.environ.pop("TCJEPA_LOG_LEVEL", None)
 
 # The helpers' asserts explain their failures as a test's do: pytest rewrites tests/support when it imports it (below,
 # after this line, and in the test modules).
@@ -85,6 +87,15 @@ def _turn(item: pytest.Item) -> int:
 
 
 # --- session fixtures --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cli_logging() -> None:
+    """The CLI's logging set-up (`pipeline.core.logs.configure`) in this process: a test that calls a library
+    function reads what it says on stderr (capsys, capfd), line for line as the CLI shows it."""
+    from pipeline.core import logs
+
+    logs.configure()
 
 
 @pytest.fixture(scope="session")

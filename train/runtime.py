@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from pipeline.core import logs
 from pipeline.core.devices import resolve_device
 from pipeline.core.errors import DataProblem, UserError
 from train.config import TrainConfig
@@ -50,9 +51,11 @@ def processes_per_node(world: int) -> int:
 
 
 def start_runtime(cfg: TrainConfig) -> Runtime:
-    """Join the torchrun process group when there is one, and pick this process's device."""
+    """Join the torchrun process group when there is one, and pick this process's device. From here on, a process
+    other than rank 0 shows only warnings (and, the first of its node, its node's reports): `logs.set_rank`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    logs.set_rank(rank, local_rank())
     device = resolve_device(cfg.device, local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)

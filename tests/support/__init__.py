@@ -14,4 +14,5 @@
 - `models`: variants of the session's tiny models.
 - `s3`: buckets on the session's S3 server.
 - `builds`: what a test session builds once and shares, under pytest-xdist across workers.
+- `logs`: the levels of a torchrun rank for the length of a test (`logging_as_rank`).
 """
