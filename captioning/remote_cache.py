@@ -16,7 +16,7 @@ again. Only then does the shard join the mirror, so the mirror never holds a row
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from captioning.cache import (
 )
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.logs import NODE
 from pipeline.core.recipes import canonical_json, recipe_hash
 from pipeline.core.remote import (
     LOG,
@@ -58,6 +59,8 @@ from pipeline.core.remote import (
     reset_if_rebuilt,
     writable_filesystem,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _fetch_cache_shard(fs: Any, root: str, local: Path, stem: str, source: str, doc: dict[str, Any]) -> None:
@@ -127,7 +130,7 @@ def mirror_cache(url: str, mirror: Path | None = None) -> Path:
     with mirror_lock(local):
         fetched = sync_cache_mirror(url, fs, root, local)
         total = len(list((local / "manifests").glob("*.json")))
-    print(f"mirror: {url} -> {local}: {fetched} new of {total} shards", file=sys.stderr)
+    logger.log(NODE, f"mirror: {url} -> {local}: {fetched} new of {total} shards")
     return local
 
 

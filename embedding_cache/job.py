@@ -15,7 +15,7 @@ first, before the cache is read or anything is encoded.
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,8 @@ from embedding_cache.store import KEY_BYTES, EmbeddingStore, SegmentWriter, Toke
 from embedding_cache.transform import FIT_TOKENS, codec_of, fit_summary, fit_transform, needs_fit
 from embedding_cache.work import EmbedConfig, EmbedReport, encode_window
 from pipeline.core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def stored_as(store: EmbeddingStore) -> str:
@@ -169,7 +171,7 @@ def create_store(
     encoder = T5Encoder.load(cfg.model, cfg.device, cfg.compute_dtype)
     vectors, _ = encode_window(encoder, tokenizer, [selection.texts[i] for i in sample], selection.keys[sample], cfg)
     entries, transform = fit_transform(np.concatenate(vectors), cfg.store_dtype, cfg.project_dim, len(sample))
-    print(f"fitted on {len(sample)} captions: {fit_summary(entries)}", file=sys.stderr)
+    logger.info(f"fitted on {len(sample)} captions: {fit_summary(entries)}")
     store = open_store_for_writing(
         cfg.store, {**request, **entries}, cfg.project_dim or source_width, cfg.mirror, transform
     )

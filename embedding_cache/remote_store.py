@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from collections.abc import Collection
@@ -36,6 +36,7 @@ from embedding_cache.store import STAGING, EmbeddingStore, PublishResult, Segmen
 from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, requested
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.logs import NODE
 from pipeline.core.recipes import canonical_json
 from pipeline.core.remote import (
     LOG,
@@ -54,6 +55,8 @@ from pipeline.core.remote import (
     reset_if_rebuilt,
     writable_filesystem,
 )
+
+logger = logging.getLogger(__name__)
 
 FETCHING = ".fetching"
 # What a keys mirror keeps of each segment: enough to skip stored captions and to resolve a run's captions to token
@@ -130,7 +133,7 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
         list_locally([s for s in segments if (local / "segments" / s).exists()])
         shutil.rmtree(local / STAGING, ignore_errors=True)
     of = "" if only is None else f" this run needs (the store has {len(segments)})"
-    print(f"mirror: {url} -> {local}: {fetched} new of {len(wanted)} segments{of}", file=sys.stderr)
+    logger.log(NODE, f"mirror: {url} -> {local}: {fetched} new of {len(wanted)} segments{of}")
     return local
 
 
@@ -338,7 +341,7 @@ def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
     before fetching any."""
     fs, root = remote_root(url, "zarr.json", "an embedding store")
     local = _keys_mirror(url, fs, root, mirror)
-    print(f"mirror: {url} -> {local}: keys of {len(EmbeddingStore(local).segment_ids())} segments", file=sys.stderr)
+    logger.log(NODE, f"mirror: {url} -> {local}: keys of {len(EmbeddingStore(local).segment_ids())} segments")
     return local
 
 

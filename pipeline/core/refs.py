@@ -7,12 +7,14 @@ module, and `sources` reaches the remote shards through `remote_tars`, never the
 
 from __future__ import annotations
 
-import sys
+import logging
 import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from pipeline.core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 TABLE_SUFFIXES = (".parquet",)
@@ -34,7 +36,7 @@ class ImageRef:
 
 def skip_warning(label: str, problem: str) -> None:
     """A source list_images cannot list: iter_images reports it as an error entry, here it is said once."""
-    print(f"warning: {label}: {problem}; its images are left out", file=sys.stderr)
+    logger.warning(f"warning: {label}: {problem}; its images are left out")
 
 
 def tar_member_refs(f: BinaryIO, label: str, where: str, shown: str) -> list[ImageRef]:

@@ -18,7 +18,7 @@ byte-identical files (same CPU kind, same torch build).
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,6 +29,8 @@ import numpy as np
 
 from pipeline.core.errors import UserError
 from pipeline.devkit import synth
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import transformers
@@ -284,9 +286,9 @@ def _pretrain(
                 with torch.no_grad():
                     result["tag_accuracy"] = float(tag_loss(held_out)[1])
                 model.train()
-            # stderr: the CLI prints its result as JSON on stdout.
+            # a message (stderr under the CLI): the CLI prints its result as JSON on stdout.
             line = " ".join(f"{k} {v:.3f}" for k, v in result.items())
-            print(f"tiny-t5 step {step}/{steps} {line} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            logger.info(f"tiny-t5 step {step}/{steps} {line} ({time.perf_counter() - t0:.0f} s)")
     model.eval()
     return {k: round(v, SCORE_DECIMALS) for k, v in result.items()}
 
