@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from pipeline.core.errors import UserError
+from tests.support.logs import logging_as_rank
 from train.config import (
     TrainConfig,
     apply,
@@ -221,9 +222,10 @@ def test_automatic_settings_fit_a_small_folder_and_say_so(capsys):
     assert said[0].startswith("val_images: 2 of the 20 images held out for validation (automatic")
     assert said[1].startswith("min_context: 1 patch(es) on the 4×4 grid (automatic")
     assert said[2].startswith("ema: 0.99402 -> 1.0 over 1000 steps, 5.0% of the starting weights left")
-    large = resolve_automatic(TrainConfig(), 100_000, say=False)
-    assert (large.val_images, large.min_context) == (32, 10), "the defaults of I-JEPA's 14×14 grid are kept"
-    assert resolve_automatic(TrainConfig(patch_size=8, image_size=64), 5, say=False).val_images == 1
+    with logging_as_rank(1):  # the other processes of a torchrun group choose the same and say nothing
+        large = resolve_automatic(TrainConfig(), 100_000)
+        assert (large.val_images, large.min_context) == (32, 10), "the defaults of I-JEPA's 14×14 grid are kept"
+        assert resolve_automatic(TrainConfig(patch_size=8, image_size=64), 5).val_images == 1
     assert capsys.readouterr().err == ""
 
 
@@ -271,7 +273,7 @@ def test_ema_auto_leaves_at_most_five_percent_of_the_starting_weights():
     assert apply(TrainConfig(), {"ema": [0.9, 1.0]}, "a YAML file").ema == (0.9, 1.0)
     with pytest.raises(UserError, match="config key 'ema': expected numbers like \\[a, b\\], or auto, got 'fast'"):
         apply(TrainConfig(), {"ema": "fast"}, "--set")
-    assert resolve_automatic(TrainConfig(steps=600), 100, say=False).ema == (automatic_ema_start(600), 1.0)
+    assert resolve_automatic(TrainConfig(steps=600), 100).ema == (automatic_ema_start(600), 1.0)
 
 
 def test_local_paths_become_absolute_and_urls_stay(tmp_path, monkeypatch):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,6 +37,8 @@ from train.choices import (
     VIT_SIZES,
 )
 from train.masks import MaskConfig, sample_masks
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"  # a setting chosen for the run (`resolve_automatic`), said in one line
 # ema auto: I-JEPA's start, lowered for short runs until at most this share of the starting weights is left.
@@ -396,7 +398,7 @@ def upgrade(updates: dict[str, Any], where: str | None = None) -> dict[str, Any]
         if renamed is not None:
             out[key] = renamed[0]
             if where is not None:
-                print(f"{where}: {key}: {value!r} is read as {renamed[0]!r} ({renamed[1]})", file=sys.stderr)
+                logger.info(f"{where}: {key}: {value!r} is read as {renamed[0]!r} ({renamed[1]})")
     return out
 
 
@@ -628,9 +630,9 @@ def ema_schedule(config: TrainConfig) -> tuple[float, float]:
     return config.ema
 
 
-def resolve_automatic(config: TrainConfig, n_images: int, say: bool = True) -> TrainConfig:
-    """`config` with its automatic settings (0) chosen for this data and grid, each said in one stderr line when
-    `say`; an explicit value that cannot work with `n_images` is refused in one line."""
+def resolve_automatic(config: TrainConfig, n_images: int) -> TrainConfig:
+    """`config` with its automatic settings (0) chosen for this data and grid, each said in one line (INFO: under
+    torchrun, rank 0's); an explicit value that cannot work with `n_images` is refused in one line."""
     if n_images < 2:
         raise UserError(f"only {n_images} image(s) indexed: training needs at least 2 (one is held out for validation)")
     val_images, min_context = config.val_images, config.min_context
@@ -662,7 +664,6 @@ def resolve_automatic(config: TrainConfig, n_images: int, say: bool = True) -> T
             f"ema: {start} -> 1.0 over {config.steps} steps, {left:.1%} of the starting weights left in the target "
             f"encoder at the end (automatic: {why}; set ema to choose)"
         )
-    if say:
-        for line in lines:
-            print(line, file=sys.stderr)
+    for line in lines:
+        logger.info(line)
     return dataclasses.replace(config, val_images=val_images, min_context=min_context, ema=ema)

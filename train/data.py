@@ -18,8 +18,8 @@ tensors made in shared memory, so handing them to the main process copies nothin
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +35,8 @@ from train.data_index import TrainIndex
 from train.images import EncodedImages, crop_resize, device_decodable
 from train.masks import MaskConfig, Masks, sample_masks
 from train.partitions import PartitionSchedule
+
+logger = logging.getLogger(__name__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -235,7 +237,7 @@ def device_decoding(cfg: TrainConfig, device: torch.device) -> bool:
     if cfg.decode != "gpu":
         return False
     if device.type != "cuda":
-        print(f"--decode gpu: no CUDA device ({device}); decoding images on the CPU", file=sys.stderr)
+        logger.warning(f"--decode gpu: no CUDA device ({device}); decoding images on the CPU")
         return False
     return True
 
@@ -508,7 +510,5 @@ def _say_not_device_decodable(source_id: str) -> None:
     """One stderr line per process the first time `--decode gpu` meets an image the device decoder is not given."""
     global _told_not_jpeg
     if not _told_not_jpeg:
-        print(
-            f"--decode gpu: {source_id} is not an upright RGB JPEG; such images are decoded on the CPU", file=sys.stderr
-        )
+        logger.warning(f"--decode gpu: {source_id} is not an upright RGB JPEG; such images are decoded on the CPU")
         _told_not_jpeg = True

@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import random
-import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +44,8 @@ from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.refs import ImageRef
 from pipeline.core.remote import is_remote
 from pipeline.core.sources import ImageReader, list_images, read_images
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "tcjepa-train-index"
 VERSION = 2
@@ -371,11 +373,10 @@ def _image_sha256(
     actual = _hash_refs([refs[i] for i in sample], progress, "verifying image hashes")
     differ = sum(a is not None and a != recorded[refs[i].source_id] for i, a in zip(sample, actual))
     if differ:
-        print(
+        logger.warning(
             f"warning: {differ} of {len(sample)} sampled images differ from what the caption cache recorded for their "
             "source id "
-            f"(another folder with the same file names?); hashing every image",
-            file=sys.stderr,
+            f"(another folder with the same file names?); hashing every image"
         )
         return _hash_refs(refs, progress, "hashing images")
     shas: list[str | None] = [recorded.get(r.source_id) for r in refs]

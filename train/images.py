@@ -12,7 +12,7 @@ are decoded on the CPU as above.
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2.functional import resize
 
 from pipeline.core.images import exif_orientation, load_rgb
+
+logger = logging.getLogger(__name__)
 
 Box = tuple[int, int, int, int]  # left, top, right, bottom, in pixels of the upright image
 
@@ -93,10 +95,9 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> None:
         decoded = decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=images.device)
     except RuntimeError as exc:
         if not _warned:
-            print(
+            logger.warning(
                 f"--decode gpu: the device decoder failed ({str(exc).splitlines()[0][:80]}); decoding such batches"
-                " on the CPU",
-                file=sys.stderr,
+                " on the CPU"
             )
             _warned = True
         decoded = [d.to(images.device) for d in decode_jpeg(encoded.data, mode=ImageReadMode.RGB)]

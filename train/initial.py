@@ -19,8 +19,8 @@ checked against I-JEPA's formula for this grid: a mismatch means another archite
 from __future__ import annotations
 
 import json
+import logging
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ from pipeline.core.errors import UserError
 from train.checkpoint import has_checkpoint, load_checkpoint
 from train.jepa import JEPA
 from train.vit import VisionTransformer, sincos_2d
+
+logger = logging.getLogger(__name__)
 
 EXPORT_FORMAT = "tcjepa-encoder"  # evaluation.export's config.json `format` (train does not import evaluation)
 IJEPA_PARTS = ("encoder", "target_encoder")
@@ -146,8 +148,9 @@ def _ijepa_predictor(state: dict[str, Any], model: JEPA) -> dict[str, torch.Tens
     return swap_stream_halves(renamed, int(own["norm.weight"].shape[0]), model.encoder.width)
 
 
-def initialise(path: Path, model: JEPA, target: VisionTransformer, say: bool = True) -> None:
-    """Load `path`'s weights into a new run's models (see the module's docstring), saying what came from where."""
+def initialise(path: Path, model: JEPA, target: VisionTransformer) -> None:
+    """Load `path`'s weights into a new run's models (see the module's docstring), saying what came from where (INFO:
+    under torchrun, rank 0's)."""
     path = Path(path)
     said: list[str] = []
     if path.is_dir() and has_checkpoint(path):
@@ -193,6 +196,5 @@ def initialise(path: Path, model: JEPA, target: VisionTransformer, say: bool = T
             if not path.exists()
             else f"--init {path}: neither a tcjepa run, a `tcjepa export` directory nor an I-JEPA .pth.tar"
         )
-    if say:
-        for line in said:
-            print(line, file=sys.stderr)
+    for line in said:
+        logger.info(line)

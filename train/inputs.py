@@ -4,11 +4,12 @@ and local copies of remote caches, stores and image shards, each fetched once pe
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import replace
 from pathlib import Path
 
 from pipeline.core.errors import UserError
+from pipeline.core.logs import NODE
 from train.config import TrainConfig
 from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index, verify_images
 from train.partitions import (
@@ -22,6 +23,8 @@ from train.partitions import (
 )
 from train.run_dir import INDEX
 from train.runtime import Runtime, agreed, local_rank, processes_per_node
+
+logger = logging.getLogger(__name__)
 
 
 def inputs_for_index(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
@@ -79,23 +82,22 @@ def partition(cfg: TrainConfig, index: TrainIndex, rt: Runtime) -> tuple[Partiti
         split = partition_run(index, cfg.partitions, cfg.val_images, cfg.seed, by_segment=text)
     except ValueError as exc:
         raise UserError(f"partitions: {exc}") from None
-    if nodes > 1 and sharing == 1 and rt.main:
-        print(
+    if nodes > 1 and sharing == 1:
+        logger.info(
             f"partitions 1: each of the {nodes} nodes reads the whole store; --partitions P (a multiple of {nodes}) "
-            f"has each read 1/{nodes} of it",
-            file=sys.stderr,
+            f"has each read 1/{nodes} of it"
         )
     if not text:
         return split, sharing, []
     node, parts = serving(rt, sharing, cfg.partitions)
     reads = node_segments(index, split, parts)
-    if local_rank() == 0 and cfg.partitions > 1:
+    if cfg.partitions > 1:
         served = f"{parts.start}" if len(parts) == 1 else f"{parts.start}–{parts.stop - 1}"
-        print(
+        logger.log(
+            NODE,
             f"node {node} of {sharing}: partitions {served} of {cfg.partitions}, {len(reads.names)} of the "
             f"{len(index.segments)} store segments the run reads, {reads.shared} of them only for captions its images "
             "share with other partitions' images",
-            file=sys.stderr,
         )
     return split, sharing, reads.names
 
@@ -135,10 +137,10 @@ def images_for_training(cfg: TrainConfig, index: TrainIndex, split: PartitionSpl
         who = f"node {node} of {sharing}: " if sharing > 1 else ""
         shared = f", {shards.shared} of them holding other partitions' images too" if shards.shared else ""
         where = ", ".join(map(str, done.directories))
-        print(
+        logger.log(
+            NODE,
             f"{who}{done.shards} of the {shards.total} image shards the run reads ({done.bytes / 1e6:.1f} MB, "
             f"{done.fetched} fetched now, each image checked against the index){shared} in {where}",
-            file=sys.stderr,
         )
 
     agreed(rt, fetch, on=local_rank() == 0)
@@ -155,7 +157,7 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool
     def build() -> None:
         cache = Path(cfg.text_cache) if cfg.conditioning != "none" else None
         index = build_index(cfg.images, cache, store, cfg.recipes, cfg.min_coverage, cfg.image_column, split=cfg.split)
-        print(index.coverage_line(), file=sys.stderr)
+        logger.info(index.coverage_line())
         index.save(path)
 
     def check() -> None:

@@ -10,9 +10,9 @@ DDP or FSDP by `train.parallel`. No text model is imported anywhere on this path
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +44,8 @@ from train.runtime import STOP_SIGNALS, StopRequests, start_runtime
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import TrainStep, on_device
 from train.validation import validate_in_chunks
+
+logger = logging.getLogger(__name__)
 
 
 def end_workers(loader: Iterator[Any]) -> None:
@@ -80,7 +82,7 @@ class Trainer:
             cfg, run, self.rt, Path(for_index.text_store) if cfg.conditioning != "none" else None
         )
         self.index = load_or_build_index(for_index, run, self.rt, progress)
-        for_index = resolve_automatic(for_index, len(self.index.refs), say=self.rt.main)
+        for_index = resolve_automatic(for_index, len(self.index.refs))
         save_config(cfg, run, self.rt)
         self.split, self.nodes, segments = partition(for_index, self.index, self.rt)
         images_for_training(for_index, self.index, self.split, self.nodes, self.rt)
@@ -88,7 +90,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(ModelConfig.of(cfg), text_width(cfg))
         if cfg.init is not None and not has_checkpoint(run):
-            initialise(Path(cfg.init), self.model, self.target, say=self.rt.main)
+            initialise(Path(cfg.init), self.model, self.target)
         self.model.to(self.rt.device)
         self.target.to(self.rt.device)
         self.dataset = StepBatches(
@@ -112,8 +114,8 @@ class Trainer:
         self.stops = StopRequests(self.rt)
         self.checkpoints = Checkpointer(run, self.model, self.target, self.optimizer, self.rt.main)
         self.start_step = self.checkpoints.resume()
-        if self.start_step and self.rt.main:
-            print(f"resuming {run} at step {self.start_step}", file=sys.stderr)
+        if self.start_step:
+            logger.info(f"resuming {run} at step {self.start_step}")
         if self.rt.main:  # what a stopped run logged after its last checkpoint (or before its first) is redone
             self.metrics.truncate_after(self.start_step)
 

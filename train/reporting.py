@@ -5,12 +5,15 @@ and the metrics sent on to TensorBoard and Weights & Biases (`--log`). metrics.j
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 LOGGERS = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
@@ -102,15 +105,13 @@ class Progress:
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             else:
-                print(format_line(record, self.total, self.eta(step)), file=sys.stderr, flush=True)
+                logger.info(format_line(record, self.total, self.eta(step)))
         elif "val_loss_predict" in record and self.bar is None:
-            print(
+            logger.info(
                 f"step {step}/{self.total} | validation: predict {record['val_loss_predict']:.4f} (shuffled captions "
                 f"{record['val_loss_predict_shuffled']:.4f}, no text {record['val_loss_predict_notext']:.4f}) | "
                 f"position only {record['val_loss_position_only']:.4f} | RankMe {record['val_rankme']:.1f} "
-                f"({record['val_rankme_centred']:.1f} with each position's mean removed)",
-                file=sys.stderr,
-                flush=True,
+                f"({record['val_rankme_centred']:.1f} with each position's mean removed)"
             )
         values = scalars(record)
         if self.tensorboard is not None:
