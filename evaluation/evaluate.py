@@ -12,7 +12,7 @@ checkpoints a run kept, one report each, the floors measured once, and draws the
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,8 @@ from pipeline.core.refs import ImageRef
 from pipeline.core.sources import list_images
 from train.config import TrainConfig
 from train.data import IMAGENET_MEAN, IMAGENET_STD
+
+logger = logging.getLogger(__name__)
 
 PROBES = ("linear", "knn", "dense", "multilabel", "attentive")
 EVAL_DIR = "eval"
@@ -304,12 +306,11 @@ def evaluate(cfg: EvalConfig, default_probes: bool = False) -> dict[str, Any]:
     features = sets["encoder"]
     usable = np.flatnonzero(features.decoded)
     if len(usable) < len(labels.label):
-        print(
-            f"eval: {len(labels.label) - len(usable)} labelled images could not be read or decoded; left out",
-            file=sys.stderr,
+        logger.warning(
+            f"eval: {len(labels.label) - len(usable)} labelled images could not be read or decoded; left out"
         )
     if labels.unmatched and cfg.train is not None:
-        print(f"eval: {labels.unmatched} images outside a --train class folder; left out", file=sys.stderr)
+        logger.warning(f"eval: {labels.unmatched} images outside a --train class folder; left out")
     dense = (
         _dense_labels(labels, features.sizes, features.image_size, features.grid, geometry) if "dense" in probes else {}
     )
