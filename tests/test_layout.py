@@ -192,3 +192,38 @@ def test_no_import_circle_between_modules() -> None:
 def test_the_component_finder_finds_circles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
     assert sorted(strongly_connected(graph)) == [["a", "b", "c"], ["d"], ["e"]]
+
+
+# The CLI and what is the demo command's face may print: their prints are the commands' own output (the demo's
+# `[demo]` lines and its table, on stdout, which tests read). Every other module says what it has to say through its
+# logger (`pipeline.core.logs`), so that one setup decides what each process shows.
+PRINTING = {"pipeline/cli.py", "pipeline/demo.py", "pipeline/devkit/scenes.py"}
+
+
+def speaking(source: str, name: str) -> list[str]:
+    """Where the module `name` (its `source`) calls `print` or takes a `say` argument (a flag a caller threads down
+    to silence it)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=name)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+            found.append(f"{name}:{node.lineno}: print(")
+        elif isinstance(node, ast.arguments):
+            arguments = [*node.posonlyargs, *node.args, *node.kwonlyargs, node.vararg, node.kwarg]
+            found += [f"{name}:{a.lineno}: say" for a in arguments if a is not None and a.arg == "say"]
+    return found
+
+
+def test_library_modules_log_instead_of_printing() -> None:
+    """No module of the project prints or takes a `say` flag, but the CLI and the demo's face (`PRINTING`)."""
+    paths = {
+        str(path.relative_to(REPO)): path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))
+    }
+    assert set(paths) >= PRINTING
+    found = [line for name, path in paths.items() if name not in PRINTING for line in speaking(path.read_text(), name)]
+    assert not found, "say it through the module's logger (logging.getLogger(__name__)):\n" + "\n".join(found)
+
+
+def test_the_print_finder_finds_prints_and_say_flags() -> None:
+    code = "def f(x, say: bool = True):\n    print(x)\n\nlambda say: say\ndef g(*, say=False): pass\nlog.print(x)\n"
+    found = speaking(code, "m.py")
+    assert sorted(found) == ["m.py:1: say", "m.py:2: print(", "m.py:4: say", "m.py:5: say"], found
