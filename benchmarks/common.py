@@ -1,6 +1,7 @@
 """What every benchmark shares: the environment, the repository root, the CLI in a subprocess, the final JSON line.
 
-Imported first by each benchmark, so the hub is offline before transformers loads.
+Imported first by each benchmark, so the hub is offline before transformers loads, and the library functions a
+benchmark calls in its own process say what they say on stderr as under the CLI (`pipeline.core.logs`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.core import logs
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+logs.configure()
 
 
 def tcjepa(*args: Any, check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess:
