@@ -13,7 +13,8 @@ the same messages through the root logger; one that configures nothing sees the 
 In a torchrun group, `set_rank` (called where the trainer learns its rank, `train.runtime.start_runtime`) keeps rank
 0 at INFO and raises the others to WARNING, and the first process of each other node to NODE, so that a run's
 messages are said once and each node's reports once per node. The environment variable TCJEPA_LOG_LEVEL (DEBUG,
-INFO, NODE, WARNING, ERROR or a number) sets the level of every process instead, rank 0 included.
+INFO, NODE, WARNING, ERROR or a number) sets the level of every process instead, rank 0 included (users read this in
+docs/cli.md, "Overview").
 """
 
 from __future__ import annotations
