@@ -32,15 +32,6 @@ from typing import IO, Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes, fsync_dir
@@ -298,6 +289,9 @@ class Checkpointer:
     Under FSDP every process writes its own shards (no gather); otherwise rank 0 writes full state dicts. Either way
     rank 0 also writes the two encoders as safetensors (under FSDP gathered to it, on CPU: the encoders only).
     Resuming takes the newer of the two formats, into whatever this process holds (whole or sharded).
+
+    DCP's state-dict functions are imported by the methods that use them: evaluation and export read checkpoints
+    through this module without them (about 2 s of imports).
     """
 
     def __init__(
@@ -312,6 +306,13 @@ class Checkpointer:
     def resume(self) -> int:
         """Load the run's newest checkpoint, of either format, into this process's models and optimizer; its step,
         or 0 when there is none."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+            set_state_dict,
+        )
+
         sharded = sharded_checkpoint(self.run)
         full = load_full_checkpoint(self.run)
         if sharded is not None and (full is None or sharded[1] > int(full["step"])):
@@ -332,6 +333,12 @@ class Checkpointer:
 
     def save(self, step: int, config: dict[str, Any], sharded: bool, keep: int, every_keep: int) -> None:
         """Checkpoint `step` (a collective: every process calls it), with the run's `config`."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=full))
         target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
@@ -354,5 +361,7 @@ class Checkpointer:
 
     def _sharded_state(self) -> dict[str, Any]:
         """This process's shards (plain tensors on one process) of model, target and optimizer, keyed by name."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
         model, optimizer = get_state_dict(self.model, self.optimizer)
         return {"model": model, "target": get_model_state_dict(self.target), "optimizer": optimizer}
