@@ -478,15 +478,23 @@ def is_compacted(shard: str) -> bool:
     return f"-{COMPACTED}-" in shard
 
 
-def _retry_if_compacted(read: Callable[[], pa.Table], attempts: int = 5) -> pa.Table:
+COMPACTION_PATIENCE_S = 300.0  # how long a read keeps re-listing while a compaction deletes the shards it listed
+
+
+def _retry_if_compacted(read: Callable[[], pa.Table], patience_s: float = COMPACTION_PATIENCE_S) -> pa.Table:
     """`read()` again when a shard it listed was deleted meanwhile (a compaction replaced it); the next listing
-    names the shard that holds those rows now."""
-    for _ in range(attempts - 1):
+    names the shard that holds those rows now. Each retry follows a deletion, i.e. progress of a compaction, which
+    ends; a reader slower than the compaction's steps retries until it does, within `patience_s`."""
+    deadline = time.monotonic() + patience_s
+    while True:
         try:
             return read()
-        except FileNotFoundError:
-            continue
-    return read()
+        except FileNotFoundError as exc:
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"shards kept disappearing for {patience_s:.0f} s while reading ({exc.filename}); "
+                    "read the cache again when its compaction has finished"
+                ) from exc
 
 
 def manifest_doc(shard: str, files: dict[str, Path]) -> dict[str, Any]:

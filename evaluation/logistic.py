@@ -109,7 +109,7 @@ def fit_logistic(
         lr=1.0,
         max_iter=max_iter,
         max_eval=max_iter * 2,
-        tolerance_grad=GRAD_TOLERANCE / 3,  # aimed below what counts as converged
+        tolerance_grad=GRAD_TOLERANCE / 10,  # aimed a decade below what counts as converged
         tolerance_change=1e-14,
         history_size=10,
         line_search_fn="strong_wolfe",

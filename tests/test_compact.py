@@ -124,11 +124,15 @@ def test_readers_see_every_row_once_while_a_compaction_runs(tmp_path):
     _many_small_shards(root, shards=40)
     before = _contents(root)
     seen: list[bool] = []
+    errors: list[BaseException] = []
     done = threading.Event()
 
     def read_all_the_time() -> None:
-        while not done.is_set():
-            seen.append(_contents(root) == before)
+        try:
+            while not done.is_set():
+                seen.append(_contents(root) == before)
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test's thread, which fails on it
+            errors.append(exc)
 
     reader = threading.Thread(target=read_all_the_time)
     reader.start()
@@ -137,6 +141,7 @@ def test_readers_see_every_row_once_while_a_compaction_runs(tmp_path):
     finally:
         done.set()
         reader.join()
+    assert not errors, f"a read failed while the compaction ran: {errors[0]!r}"
     assert seen and all(seen), f"{seen.count(False)} of {len(seen)} reads differed"
 
 
