@@ -220,20 +220,37 @@ def floor_inputs(
 
 def reused_floors(path: Path, inputs: dict[str, Any]) -> dict[str, Any]:
     """The floors of the report at `path` (`--floors-from`), refused unless they were measured on the same
-    `floor_inputs`."""
+    `floor_inputs` (of the probes, at least those asked for now: the floors lent are those probes')."""
     try:
         earlier = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"--floors-from {path}: not a readable eval report ({exc})") from None
     if not isinstance(earlier, dict) or "floor_inputs" not in earlier or any(f not in earlier for f in FLOORS):
         raise UserError(f"--floors-from {path}: not a report of `tcjepa eval` with its floors and their inputs")
-    different = [key for key in inputs if earlier["floor_inputs"].get(key) != inputs[key]]
+    measured = earlier["floor_inputs"]
+    different = [
+        key
+        for key in inputs
+        if (
+            not set(inputs[key]) <= set(measured.get(key) or [])
+            if key == "probes"
+            else measured.get(key) != inputs[key]
+        )
+    ]
     if different:
         raise UserError(
             f"--floors-from {path}: its floors were measured with other {', '.join(different)}; "
             "leave --floors-from out to measure this run's own"
         )
-    return {floor: earlier[floor] for floor in FLOORS}
+    wanted = set(inputs["probes"])
+
+    def asked(name: str) -> bool:  # a dense probe per cell map is `dense` or `dense_NAME`
+        return name in wanted or (name.startswith("dense_") and "dense" in wanted)
+
+    return {
+        floor: {**earlier[floor], "probes": {k: v for k, v in earlier[floor]["probes"].items() if asked(k)}}
+        for floor in FLOORS
+    }
 
 
 def one_line(report: dict[str, Any]) -> str:

@@ -59,7 +59,7 @@ def _train_and_eval(
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Train one mode and probe both its encoders; `floors_from`: the other mode's report, whose floors (same
     encoder architecture, images and seed) are reused, as the context encoder's report reuses the target's."""
-    from evaluation.evaluate import EvalConfig, evaluate
+    from evaluation.evaluate import PROBES, EvalConfig, evaluate
     from train.config import TrainConfig, apply
     from train.loop import run_training
 
@@ -78,6 +78,8 @@ def _train_and_eval(
         report = json.loads(done.read_text()) if done.exists() else None
         if report is None or [report["step"]] != last:
             lender = floors_from if encoder == ENCODERS[0] else Path(reports[ENCODERS[0]]["report"])
+            # the attentive probe (the costliest) on the target encoder, the one the paper evaluates
+            probes = PROBES if encoder == ENCODERS[0] else tuple(p for p in PROBES if p != "attentive")
             report = evaluate(
                 EvalConfig(
                     run=run,
@@ -87,7 +89,9 @@ def _train_and_eval(
                     progress=False,
                     floors_from=lender,
                     encoder=encoder,
-                )
+                    probes=probes,
+                ),
+                default_probes=True,
             )
         report["report"] = str(done)
         reports[encoder] = report

@@ -117,8 +117,19 @@ def test_the_logistic_fit_is_scikit_learns_at_the_same_penalty(l2):
     assert ours.converged and ours.gradient <= GRAD_TOLERANCE
     z = (x - x.mean(0)) / x.std(0)
     theirs = LogisticRegression(C=1 / (l2 * len(y)), tol=1e-10, max_iter=10_000).fit(z, y)
+    # the same objective at both answers: a convex problem has one minimum, and ours is at it
+    zt, yt = torch.from_numpy(z).double(), torch.from_numpy(y)
+
+    def objective(weight: np.ndarray, bias: np.ndarray) -> float:
+        w = torch.from_numpy(np.asarray(weight, dtype=np.float64))
+        logits = zt @ w.T + torch.from_numpy(np.asarray(bias, dtype=np.float64))
+        return float(torch.nn.functional.cross_entropy(logits, yt) + l2 / 2 * w.square().sum())
+
+    ours_objective = objective(ours.weight.numpy(), ours.bias.numpy())
+    assert ours_objective - objective(theirs.coef_, theirs.intercept_) <= 1e-6 * max(ours_objective, 1.0)
     probabilities = torch.softmax(ours.logits(torch.from_numpy(x)), 1).numpy()
-    # ours stops at a largest gradient entry of 1e-5 (it counts 1e-4, scikit-learn's default tol, as converged)
+    # ours stops at a largest gradient entry of 1e-5 (it counts 1e-4, scikit-learn's default tol, as converged); at
+    # a weak penalty the objective is flat, so the probabilities agree less closely than the objective does
     np.testing.assert_allclose(probabilities, theirs.predict_proba(z), atol=2e-3)
     assert (probabilities.argmax(1) == theirs.predict(z)).all()
     # scikit-learn's multinomial weights are defined up to a shift shared by the classes, as ours are
@@ -698,7 +709,7 @@ def test_floors_are_reused_from_a_report_measured_alike_and_refused_from_any_oth
         ({"seed": 1}, "with other floor_seed, seed;"),
         ({"floor_seed": 9}, "with other floor_seed;"),
         ({"eval_resize": "crop"}, "with other images, geometry;"),
-        ({"probes": ("linear",)}, "with other probes;"),
+        ({"probes": ("linear", "multilabel")}, "with other probes;"),
         ({"test_fraction": 0.3}, "with other split;"),
         ({"labels": tmp_path / "fewer.jsonl", "image_root": synth_dir}, "with other images, labels;"),
     ]:
@@ -706,6 +717,20 @@ def test_floors_are_reused_from_a_report_measured_alike_and_refused_from_any_oth
         (tmp_path / "fewer.jsonl").write_text("\n".join(rows[:-1]) + "\n")
         with pytest.raises(UserError, match=f"--floors-from .*lender.json: its floors were measured {why}"):
             borrow(floors_from=tmp_path / "lender.json", **changes)
+    fewer = evaluate(
+        EvalConfig(
+            run=borrower,
+            images=[synth_dir / "images"],
+            labels=synth_dir / "labels.jsonl",
+            num_workers=0,
+            probes=("linear",),
+            progress=False,
+            floors_from=tmp_path / "lender.json",
+            report=tmp_path / "fewer-probes.json",
+        )
+    )
+    assert set(fewer["baseline"]["probes"]) == {"linear"}, "a subset of the lender's probes borrows just those floors"
+    assert fewer["baseline"]["probes"]["linear"] == lender["baseline"]["probes"]["linear"]
     (tmp_path / "junk.json").write_text("{not json")
     with pytest.raises(UserError, match="not a readable eval report"):
         borrow(floors_from=tmp_path / "junk.json")
