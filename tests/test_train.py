@@ -370,3 +370,63 @@ def test_compile_trains(tmp_path, synth_dir):
     out = tcjepa(*train_args(synth_dir / "images", None, None, run, *args))
     assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
     assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 2
+
+
+@pytest.mark.slow
+def test_the_loop_reads_the_device_and_agrees_on_stops_only_where_it_logs_or_checkpoints(
+    tmp_path, synth_dir, monkeypatch
+):
+    """Host stalls outside the step: 8 steps logging every 4, validating and checkpointing at the end. The loop reads
+    the device once per log (one `tolist` of the summed loss parts and images replaced, after one all-reduce under
+    torchrun) and once per checkpoint (its finiteness check), and asks the processes to agree on stop requests only
+    at a log or checkpoint step (a collective under torchrun): once here (step 4; the last step needs none)."""
+    import inspect
+
+    from train.config import TrainConfig, apply
+    from train.loop import run_training
+    from train.runtime import StopRequests
+
+    loop_file = str(Path(inspect.getfile(run_training)))
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, __original=original, __name=name):
+            if sys._getframe(1).f_code.co_filename == loop_file:
+                reads.append(__name)
+            return __original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    agreements: list[int] = []
+    agree = StopRequests.agreed
+
+    def counted_agree(self):
+        agreements.append(1)
+        return agree(self)
+
+    monkeypatch.setattr(StopRequests, "agreed", counted_agree)
+    settings = {
+        "images": [str(synth_dir / "images")],
+        "conditioning": "none",
+        "model": "vit_tiny",
+        "depth": 1,
+        "patch_size": 16,
+        "image_size": 64,
+        "predictor_width": 48,
+        "predictor_depth": 1,
+        "batch_size": 8,
+        "steps": 8,
+        "warmup_steps": 2,
+        "log_every": 4,
+        "val_every": 8,
+        "checkpoint_every": 8,
+        "val_images": 8,
+        "num_workers": 0,
+        "min_context": 1,
+        "device": "cpu",
+    }
+    metrics = run_training(apply(TrainConfig(), settings, "test"), tmp_path / "run", progress=False)
+    assert [m["step"] for m in metrics if "loss" in m] == [4, 8]
+    assert sorted(reads) == sorted(["tolist", "tolist", "__bool__"]), reads
+    assert len(agreements) == 1
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000, "the curves were drawn in the background"

@@ -35,7 +35,7 @@ from train.inputs import (
     text_width,
 )
 from train.jepa import build_models
-from train.metrics import MetricsLog, plot_curves
+from train.metrics import CurvePlotter, MetricsLog
 from train.optim import apply_schedules, make_optimizer
 from train.parallel import wrap_models
 from train.reporting import Progress, check_loggers
@@ -107,6 +107,7 @@ class Trainer:
         self.wd = Cosine(cfg.weight_decay[0], cfg.weight_decay[1], cfg.steps)
         self.ema = Linear(*ema_schedule(cfg), cfg.steps)
         self.metrics = MetricsLog(run)
+        self.plots = CurvePlotter()
         # The optimizer is made after FSDP has replaced the parameters by their shards.
         self.train_module = wrap_models(self.model, self.target, cfg, self.rt.device)
         self.optimizer = make_optimizer(self.model, cfg, self.rt.device)
@@ -162,8 +163,7 @@ class Trainer:
         itself queues its work and moves on.
         """
         cfg, rt = self.cfg, self.rt
-        sums = torch.zeros(5, device=rt.device)
-        replaced = 0
+        sums = torch.zeros(6, device=rt.device)  # the step's 5 loss parts, summed; the images replaced
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
         self.train_module.train()
@@ -171,19 +171,22 @@ class Trainer:
         batches = on_device(loader, rt.device, cfg.accum_steps)
         try:
             for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
-                sums += self.step(micro, self._set_schedules(step), step)
+                sums[:5] += self.step(micro, self._set_schedules(step), step)
+                sums[5] += batch.replaced
                 done = step + 1
                 logged_steps += 1
                 images_seen += cfg.batch_size
-                replaced += batch.replaced
                 if progress is not None:
                     progress.step()
-                if done % cfg.log_every == 0 or done == cfg.steps:
-                    means = self._mean_across_ranks(sums / logged_steps).tolist()
+                logged = done % cfg.log_every == 0 or done == cfg.steps
+                if logged:
+                    # one all-reduce and one read of the device per log: the loss means and the images replaced
+                    totals = sums.clone()
                     if rt.world > 1:
-                        count = torch.tensor(float(replaced), device=rt.device)
-                        dist.all_reduce(count, op=dist.ReduceOp.SUM)
-                        replaced = int(count.item())
+                        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+                    *parts, replaced_total = totals.tolist()
+                    means = [v / (logged_steps * rt.world) for v in parts]
+                    replaced = int(replaced_total)
                     if not all(math.isfinite(v) for v in means):
                         self._stop_non_finite(done)
                     elapsed = time.perf_counter() - tick
@@ -204,7 +207,6 @@ class Trainer:
                         self.metrics.append(record)
                         progress.logged(record)
                     sums.zero_()
-                    replaced = 0
                     logged_steps, images_seen, tick = 0, 0, time.perf_counter()
                 if done % cfg.val_every == 0 or done == cfg.steps:
                     # Every rank validates (FSDP's forward is collective); rank 0 writes.
@@ -212,12 +214,13 @@ class Trainer:
                     if progress is not None:
                         self.metrics.append(record)
                         progress.logged(record)
-                        plot_curves(self.run_dir)
+                        self.plots.draw(self.run_dir)  # in the background: no rank waits for matplotlib
                     tick = time.perf_counter()
                 saved = done % cfg.checkpoint_every == 0 or done == cfg.steps
                 if saved:
                     self._checkpoint(done, sums)
-                stop = self.stops.agreed() if done < cfg.steps else None
+                # Stop requests are agreed where the loop logs or checkpoints: a collective, not one per step.
+                stop = self.stops.agreed() if (logged or saved) and done < cfg.steps else None
                 if stop is not None:
                     if not saved:
                         self._checkpoint(done, sums)
@@ -236,13 +239,15 @@ class Trainer:
 
     def _checkpoint(self, step: int, sums: torch.Tensor) -> None:
         """Save a checkpoint, unless the losses since the last log are not finite (then stop, keeping the last)."""
-        if not bool(torch.isfinite(self._mean_across_ranks(sums.clone())).all()):
+        if not bool(torch.isfinite(self._mean_across_ranks(sums[:5].clone())).all()):
             self._stop_non_finite(step)
         cfg = self.cfg
         self.checkpoints.save(step, to_dict(cfg), cfg.fsdp, cfg.checkpoint_keep, cfg.checkpoint_every_keep)
 
     def _finish(self, progress: Progress | None) -> None:
-        """Close the progress display and loggers, unlock RUN, leave the process group."""
+        """Close the progress display and loggers, wait for the curves being drawn, unlock RUN, leave the process
+        group."""
+        self.plots.close()
         if progress is not None:
             progress.close()
         if self.run_lock is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,13 @@ def _rankme(singular: torch.Tensor) -> float:
 
 def plot_curves(run: Path) -> Path:
     """`run/curves.png`: training losses, and validation loss with true / shuffled / no captions."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # the object API, no pyplot state: safe in a background thread
 
     lines = MetricsLog(run).read()
     train = [r for r in lines if "loss" in r]
     val = [r for r in lines if "val_loss_predict" in r]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig = Figure(figsize=(15, 4))
+    axes = fig.subplots(1, 3)
     for key in ("loss", "loss_predict", "loss_sparse", "loss_consistency"):
         pts = [(r["step"], r[key]) for r in train if key in r and math.isfinite(r[key])]
         if pts and any(v for _, v in pts):
@@ -119,6 +118,39 @@ def plot_curves(run: Path) -> Path:
     out = run / CURVES
     tmp = run / f".{CURVES}.tmp.png"
     fig.savefig(tmp, dpi=90)
-    plt.close(fig)
     tmp.replace(out)
     return out
+
+
+class CurvePlotter:
+    """Draws `curves.png` in a background thread, so the training ranks never wait for matplotlib: one drawing at a
+    time, a request made while one runs draws once more after it (with the newest metrics); `close` waits."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="curves")
+        self._pending: Future[Path] | None = None
+        self._again = False
+        self._run: Path | None = None
+
+    def draw(self, run: Path) -> None:
+        self._run = run
+        if self._pending is not None and not self._pending.done():
+            self._again = True
+            return
+        self._pending = self._pool.submit(self._draw, run)
+
+    def _draw(self, run: Path) -> Path:
+        out = plot_curves(run)
+        while self._again:
+            self._again = False
+            out = plot_curves(run)
+        return out
+
+    def close(self) -> None:
+        """Wait for the drawing under way (its errors surface here)."""
+        if self._pending is not None:
+            self._pending.result()
+        self._pool.shutdown(wait=True)
+        if self._again and self._run is not None:  # asked for just as the last drawing ended
+            self._again = False
+            plot_curves(self._run)

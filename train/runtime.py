@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,12 @@ from train.step import use_tensor_cores
 T = TypeVar("T")
 # What Slurm (`--signal`) and Kubernetes send before they kill a job: finish the step, checkpoint, exit 75.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# The training collectives (gradients, validation sums, checkpoints) give up after this: a hung one costs minutes on
+# every node, not the hours the agreements below may need.
+STEP_TIMEOUT = datetime.timedelta(minutes=15)
+# Agreements between the processes may wait this long: rank 0 builds the run index (or fetches a remote cache) while
+# the others wait. They run on a CPU (gloo) group of their own, so a GPU stream is never waited for either.
+AGREEMENT_TIMEOUT = datetime.timedelta(hours=2)
 
 
 @dataclass
@@ -34,6 +40,7 @@ class Runtime:
     rank: int
     world: int
     device: torch.device
+    control: Any = None  # the gloo group agreements and stop requests run on (None: one process)
 
     @property
     def main(self) -> bool:
@@ -60,15 +67,23 @@ def start_runtime(cfg: TrainConfig) -> Runtime:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         use_tensor_cores()
-    if world > 1 and not dist.is_initialized():
-        # A long timeout: rank 0 may spend a while building the index while the others wait.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
-    return Runtime(rank, world, device)
+    control = None
+    if world > 1:
+        if not dist.is_initialized():
+            # With the device named, NCCL sets its communicators up now rather than at the first collective, and
+            # barriers know which device to use.
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                timeout=STEP_TIMEOUT,
+                device_id=device if device.type == "cuda" else None,
+            )
+        control = dist.new_group(backend="gloo", timeout=AGREEMENT_TIMEOUT)
+    return Runtime(rank, world, device, control)
 
 
 def barrier(rt: Runtime) -> None:
     if rt.world > 1:
-        dist.barrier()
+        dist.barrier(group=rt.control)
 
 
 def agreed(rt: Runtime, step: Callable[[], T], on: bool) -> T | None:
@@ -85,8 +100,8 @@ def agreed(rt: Runtime, step: Callable[[], T], on: bool) -> T | None:
             error = exc
     ok = error is None
     if rt.world > 1:
-        flag = torch.tensor([int(ok)], device=rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=rt.control)
         ok = bool(flag.item())
     if error is not None:
         raise error
@@ -98,17 +113,14 @@ def agreed(rt: Runtime, step: Callable[[], T], on: bool) -> T | None:
 class StopRequests:
     """Records a stop signal (SIGTERM, SIGUSR1) while training, and lets every process agree on it after a step.
 
-    The handler only notes the signal; the loop asks `agreed()` after each step. Under torchrun the processes
-    all-reduce their flags (on a CPU gloo group, so no GPU stream is waited for) and stop after the same step
-    even when the signal reached them at different steps.
+    The handler only notes the signal; the loop asks `agreed()` at the steps it logs or checkpoints (not every step:
+    under torchrun that is a collective). The processes all-reduce their flags on the run's CPU gloo group (no GPU
+    stream is waited for) and stop after the same step even when the signal reached them at different steps.
     """
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.signal: int | None = None
-        self.group = None
-        if rt.world > 1:
-            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
     def _note(self, signum: int, frame: object) -> None:
         self.signal = signum
@@ -128,5 +140,5 @@ class StopRequests:
         if self.rt.world == 1:
             return self.signal
         flag = torch.tensor([self.signal or 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.rt.control)
         return int(flag.item()) or None
