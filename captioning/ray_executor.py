@@ -24,6 +24,7 @@ import numpy as np
 
 from captioning.prompts import Prompt
 from captioning.remote_cache import open_cache_for_writing
+from captioning.vllm_engine import give_this_process_to_the_engine
 from captioning.work import CaptionConfig, CaptionReport, caption_images, in_shard, make_engine
 from pipeline.core.images import decode
 from pipeline.core.ray_cluster import actor_resources, start_ray
@@ -90,6 +91,7 @@ class CaptionActor:
         self.cfg, self.prompts, self.counts, self.recipe_id = cfg, prompts, counts, recipe_id
         self.cache = open_cache_for_writing(cfg.cache, cfg.mirror)
         self.engine: Any = None  # started on the first image to caption: a finished cache never starts one
+        give_this_process_to_the_engine()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from PIL import Image

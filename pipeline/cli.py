@@ -187,6 +187,7 @@ def caption(
         raise UserError("captioning needs IMAGES and --model (or --annotations FILE to import captions)")
     from captioning.engines import SamplingConfig
     from captioning.job import run_caption
+    from captioning.vllm_engine import give_this_process_to_the_engine
     from captioning.work import CaptionConfig
     from pipeline.core.images import ImagePolicy
     from pipeline.core.keyvalues import parse_key_values
@@ -202,6 +203,7 @@ def caption(
         image_policy=ImagePolicy(max_pixels=max_pixels),
         executor=check_executor(executor),
     )
+    give_this_process_to_the_engine()
     typer.echo(run_caption(cfg).summary(dry_run))
 
 
