@@ -186,7 +186,7 @@ def test_a_bad_setting_is_one_line_from_deep_inside_the_trainer(tmp_path, synth_
 # TINY_TRAIN without its explicit val_images and min_context, textless: a first run at the automatic settings.
 FIRST_RUN = [
     *("--conditioning", "none", "--model", "vit_tiny", "--batch-size", "8", "--no-progress"),
-    *sets("depth=2", "predictor_width=96", "predictor_depth=2", "num_workers=0"),
+    *sets("depth=2", "predictor_width=96", "predictor_depth=2"),
 ]
 
 
@@ -199,9 +199,11 @@ def twenty_images(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retry_is_accepted(tmp_path, twenty_images):
-    """20 images at the default settings, patch 16 on 64 px: a validation set of 10% and a min_context scaled to the
-    4×4 grid, each said in one line; an explicit impossible value is refused in one line and leaves no config, so the
-    corrected command runs into the same --out."""
+    """20 images at the default settings, patch 16 on 64 px: a validation set of 10%, a min_context scaled to the
+    4×4 grid and loader workers from this machine's CPUs, each said in one line; an explicit impossible value is
+    refused in one line and leaves no config, so the corrected command runs into the same --out."""
+    from train.config import automatic_num_workers, usable_cpus
+
     run = tmp_path / "run"
     small = ["train", twenty_images, "--out", run, *FIRST_RUN, "--patch-size", "16", "--image-size", "64"]
     refusal = tcjepa(*small, "--steps", "2", "--set", "val_images=20", check=False)
@@ -213,6 +215,9 @@ def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retr
     said = done.stderr.splitlines()
     assert any(line.startswith("val_images: 2 of the 20 images held out for validation") for line in said), said
     assert any(line.startswith("min_context: 1 patch(es) on the 4×4 grid") for line in said), said
+    cpus = usable_cpus()
+    workers = f"num_workers: {automatic_num_workers(cpus, 1)} DataLoader worker(s) per rank ({cpus} CPUs for 1 rank(s)"
+    assert any(line.startswith(workers) for line in said), said
     assert json.loads(done.stdout.strip().splitlines()[-1])["step"] == 2
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert (saved["val_images"], saved["min_context"]) == (0, 0), "the config keeps what was asked: automatic"

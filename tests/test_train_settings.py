@@ -213,6 +213,14 @@ def test_a_directory_that_is_not_a_run_is_refused(tmp_path, synth_dir):
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
+def test_loader_workers_share_the_nodes_cpus_among_its_ranks_and_keep_one_for_each_step():
+    from train.config import MAX_LOADER_WORKERS, automatic_num_workers
+
+    cases = {(2, 1): 1, (16, 1): MAX_LOADER_WORKERS, (16, 8): 1, (128, 8): MAX_LOADER_WORKERS, (8, 8): 0, (2, 2): 0}
+    assert {case: automatic_num_workers(*case) for case in cases} == cases
+    assert TrainConfig().num_workers is None, "automatic unless set"
+
+
 def test_automatic_settings_fit_a_small_folder_and_say_so(capsys):
     from train.config import resolve_automatic
 

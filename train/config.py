@@ -45,6 +45,9 @@ AUTO = "auto"  # a setting chosen for the run (`resolve_automatic`), said in one
 REFERENCE_EMA_START, EMA_LEFT_OF_START = 0.996, 0.05
 # The automatic validation set: this many images, or 10% of them when that is fewer.
 DEFAULT_VAL_IMAGES = 32
+# A loader worker builds ~250 images/s with PIL (a 128-image batch in ~0.5 s); a compiled B/16 step eats ~800-950
+# per GPU: 4 keep up, 8 leave room for larger images and slower disks.
+MAX_LOADER_WORKERS = 8
 # The automatic min_context: I-JEPA's 10 context patches on its 14×14 grid, scaled to the run's grid.
 REFERENCE_MIN_CONTEXT, REFERENCE_GRID_PATCHES = 10, 14 * 14
 # Steps whose masks `validate` draws to refuse mask settings that leave no context before anything is built.
@@ -123,7 +126,11 @@ class TrainConfig:
         (0.75, 1.3333333333333333), "random resized crop: range of the crop's aspect ratio"
     )
     hflip: bool = setting(False, "random horizontal flip (off: captions say left and right)")
-    num_workers: int = setting(2, "DataLoader worker processes per rank")
+    num_workers: int | None = setting(
+        None,
+        "DataLoader worker processes per rank (0: load in the training process; default: the CPUs this process may "
+        f"use, shared among the node's ranks, less one for each rank's step, at most {MAX_LOADER_WORKERS})",
+    )
     decode: str = setting(
         "cpu",
         f"{' | '.join(DECODERS)}: where training images are decoded; gpu decodes each batch's JPEGs with nvJPEG on "
@@ -530,7 +537,7 @@ def validate(config: TrainConfig) -> None:
             raise UserError(f"{key} must be at least 1, got {getattr(config, key)}")
     if config.image_size % config.patch_size:
         raise UserError(f"patch_size {config.patch_size} does not divide image_size {config.image_size}")
-    if min(config.warmup_steps, config.num_workers, config.val_images, config.min_context) < 0:
+    if min(config.warmup_steps, config.num_workers or 0, config.val_images, config.min_context) < 0:
         raise UserError("warmup_steps, num_workers, val_images and min_context must be >= 0 (0: automatic)")
     if config.checkpoint_every_keep < 0:
         raise UserError(f"checkpoint_every_keep must be >= 0 (0: none), got {config.checkpoint_every_keep}")
@@ -603,6 +610,18 @@ def mask_settings(config: TrainConfig) -> MaskConfig:
 def automatic_min_context(grid_side: int) -> int:
     """I-JEPA's 10 context patches of 196, scaled to a `grid_side`² grid (4×4: 1, 8×8: 3, 14×14: 10)."""
     return max(1, round(REFERENCE_MIN_CONTEXT * grid_side * grid_side / REFERENCE_GRID_PATCHES))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which Slurm and containers set), else all of them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def automatic_num_workers(cpus: int, ranks_on_node: int) -> int:
+    """DataLoader workers per rank: the node's `cpus` shared among its ranks, one kept for each rank's own thread
+    (the step, and the host side of a GPU's), at most MAX_LOADER_WORKERS; 0 (loading in the training process) when
+    no CPU is left over."""
+    return max(0, min(MAX_LOADER_WORKERS, cpus // max(ranks_on_node, 1) - 1))
 
 
 def ema_left(start: float, end: float, steps: int) -> float:

@@ -23,7 +23,18 @@ import torch.distributed as dist
 
 from pipeline.core.errors import Stopped, UserError
 from train.checkpoint import Checkpointer, checkpoint_step, has_checkpoint
-from train.config import ModelConfig, TrainConfig, absolute_paths, ema_schedule, resolve_automatic, to_dict, validate
+from train.config import (
+    MAX_LOADER_WORKERS,
+    ModelConfig,
+    TrainConfig,
+    absolute_paths,
+    automatic_num_workers,
+    ema_schedule,
+    resolve_automatic,
+    to_dict,
+    usable_cpus,
+    validate,
+)
 from train.data import StepBatches, device_decoding
 from train.initial import initialise
 from train.inputs import (
@@ -40,7 +51,7 @@ from train.optim import apply_schedules, make_optimizer
 from train.parallel import wrap_models
 from train.reporting import Progress, check_loggers
 from train.run_dir import prepare_run, save_config
-from train.runtime import STOP_SIGNALS, StopRequests, start_runtime
+from train.runtime import STOP_SIGNALS, StopRequests, processes_per_node, start_runtime
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import TrainStep, on_device
 from train.validation import validate_in_chunks
@@ -128,6 +139,13 @@ class Trainer:
 
     def _loader(self) -> torch.utils.data.DataLoader:
         workers = self.cfg.num_workers
+        if workers is None:
+            cpus, ranks = usable_cpus(), processes_per_node(self.rt.world)
+            workers = automatic_num_workers(cpus, ranks)
+            logger.info(
+                f"num_workers: {workers} DataLoader worker(s) per rank ({cpus} CPUs for {ranks} rank(s) on this node, "
+                f"one kept for each rank's step; automatic: at most {MAX_LOADER_WORKERS}; set num_workers to choose)"
+            )
         return torch.utils.data.DataLoader(
             self.dataset,
             batch_size=None,
