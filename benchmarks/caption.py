@@ -1,10 +1,13 @@
 """`tcjepa caption` end to end vs a bare `llm.generate` on already-decoded images, and vs the hf backend.
 
-One vLLM engine (tiny random Qwen2-VL, CPU build) serves both vLLM measurements:
+One vLLM engine (tiny random Qwen2-VL, CPU build, its core in processes of its own as a library caller gets it)
+serves both vLLM measurements:
   pipeline  run_caption: read files, hash, skip cached, decode in a worker pool one chunk ahead,
             generate, commit Parquet shards
   bare      the same requests (prompts, samples, seeds, chunking) on images decoded beforehand
   hf        run_caption with the transformers backend (on fewer images; it is much slower)
+  command   the engine start of a `tcjepa caption` on 4 images, whose engine core runs in the command's process
+            (whole seconds, as its summary says)
 CPU figures with a tiny model say nothing about GPU throughput: fixed per-request costs dominate here.
 Prints one JSON line.
 """
@@ -12,11 +15,12 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import re
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import print_result  # first: sets the offline environment
+from benchmarks.common import print_result, tcjepa  # first: sets the offline environment
 
 
 def main() -> None:
@@ -78,6 +82,23 @@ def main() -> None:
             engine.generate(requests, sampling)
         bare = len(decoded) / (time.perf_counter() - start)
 
+        # the `caption` command on a few images: its engine core runs in the command's own process
+        command = tcjepa(
+            "caption",
+            *files[:4],
+            "--cache",
+            tmp / "command",
+            "--model",
+            tmp / "vlm",
+            "--no-progress",
+            "--vllm-arg",
+            "max_model_len=1024",
+            "--max-tokens",
+            args.max_tokens,
+        )
+        started = re.search(r"after a (\d+) s engine start", command.stdout)
+        command_engine_start = float(started.group(1)) if started else float("nan")
+
         report = run_caption(config("pipeline"), engine=engine)
         pipeline = report.captioned / report.seconds
         engine.close()
@@ -97,6 +118,8 @@ def main() -> None:
                 "captions_per_image": 8,
                 "max_tokens": args.max_tokens,
                 "engine_start_s": round(engine_start, 1),
+                "caption_command_engine_start_s": command_engine_start,
+                "engine_start_in_process_vs_own_processes": round(command_engine_start / engine_start, 2),
                 "pipeline_images_per_s": round(pipeline, 2),
                 "bare_generate_images_per_s": round(bare, 2),
                 "pipeline_vs_bare": round(pipeline / bare, 3),
