@@ -45,9 +45,10 @@ _PROCESS_IS_THE_ENGINES = False
 
 def give_this_process_to_the_engine() -> None:
     """Called by a process that exists to caption (the `caption` command, a Ray captioning actor): on the CPU build
-    the engine core then runs in it rather than in two processes of its own, each importing vLLM again (a start of
-    ~40 s becomes ~14 s on 2 cores) and with nothing to overlap (the CPU runs the model either way). Not where
-    anything else runs afterwards: in-process, vLLM sets up torch.distributed and environment variables of its own."""
+    the engine core then runs in it rather than in two processes of its own, each importing vLLM again (the tiny
+    model's start: 35 s becomes 9 s on 2 cores, `benchmarks/caption.py`), with nothing to overlap (the CPU runs the
+    model either way). Not where anything else runs afterwards: in-process, vLLM sets up torch.distributed and
+    environment variables of its own."""
     global _PROCESS_IS_THE_ENGINES
     _PROCESS_IS_THE_ENGINES = True
 
