@@ -97,7 +97,9 @@ def main() -> None:
             args.max_tokens,
         )
         started = re.search(r"after a (\d+) s engine start", command.stdout)
-        command_engine_start = float(started.group(1)) if started else float("nan")
+        if started is None:
+            raise SystemExit(f"tcjepa caption did not say its engine start: {command.stdout.strip()[-300:]}")
+        command_engine_start = float(started.group(1))
 
         report = run_caption(config("pipeline"), engine=engine)
         pipeline = report.captioned / report.seconds

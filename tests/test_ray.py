@@ -31,15 +31,16 @@ def _segments(store) -> int:
         return 0
 
 
-def _kill_one_actor_once(proc, actor: str, published) -> int | None:
-    """SIGKILL one process of `proc`'s own whose command line names `actor`, once `published()` >= 2; then wait for
-    the run to end. What had been published when it was killed."""
+def _kill_one_actor_once(proc, actor: str, published, before_kill=lambda: None) -> int | None:
+    """SIGKILL one process of `proc`'s own whose command line names `actor`, once `published()` >= 2 (after calling
+    `before_kill`); then wait for the run to end. What had been published when it was killed."""
     import time
 
     killed, deadline = None, time.monotonic() + 300
     while killed is None and proc.poll() is None and time.monotonic() < deadline:
         actors = descendants(proc, actor)
         if actors and published() >= 2:
+            before_kill()
             killed = published()
             actors[0].send_signal(signal.SIGKILL)
         time.sleep(0.02)
@@ -86,8 +87,16 @@ def test_caption_on_ray_writes_the_cache_the_local_executor_writes_though_its_ac
     args = ["caption", images, "--cache", tmp_path / "ray", "--model", tiny_models / "vlm", *one_per_batch]
     proc = start_tcjepa(*args, "--chunk-images", "1", "--executor", "ray", "--ray-actors", "1", env=WITHOUT_RAY_ADDRESS)
     shards = tmp_path / "ray" / "manifests"
-    killed = _kill_one_actor_once(proc, "CaptionActor", lambda: len(list(shards.glob("*.json"))) - before)
+    # vLLM titles an engine core in a process of its own "VLLM::EngineCore": the actor runs its engine in itself
+    own_engine_processes: list = []
+    killed = _kill_one_actor_once(
+        proc,
+        "CaptionActor",
+        lambda: len(list(shards.glob("*.json"))) - before,
+        before_kill=lambda: own_engine_processes.extend(descendants(proc, "VLLM::EngineCore")),
+    )
     ((out, _),) = finish([proc])
+    assert not own_engine_processes, "the captioning actor's engine core ran in processes of its own"
     assert killed is not None and killed < 13, f"the actor was not killed mid-run ({killed} of 13 batches committed)"
     assert "captioned 10 images (80 captions), 2 already cached, 3 failed" in out, out
     local, ray_rows = caption_rows(tmp_path / "local"), caption_rows(tmp_path / "ray")

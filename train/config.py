@@ -538,7 +538,10 @@ def validate(config: TrainConfig) -> None:
     if config.image_size % config.patch_size:
         raise UserError(f"patch_size {config.patch_size} does not divide image_size {config.image_size}")
     if min(config.warmup_steps, config.num_workers or 0, config.val_images, config.min_context) < 0:
-        raise UserError("warmup_steps, num_workers, val_images and min_context must be >= 0 (0: automatic)")
+        raise UserError(
+            "warmup_steps, num_workers, val_images and min_context must be >= 0 (0: automatic; for num_workers, "
+            "loading in the training process)"
+        )
     if config.checkpoint_every_keep < 0:
         raise UserError(f"checkpoint_every_keep must be >= 0 (0: none), got {config.checkpoint_every_keep}")
     if not 0.0 <= config.min_coverage <= 1.0:
