@@ -18,6 +18,8 @@ import typer
 from evaluation.protocol import HELP as EVAL_PROTOCOL
 from pipeline.core import logs
 from pipeline.core.errors import STOPPED_STATUS, DataProblem, Stopped, UserError, os_error_line
+from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_T5_STEPS, SCENE_TRAINING
+from pipeline.devkit.tiny_models import T5_STEPS
 
 app = typer.Typer(
     name="tcjepa",
@@ -91,7 +93,7 @@ def _options(
 def tiny_models(
     out: Annotated[Path, typer.Option(help="Directory to write `t5/` and `vlm/` into.")],
     t5_corpus: Annotated[Path | None, typer.Option(help="captions.jsonl to train the T5 on (else: random).")] = None,
-    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5 (with --t5-corpus).")] = 800,
+    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5 (with --t5-corpus).")] = T5_STEPS,
     t5_phrase_tags: Annotated[bool, typer.Option(help="Also train the T5 to tag phrases by cell and class.")] = True,
     seed: Annotated[int, typer.Option(help="Seed for weights and training; same arguments give identical files.")] = 0,
 ) -> None:
@@ -505,9 +507,11 @@ def viz(
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Directory for the demo's data, models and results.")] = Path("demo-out"),
-    n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = 600,
-    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5.")] = 600,
-    train_steps: Annotated[int, typer.Option(help="Training steps of each of the two runs (none, cross).")] = 300,
+    n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = SCENE_IMAGES,
+    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5.")] = SCENE_T5_STEPS,
+    train_steps: Annotated[
+        int, typer.Option(help="Training steps of each of the two runs (none, cross).")
+    ] = SCENE_TRAINING["steps"],
     seed: Annotated[int, typer.Option(help="Seed for data, models, training and probes.")] = 0,
 ) -> None:
     """Run the whole pipeline on built-in synthetic data on the CPU: caption, embed, train none and cross, eval,

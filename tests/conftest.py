@@ -32,6 +32,7 @@ os.environ.pop("TCJEPA_LOG_LEVEL", None)
 # after this line, and in the test modules).
 pytest.register_assert_rewrite("tests.support")
 
+from pipeline.devkit.tiny_models import T5_STEPS  # noqa: E402
 from tests.support.builds import SYNTH_ARGS, built_once, session_root  # noqa: E402
 from tests.support.captions import TINY_VLLM_ARGS  # noqa: E402
 from tests.support.commands import cli, tcjepa  # noqa: E402
@@ -152,7 +153,7 @@ def vector_store(tmp_path_factory, annotated_cache) -> Path:
     return path
 
 
-TRAINED_T5_STEPS = 600
+TRAINED_T5_STEPS = T5_STEPS  # the default: what `tiny-models` and the demo train
 # The tests that use `trained_t5`, by id. Its build takes minutes; under pytest-xdist the controller, which sees test
 # ids only, starts it for them as soon as a worker has collected one (a user missing here is refused at collection).
 TRAINED_T5_USERS = ("tests/test_tiny_models.py::test_trained_t5_ties_colours_to_positions",)

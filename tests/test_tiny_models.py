@@ -2,6 +2,7 @@ import hashlib
 
 import pytest
 
+from pipeline.devkit.tiny_models import T5_STEPS
 from tests.support.commands import tcjepa
 
 
@@ -103,7 +104,7 @@ def test_trained_t5_ties_colours_to_positions(trained_t5, tiny_models):
     """A random T5 is a bag of words; phrase tagging makes every word of an object's phrase carry the object.
 
     Measured by linear probes on held-out scenes, both ways: the object's colour from its position phrase, and
-    its cell from its colour word - what a predictor cross-attending from a cell to the caption needs. (The ~3 min
+    its cell from its colour word - what a predictor cross-attending from a cell to the caption needs. (The ~1.5 min
     build starts with the session: conftest's `trained_t5`.)
     """
     from pipeline.devkit.tiny_t5 import binding_score, probe_accuracy
@@ -111,7 +112,7 @@ def test_trained_t5_ties_colours_to_positions(trained_t5, tiny_models):
     trained, stats = trained_t5
     random_probe = probe_accuracy(tiny_models / "t5")
     trained_probe = stats["t5_probe_accuracy"]
-    assert stats["t5_training"]["steps"] == 600
+    assert stats["t5_training"]["steps"] == T5_STEPS
     assert stats["t5_training"]["phrase_tags"] and stats["t5_training"]["tag_accuracy"] > 0.8, stats
     assert stats["t5_binding_score"] == pytest.approx(binding_score(trained / "t5"), abs=1e-4)
     assert 0 < binding_score(tiny_models / "t5") < 0.2, "a random T5: a colour word hardly changes with its cell"
