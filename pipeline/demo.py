@@ -52,8 +52,19 @@ def caption_with_vlm(out: Path, timings: dict[str, float]) -> None:
     timings["caption_vlm_s"] = time.perf_counter() - t
 
 
+def training_settings(n_images: int, steps: int) -> dict[str, Any]:
+    """`SCENE_TRAINING` for `n_images` scenes and `steps` steps: 64 images held out for validation, or a quarter of
+    them when there are fewer than 256 (a shrunk demo keeps three quarters to train on)."""
+    return {**SCENE_TRAINING, "steps": steps, "val_images": min(SCENE_TRAINING["val_images"], n_images // 4)}
+
+
 def _train_and_eval(
-    out: Path, mode: str, steps: int, seed: int, timings: dict[str, float], floors_from: Path | None = None
+    out: Path,
+    mode: str,
+    training: dict[str, Any],
+    seed: int,
+    timings: dict[str, float],
+    floors_from: Path | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Train one mode and probe both its encoders; `floors_from`: the other mode's report, whose floors (same
     encoder architecture, images and seed) are reused, as the context encoder's report reuses the target's."""
@@ -62,7 +73,8 @@ def _train_and_eval(
     from train.loop import run_training
 
     data, run = out / "data", out / "runs" / mode
-    settings = {**SCENE_TRAINING, "conditioning": mode, "images": [str(data / "images")], "seed": seed, "steps": steps}
+    steps = training["steps"]
+    settings = {**training, "conditioning": mode, "images": [str(data / "images")], "seed": seed}
     if mode != "none":
         settings.update(cache=str(out / "cache"), store=str(out / "store"), recipes=[SCENE_RECIPE])
     t = announce(f"train {mode}: {steps} steps -> {run}")
@@ -158,10 +170,8 @@ def run_demo(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    print(
-        f"[demo] training configuration (sized for a 2-core CPU, not the paper's): {json.dumps(SCENE_TRAINING)}",
-        flush=True,
-    )
+    training = training_settings(n_images, train_steps)
+    announce(f"training configuration (sized for a 2-core CPU, not the paper's): {json.dumps(training)}")
     timings: dict[str, float] = {}
     model_stats = prepare_scenes(out, n_images, t5_steps, seed, timings)
     caption_with_vlm(out, timings)
@@ -169,7 +179,7 @@ def run_demo(
     for mode in MODES:
         lender = out / "runs" / MODES[0] / "eval" / "labels.json"
         reuse = mode != MODES[0] and recorded_floor_inputs(lender) is not None
-        results[mode] = _train_and_eval(out, mode, train_steps, seed, timings, lender if reuse else None)
+        results[mode] = _train_and_eval(out, mode, training, seed, timings, lender if reuse else None)
     rows = [
         {"mode": mode, "encoder": encoder, **run_figures(results[mode][0], results[mode][1][encoder])}
         for mode in MODES
@@ -190,7 +200,7 @@ def run_demo(
         "captions": info.captions,
         "store": EmbeddingStore(out / "store").stats(),
         "t5_probe_accuracy": model_stats.get("t5_probe_accuracy"),
-        "train_config": {**SCENE_TRAINING, "steps": train_steps},
+        "train_config": training,
         "results": rows,
         "floors": floors,
         "plots": [str(out / "comparison.png"), *(str(out / "runs" / m / "curves.png") for m in MODES)],
