@@ -57,10 +57,10 @@ from pipeline.devkit.scenes import (
     SCENE_CAPTIONS,
     SCENE_IMAGES,
     SCENE_RECIPE,
-    SCENE_T5_STEPS,
     SCENE_TRAINING,
     prepare_scenes,
 )
+from pipeline.devkit.tiny_models import T5_STEPS
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "none": {"conditioning": "none"},
@@ -571,7 +571,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument(
         "--t5-steps",
         type=int,
-        default=SCENE_T5_STEPS,
+        default=T5_STEPS,
         help="Training steps of the tiny T5 (span corruption and phrase tagging).",
     )
     parser.add_argument(

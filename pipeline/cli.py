@@ -18,7 +18,7 @@ import typer
 from evaluation.protocol import HELP as EVAL_PROTOCOL
 from pipeline.core import logs
 from pipeline.core.errors import STOPPED_STATUS, DataProblem, Stopped, UserError, os_error_line
-from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_T5_STEPS, SCENE_TRAINING
+from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_TRAINING
 from pipeline.devkit.tiny_models import T5_STEPS
 
 app = typer.Typer(
@@ -508,7 +508,7 @@ def viz(
 def demo(
     out: Annotated[Path, typer.Option(help="Directory for the demo's data, models and results.")] = Path("demo-out"),
     n_images: Annotated[int, typer.Option(help="Synthetic scenes to generate.")] = SCENE_IMAGES,
-    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5.")] = SCENE_T5_STEPS,
+    t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5.")] = T5_STEPS,
     train_steps: Annotated[
         int, typer.Option(help="Training steps of each of the two runs (none, cross).")
     ] = SCENE_TRAINING["steps"],

@@ -24,7 +24,8 @@ from typing import Any
 
 from evaluation.summary import floor_figures, recorded_floor_inputs, run_figures
 from pipeline.core.errors import UserError
-from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_RECIPE, SCENE_T5_STEPS, SCENE_TRAINING, announce, prepare_scenes
+from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_RECIPE, SCENE_TRAINING, announce, prepare_scenes
+from pipeline.devkit.tiny_models import T5_STEPS
 
 DEMO_VLM_IMAGES = 32
 MODES = ("none", "cross")  # `cross` reuses the floors that `none`'s evaluation measured
@@ -161,7 +162,7 @@ def plot_comparison(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
 def run_demo(
     out: Path,
     n_images: int = SCENE_IMAGES,
-    t5_steps: int = SCENE_T5_STEPS,
+    t5_steps: int = T5_STEPS,
     train_steps: int = SCENE_TRAINING["steps"],
     seed: int = 0,
 ) -> dict[str, Any]:

@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import UserError
-from pipeline.devkit.tiny_models import T5_STEPS
 
 SCENE_IMAGES = 600
-SCENE_T5_STEPS = T5_STEPS
 SCENE_RECIPE = "synthetic-scenes"
 # Partial captions (a few objects each, some loosely): the text says some things, the pixels the rest, as with real
 # captions. Full ones (every object and its cell) are for checking that the text reaches the predictor at all.
