@@ -34,6 +34,17 @@ def tcjepa(*args: Any, check: bool = True, **kwargs: Any) -> subprocess.Complete
     return proc
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM), in MiB.
+
+    Not `ru_maxrss`: Linux carries that across exec, so a process that Python's subprocess spawned (vfork, then
+    exec) reports at least its parent's peak, and a small worker started by a large pytest worker measures nothing.
+    """
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    return kib / 1024
+
+
 def print_result(result: dict[str, Any]) -> None:
     """The benchmark's last line: one JSON object."""
     print(json.dumps(result), flush=True)

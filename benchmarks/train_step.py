@@ -40,7 +40,7 @@ another's). On the CPU all of them are started together and the driver steps
 them one at a time, one step per mode per round in rotating order, so machine
 noise falls on every mode alike; on CUDA they run one after another (each keeps
 its own memory pool). s/step is the median of a mode's timed steps. Peak
-memory: on CPU the rise of the process's peak RSS (ru_maxrss) over the steps,
+memory: on CPU the rise of the process's peak RSS (VmHWM) over the steps,
 on CUDA `torch.cuda.max_memory_allocated`. Prints progress to stderr and one
 JSON line on stdout; `goal_met` holds issue 17's goals: cross8's time ratio to
 `none` over its FLOP ratio ≤ 1.2, and the old cross-attention saving ≥ 2× the
@@ -58,14 +58,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-from benchmarks.common import ROOT, print_result  # first: sets the offline environment
+from benchmarks.common import ROOT, peak_rss_mb, print_result  # first: sets the offline environment
 
 
 @dataclass(frozen=True)
@@ -343,10 +342,10 @@ class SavedBytes:
         import torch
 
         import benchmarks.reference_predictor as reference
-        import train.jepa
+        import train.objective
         import train.predictor as lean
 
-        owner = reference if job.mode.reference else train.jepa
+        owner = reference if job.mode.reference else train.objective
         regularisers = owner.text_regularisers
         parameters = {p.untyped_storage().data_ptr() for p in job.model.parameters()}
         cross_types = (lean.TextKeysValues, lean.TextCrossAttention, reference.ReferenceCrossAttention)
@@ -395,7 +394,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     import torch
 
     import benchmarks.reference_predictor as reference
-    import train.jepa
+    import train.objective
     from train.config import ModelConfig
     from train.data import mask_config
     from train.jepa import build_models, ema_update
@@ -492,7 +491,7 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_cuda = torch.cuda.memory_allocated()
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_rss_mb = peak_rss_mb()
     reply({"ready": name, **job.info})
     # Commands from the driver, one a line: "step" (timed), "warmup", "count" (FlopCounterMode), "done".
     for line in sys.stdin:
@@ -512,7 +511,7 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
                 out["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
                 out["peak_increase_mib"] = (torch.cuda.max_memory_allocated() - base_cuda) / 2**20
             else:
-                out["peak_increase_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
+                out["peak_increase_mib"] = peak_rss_mb() - base_rss_mb
             reply(out)
             return
         else:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.common import peak_rss_mb
 from benchmarks.startup import build_run
 from embedding_cache.store import EmbeddingStore
 from tests.support.repo import REPO
@@ -159,14 +160,13 @@ def test_the_position_only_floor_and_the_centred_rank_see_what_position_explains
 
 def validation_only(images: str, cache: str, store: str, val_images: int, chunk: int) -> None:
     """Run in a subprocess: validate a tiny model on `val_images` images, `chunk` at a time; print the peak RSS."""
-    import resource
 
     cfg = _config(images, cache, store, 64, image_size=64, batch_size=16, val_images=val_images)
     index = build_index([images], cache, store, [], progress=False, verify_sample=0)
     step, target = _tiny(cfg, EmbeddingStore(store).width)
     data = StepBatches(index, np.arange(len(index)), cfg, (8, 8))
     out = validate_in_chunks(step, target, data, np.arange(val_images), chunk, 0, 1)
-    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **out}))
+    print(json.dumps({"peak_mb": peak_rss_mb(), **out}))
 
 
 def _peak_mb(run, val_images: int, chunk: int) -> float:
