@@ -1,28 +1,35 @@
 """Start-up cost of a training run against the size of its store: rank 0's run index, and a DataLoader worker.
 
-Builds a synthetic run at two sizes (N captions in S segments, then `--scale` times both): tiny PNG images,
-a caption cache of their captions (written with `import_annotations`) and a store of random token vectors
+Builds a synthetic run at two sizes (N captions in S segments, then `--scale` times both): tiny images in tar
+shards of `--shard-images` members (one PNG with each image's number after its end: a million images take seconds
+to write), a caption cache of their captions (committed as Arrow tables) and a store of random token vectors
 (written with the store's public API: open_or_create / new_segment / append / finish / publish). For each size it
 measures, `--repeats` times (the median counts; the machine is shared):
-  index_build_s   rank 0 builds the run index (join, every caption resolved to its span) and saves it
+  index_build_s   rank 0 builds the run index (join, every caption resolved to its span) and saves it; of that,
+                  listing_us_per_image is the listing of the images (tar headers), and join_us_per_caption the rest
   worker_open_s   a DataLoader worker, from the loader's start until its first batch is made: the worker process's
                   start (worker_start_s, a fork of the parent) and its first batch (worker_first_batch_s)
   worker_rss_mb   that worker's resident memory after `--batches` batches, and its private part (what the worker
                   itself added: a forked worker's RSS also counts the pages it shares with its parent)
   open_files      that worker's open file descriptors then, and those on the store's files (the reader keeps at
                   most 256 shard files mapped; the rest are the process's own: torch, pipes, the libraries)
-The goals (issue 18): time per caption of the index at `--scale`× within 1.3× of the smaller run, open files
-bounded, and a worker whose memory grows with the index's columns only, not with the store.
+The goals (issues 18 and 33): time per caption of the index at `--scale`× within 1.3× of the smaller run and
+≤ 2 µs at 10⁷ captions (`--captions 100000 --scale 100`), open files bounded, and a worker whose memory grows with
+the index's columns only, not with the store.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
 import statistics
+import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,36 +40,96 @@ from benchmarks.common import print_result  # first: sets the offline environmen
 CAPTIONS_PER_IMAGE = 4
 
 
-def build_run(root: Path, captions: int, segments: int, dim: int, tokens: int, seed: int) -> tuple[Path, Path, Path]:
-    """(images, cache, store): `captions` / CAPTIONS_PER_IMAGE tiny PNGs, their captions, and a store holding every
-    caption's random vectors in `segments` segments."""
+def _image_bytes(n_images: int, rng: np.random.Generator, cheap: bool) -> Iterator[bytes]:
+    """Each image's bytes: an 8×8 PNG of random pixels, or (`cheap`) one such PNG with the image's number after its
+    end (decoders stop at IEND), so every image has its own sha256 and a million take a second to make."""
     from PIL import Image
 
-    from captioning.annotations import import_annotations
+    def png(pixels: np.ndarray) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, "PNG")
+        return out.getvalue()
+
+    template = png(rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8))
+    for i in range(n_images):
+        yield template + i.to_bytes(8, "little") if cheap else png(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+
+
+def _write_images(images: Path, n_images: int, rng: np.random.Generator, shard_images: int) -> list[str]:
+    """The images as PNG files, or as tar shards of `shard_images` members; their sha256s (hex), in listing order."""
+    shas = []
+    blobs = _image_bytes(n_images, rng, cheap=shard_images > 0)
+    if not shard_images:
+        for i, data in enumerate(blobs):
+            (images / f"{i:08d}.png").write_bytes(data)
+            shas.append(hashlib.sha256(data).hexdigest())
+        return shas
+    for shard, first in enumerate(range(0, n_images, shard_images)):
+        with tarfile.open(images / f"shard-{shard:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(first, min(first + shard_images, n_images)):
+                data = next(blobs)
+                member = tarfile.TarInfo(f"{i:08d}.png")
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+                shas.append(hashlib.sha256(data).hexdigest())
+    return shas
+
+
+def build_run(
+    root: Path, captions: int, segments: int, dim: int, tokens: int, seed: int, shard_images: int = 0
+) -> tuple[Path, Path, Path]:
+    """(images, cache, store): `captions` / CAPTIONS_PER_IMAGE tiny images (PNG files, or tar shards of
+    `shard_images` members), their captions committed to a cache as Arrow tables, and a store holding every
+    caption's random vectors in `segments` segments (written with the store's public API)."""
+    import pyarrow as pa
+
     from captioning.cache import CaptionCache
     from embedding_cache.store import EmbeddingStore
-    from pipeline.core.recipes import text_key
+    from pipeline.core.sources import list_images
 
     rng = np.random.default_rng(seed)
     images, n_images = root / "images", captions // CAPTIONS_PER_IMAGE
     images.mkdir(parents=True)
-    lines = []
-    for i in range(n_images):
-        pixels = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(images / f"{i:07d}.png")
-        texts = [f"image {i} caption {k}" for k in range(CAPTIONS_PER_IMAGE)]
-        lines.append(json.dumps({"image": f"{i:07d}.png", "captions": texts}))
-    (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    shas = _write_images(images, n_images, rng, shard_images)
+    source_ids = [ref.source_id for ref in list_images([images])]
+    assert len(source_ids) == n_images, (len(source_ids), n_images)
+
     cache = CaptionCache.open_or_create(root / "cache")
-    import_annotations(cache, root / "captions.jsonl", images)
+    recipe = cache.add_recipe({"kind": "benchmark-startup", "captions_per_image": CAPTIONS_PER_IMAGE}, "synthetic")
+    keys = np.empty((n_images * CAPTIONS_PER_IMAGE, 32), dtype=np.uint8)
+    step = max(1, 250_000 // CAPTIONS_PER_IMAGE)  # a million captions a shard
+    for lo in range(0, n_images, step):
+        hi = min(lo + step, n_images)
+        texts = [f"image {i} caption {k}" for i in range(lo, hi) for k in range(CAPTIONS_PER_IMAGE)]
+        digests = [hashlib.sha256(t.encode()).digest() for t in texts]
+        keys[lo * CAPTIONS_PER_IMAGE : hi * CAPTIONS_PER_IMAGE] = np.frombuffer(b"".join(digests), np.uint8).reshape(
+            -1, 32
+        )
+        image = np.repeat(np.arange(hi - lo), CAPTIONS_PER_IMAGE)
+        n = len(texts)
+        cache.commit(
+            pa.table(
+                {
+                    "image_sha256": pa.array(shas[lo:hi], pa.string()).take(image),
+                    "source_id": pa.array(source_ids[lo:hi], pa.string()).take(image),
+                    "recipe": pa.array([recipe] * n, pa.string()),
+                    "prompt_id": pa.array(["p0"] * n, pa.string()),
+                    "sample": pa.array(np.tile(np.arange(CAPTIONS_PER_IMAGE, dtype=np.int32), hi - lo)),
+                    "text": pa.array(texts, pa.string()),
+                    "text_sha256": pa.array([d.hex() for d in digests], pa.string()),
+                    "finish_reason": pa.array(["stop"] * n, pa.string()),
+                    "num_tokens": pa.nulls(n, pa.int32()),
+                }
+            )
+        )
 
     store = EmbeddingStore.open_or_create(root / "store", {"kind": "benchmark-startup", "d": dim}, dim)
-    order = rng.permutation(n_images * CAPTIONS_PER_IMAGE)  # an image's captions land in different segments
+    order = rng.permutation(len(keys))  # an image's captions land in different segments
     for part in np.array_split(order, segments):
         writer = store.new_segment()
-        for c in part.tolist():
-            i, k = divmod(c, CAPTIONS_PER_IMAGE)
-            writer.append(text_key(f"image {i} caption {k}"), rng.standard_normal((tokens, dim)).astype(np.float16))
+        vectors = rng.standard_normal((len(part), tokens, dim)).astype(np.float16)
+        for c, v in zip(part.tolist(), vectors):
+            writer.append(keys[c].tobytes(), v)
         writer.finish()
         store.publish(writer)
     return images, root / "cache", root / "store"
@@ -116,13 +183,18 @@ def _probe_class() -> Any:
     return Probe
 
 
-def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> float:
-    """Seconds for rank 0 to build the run index and save it."""
+def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> tuple[float, float]:
+    """Seconds for rank 0 to build the run index and save it, and of those, the seconds of listing the images
+    (timed alone, just before: the build lists them again)."""
+    from pipeline.core.sources import list_images
     from train.data_index import build_index
 
     tick = time.perf_counter()
+    list_images([images])
+    listing = time.perf_counter() - tick
+    tick = time.perf_counter()
     build_index([images], cache, store, [], progress=False, verify_sample=16).save(run / "index.parquet")
-    return time.perf_counter() - tick
+    return time.perf_counter() - tick, listing
 
 
 def worker_probe(images: Path, cache: Path, store: Path, batches: int, run: Path) -> Any:
@@ -160,7 +232,7 @@ def worker_run(probe: Any) -> dict[str, float]:
     return {**last, "open_s": first["done"] - tick, "start_s": first["started"] - tick}
 
 
-def summary(probe: Any, builds: list[float], workers: list[dict[str, float]]) -> dict[str, Any]:
+def summary(probe: Any, builds: list[tuple[float, float]], workers: list[dict[str, float]]) -> dict[str, Any]:
     index = probe.data.index
     spans = index.caption_spans
     columns = index.caption_keys.nbytes + index.caption_offsets.nbytes
@@ -170,12 +242,17 @@ def summary(probe: Any, builds: list[float], workers: list[dict[str, float]]) ->
     def median(key: str) -> float:
         return statistics.median(w[key] for w in workers)
 
+    build = statistics.median(b for b, _ in builds)
+    listing = statistics.median(seconds for _, seconds in builds)
+
     return {
         "captions": n,
         "segments": len(index.segments),
         "images": len(index),
-        "index_build_s": round(statistics.median(builds), 4),
-        "index_build_us_per_caption": round(1e6 * statistics.median(builds) / n, 3),
+        "index_build_s": round(build, 4),
+        "index_build_us_per_caption": round(1e6 * build / n, 3),
+        "listing_us_per_image": round(1e6 * listing / len(index), 3),  # of the build: list_images
+        "join_us_per_caption": round(1e6 * (build - listing) / n, 3),  # the rest: cache, store, join, save
         "worker_open_s": round(median("open_s"), 4),
         "worker_open_us_per_caption": round(1e6 * median("open_s") / n, 3),
         "worker_start_s": round(median("start_s"), 4),  # of worker_open_s: the process's start, until the dataset
@@ -198,6 +275,7 @@ def main() -> None:
     ap.add_argument(
         "--scale", type=int, default=10, help="the larger run has this many times the captions and segments"
     )
+    ap.add_argument("--shard-images", type=int, default=1000, help="images per tar shard (0: one PNG file per image)")
     ap.add_argument("--batches", type=int, default=300, help="batches a worker reads before its memory is taken")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -210,11 +288,12 @@ def main() -> None:
             (root / "run").mkdir(parents=True)
             tick = time.perf_counter()
             captions, segments = args.captions * factor, args.segments * factor
-            sizes.append((*build_run(root, captions, segments, args.dim, args.tokens_per_caption, args.seed), root))
+            run = build_run(root, captions, segments, args.dim, args.tokens_per_caption, args.seed, args.shard_images)
+            sizes.append((*run, root))
             made.append(time.perf_counter() - tick)
             index_build_s(*sizes[-1][:3], sizes[-1][3] / "run")  # warms imports and the page cache; not counted
         # The sizes take turns, so that whatever else the machine does weighs on both alike.
-        builds: list[list[float]] = [[], []]
+        builds: list[list[tuple[float, float]]] = [[], []]
         for _ in range(args.repeats):
             for k, (images, cache, store, root) in enumerate(sizes):
                 builds[k].append(index_build_s(images, cache, store, root / "run"))
@@ -239,6 +318,7 @@ def main() -> None:
             "dim": args.dim,
             "tokens_per_caption": args.tokens_per_caption,
             "smaller": small,
+            "shard_images": args.shard_images,
             "index_build_per_caption_ratio": round(
                 large["index_build_us_per_caption"] / small["index_build_us_per_caption"], 3
             ),

@@ -246,16 +246,18 @@ class StoreKeys:
         Reads the offsets of those segments (a keys mirror carries them); every key must be in the store.
         """
         segs, rows = self._held(keys)
-        held = np.unique(segs)
+        held, position, count = np.unique(segs, return_inverse=True, return_counts=True)
         start = np.empty(len(rows), dtype=np.int64)
         length = np.empty(len(rows), dtype=np.int32)
-        for seg in held.tolist():
-            pick = segs == seg
+        by_segment = np.argsort(position, kind="stable")  # each segment's keys in one slice, not a mask per segment
+        bounds = np.concatenate([[0], np.cumsum(count)])
+        for k, seg in enumerate(held.tolist()):
+            pick = by_segment[bounds[k] : bounds[k + 1]]
             offsets = self.store.read_offsets(self.segment_ids[seg]).astype(np.int64)
             local = rows[pick] - self.starts[seg]
             start[pick] = offsets[local]
             length[pick] = offsets[local + 1] - offsets[local]
-        position = np.searchsorted(held, segs).astype(np.int32)
+        position = position.astype(np.int32)
         return [self.segment_ids[i] for i in held.tolist()], Spans(position, start, length)
 
 

@@ -9,11 +9,13 @@ import pytest
 from captioning.annotations import import_annotations
 from captioning.cache import CaptionCache
 from embedding_cache.reader import EmbeddingReader
+from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import UserError
 from pipeline.core.recipes import text_key
 from pipeline.core.sources import ImageReader
 from tests.support.images import png
 from tests.support.repo import REPO
+from tests.support.stores import store_keys
 from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index
 
 N = 40  # images in the session's synth_dir, 8 captions each
@@ -197,3 +199,127 @@ def test_images_of_no_caption_and_left_out_images_survive_a_round_trip(tmp_path,
     loaded = TrainIndex.load(tmp_path / "index.parquet")
     _same(index, loaded)
     assert loaded.coverage_line() == index.coverage_line()
+
+
+def _plain_join(refs, cache: CaptionCache, store, chosen: list[str]) -> dict:
+    """The run index's join written the plain way, a dict per image: what `build_index` must equal."""
+    reader = ImageReader()
+    rows = cache.read_captions().to_pylist()
+    failures = [f for f in cache.read_failures().to_pylist() if f["image_sha256"] is not None]
+    recorded: dict[str, set[str]] = {}
+    for r in rows + failures:
+        recorded.setdefault(r["source_id"], set()).add(r["image_sha256"])
+    listed = [r.source_id for r in refs]
+    shas = []
+    for ref in refs:
+        known = recorded.get(ref.source_id, set())
+        if len(known) == 1 and listed.count(ref.source_id) == 1:
+            shas.append(next(iter(known)))
+            continue
+        try:
+            shas.append(hashlib.sha256(reader.read(ref)).hexdigest())
+        except OSError:
+            shas.append(None)
+    chosen_rows = [r for r in rows if r["recipe"] in chosen]
+    ordered = sorted(chosen_rows, key=lambda r: (chosen.index(r["recipe"]), r["prompt_id"], r["sample"]))
+    captions: dict[str, list[str]] = {}
+    for r in ordered:
+        if r["text_sha256"] not in captions.setdefault(r["image_sha256"], []):
+            captions[r["image_sha256"]].append(r["text_sha256"])
+    rejected: dict[str, str] = {}
+    for f in sorted(failures, key=lambda f: (f["image_sha256"], f["reason"])):
+        if f["image_sha256"] not in captions:
+            rejected.setdefault(f["image_sha256"], f["reason"].split(" (")[0])
+    held = {k.hex() for k in store_keys(store)}
+    kept, left_out, per_image = [], {}, []
+    for ref, sha in zip(refs, shas):
+        reason = "unreadable" if sha is None else rejected.get(sha)
+        if reason:
+            left_out[reason] = left_out.get(reason, 0) + 1
+            continue
+        kept.append((ref, sha))
+        per_image.append(captions.get(sha, []))
+    missing = {k for keys in per_image for k in keys} - held
+    per_image = [[k for k in keys if k in held] for keys in per_image]
+    coverage: dict[int, int] = {}
+    for keys in per_image:
+        coverage[len(keys)] = coverage.get(len(keys), 0) + 1
+    return {
+        "refs": [ref for ref, _ in kept],
+        "sha256": [sha for _, sha in kept],
+        "captions": [keys for keys in per_image],
+        "left_out": left_out,
+        "missing": len(missing),
+        "coverage": dict(sorted(coverage.items())),
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, seed):
+    """A cache and folders drawn at random: two folders with some of the same file names (a repeated source id is
+    hashed), images with the same bytes under two names, ids the cache recorded with two different sha256s, two
+    recipes with texts repeated within and across them, prompts and samples out of order, failures of captioned
+    and uncaptioned images, a store missing some texts, an unreadable file. The index equals the plain join."""
+    from pipeline.core.sources import list_images
+
+    rng = np.random.default_rng(seed)
+    folders = [tmp_path / "one" / "images", tmp_path / "two" / "images"]  # one source id names two images
+    colours = rng.integers(0, 256, size=(30, 3))
+    for folder, names in zip(folders, (range(0, 24), range(18, 30))):
+        folder.mkdir(parents=True)
+        for i in names:  # the folders share 18–23 by name; in two, image i has the bytes of i - 12 in one
+            colour = colours[i % 12 if folder.parent.name == "two" else i]
+            (folder / f"{i:03d}.png").write_bytes(png(tuple(colour), (8, 8)))
+    (folders[1] / "999.png").symlink_to(folders[1] / "gone.png")
+    refs = list_images(folders)
+    shas = {r.source_id: hashlib.sha256(ImageReader().read(r)).hexdigest() for r in refs if "999" not in r.source_id}
+    cache = CaptionCache.open_or_create(tmp_path / "cache")
+    recipes = [cache.add_recipe({"kind": "test", "n": k}, f"r{k}") for k in range(2)]
+    vocabulary = [f"a caption of kind {k}" for k in range(25)]
+    rows, failures = [], []
+    for source_id, sha in shas.items():
+        if rng.random() < 0.4:  # a failure record: of an image no recipe captioned (rejected), or of one it did
+            reason = ["too small (3 x 3)", "corrupt or truncated image (bad data)"][len(failures) % 2]
+            failures.append({"image_sha256": sha, "source_id": source_id, "recipe": recipes[1], "reason": reason})
+            if rng.random() < 0.6:
+                continue
+        for recipe in recipes:
+            for sample in rng.permutation(int(rng.integers(0, 5))).tolist():
+                text = vocabulary[int(rng.integers(len(vocabulary)))]
+                prompt = f"p{int(rng.integers(3))}"
+                rows.append(_row(sha, source_id, recipe, prompt, sample, text))
+        if rng.random() < 0.15:  # a second, different sha256 recorded for the id: ambiguous, so hashed
+            rows.append(_row("f" * 64, source_id, recipes[0], "p9", 0, "a caption of a different image"))
+    cache.commit(rows, failures)
+    store = EmbeddingStore.open_or_create(tmp_path / "store", {"kind": "test"}, 4)
+    writer = store.new_segment()
+    for text in vocabulary[::2]:
+        writer.append(text_key(text), np.ones((2, 4), np.float32))
+    writer.finish()
+    store.publish(writer)
+
+    reasons = set()
+    for chosen in (recipes, recipes[::-1], recipes[1:]):
+        index = build_index(folders, tmp_path / "cache", tmp_path / "store", chosen, 0, verify_sample=0, progress=False)
+        plain = _plain_join(refs, cache, tmp_path / "store", chosen)
+        assert index.refs == plain["refs"] and index.sha256 == plain["sha256"]
+        assert [[k.tobytes().hex() for k in index.captions_of(i)] for i in range(len(index))] == plain["captions"]
+        assert index.left_out == plain["left_out"] and index.missing_embeddings == plain["missing"]
+        assert index.coverage == plain["coverage"] and index.recipes == chosen
+        reasons |= plain["left_out"].keys()
+    assert {"unreadable"} < reasons <= {"unreadable", "too small", "corrupt or truncated image"}, "rejections drawn"
+    assert plain["missing"] > 0 and 0 in plain["coverage"]
+
+
+def _row(sha: str, source_id: str, recipe: str, prompt: str, sample: int, text: str) -> dict:
+    return {
+        "image_sha256": sha,
+        "source_id": source_id,
+        "recipe": recipe,
+        "prompt_id": prompt,
+        "sample": sample,
+        "text": text,
+        "text_sha256": text_key(text).hex(),
+        "finish_reason": "stop",
+        "num_tokens": None,
+    }

@@ -25,7 +25,6 @@ import io
 import json
 import logging
 import random
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,9 +345,31 @@ def verify_images(index: TrainIndex, progress: bool = True, threads: int = 8) ->
                 )
 
 
-def _recorded_sha256(cache: CaptionCache, refs: list[ImageRef]) -> dict[str, str]:
-    """source id -> sha256 the cache recorded for it (any recipe, captions or failures), where that is
-    unambiguous: one sha256 per id in the cache, and the id names one listed image only."""
+_HEX_VALUE = np.full(256, 255, dtype=np.uint8)
+_HEX_VALUE[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16)
+_HEX_VALUE[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+
+
+def _hex_bytes(column: pa.Array | pa.ChunkedArray, width: int, what: str) -> np.ndarray:
+    """uint8 `[n, width]` from a column of hex strings, decoded over the column's buffers (no object per value)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    array = array.cast(pa.large_string())
+    if array.null_count:
+        raise DataProblem(f"{array.null_count} {what} values are missing; run `tcjepa cache verify`")
+    n = len(array)
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64, count=n + 1, offset=array.offset * 8)
+    chars = np.frombuffer(array.buffers()[2] or b"", dtype=np.uint8)[offsets[0] : offsets[-1]]
+    nibbles = _HEX_VALUE[chars]
+    if (np.diff(offsets) != 2 * width).any() or (nibbles == 255).any():
+        raise DataProblem(f"a {what} value is not a {2 * width}-digit hex digest; run `tcjepa cache verify`")
+    nibbles = nibbles.reshape(n, 2 * width)
+    return (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]
+
+
+def _recorded_sha256(cache: CaptionCache, source_ids: pa.Array) -> pa.Array:
+    """Per listed image, the sha256 (hex) the cache recorded for its source id (any recipe, captions or failures),
+    null where none is or it is ambiguous: more than one sha256 for the id in the cache, or more than one listed
+    image with that id."""
     captions = cache.read_captions(columns=["source_id", "image_sha256"])
     failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256")))
     seen = pa.table(
@@ -359,65 +380,97 @@ def _recorded_sha256(cache: CaptionCache, refs: list[ImageRef]) -> dict[str, str
     )
     groups = seen.group_by("source_id").aggregate([("image_sha256", "count_distinct"), ("image_sha256", "min")])
     groups = groups.filter(pc.equal(groups.column("image_sha256_count_distinct"), 1))
-    recorded = dict(zip(groups.column("source_id").to_pylist(), groups.column("image_sha256_min").to_pylist()))
-    repeated = {sid for sid, n in Counter(r.source_id for r in refs).items() if n > 1}
-    return {sid: sha for sid, sha in recorded.items() if sid not in repeated}
+    recorded = pc.take(groups.column("image_sha256_min"), pc.index_in(source_ids, groups.column("source_id")))
+    codes = source_ids.dictionary_encode().indices.to_numpy()
+    repeated = np.bincount(codes)[codes] > 1
+    return pc.if_else(pa.array(repeated), pa.nulls(len(source_ids), pa.string()), recorded.combine_chunks())
 
 
-def _image_sha256(
-    refs: list[ImageRef], recorded: dict[str, str], verify_sample: int, progress: bool
-) -> list[str | None]:
-    """Each image's sha256: the cache's record, checked on a random sample, else hashed from the bytes."""
-    known = [i for i, r in enumerate(refs) if r.source_id in recorded]
-    sample = random.sample(known, min(verify_sample, len(known)))
+def _image_sha256(refs: list[ImageRef], recorded: pa.Array, verify_sample: int, progress: bool) -> pa.Array:
+    """Each image's sha256 (hex; null: unreadable): the cache's record, checked on a random sample, else hashed from
+    the bytes."""
+    known = recorded.is_valid().to_numpy(zero_copy_only=False)
+    sample = sorted(random.sample(np.flatnonzero(known).tolist(), min(verify_sample, int(known.sum()))))
     actual = _hash_refs([refs[i] for i in sample], progress, "verifying image hashes")
-    differ = sum(a is not None and a != recorded[refs[i].source_id] for i, a in zip(sample, actual))
+    expected = recorded.take(pa.array(sample, pa.int64())).to_pylist()
+    differ = sum(a is not None and a != e for a, e in zip(actual, expected))
     if differ:
         logger.warning(
             f"warning: {differ} of {len(sample)} sampled images differ from what the caption cache recorded for their "
             "source id "
             f"(another folder with the same file names?); hashing every image"
         )
-        return _hash_refs(refs, progress, "hashing images")
-    shas: list[str | None] = [recorded.get(r.source_id) for r in refs]
-    unknown = [i for i, s in enumerate(shas) if s is None]
-    for i, sha in zip(unknown, _hash_refs([refs[i] for i in unknown], progress, "hashing images")):
-        shas[i] = sha
-    for i, sha in zip(sample, actual):  # an unreadable sampled image is left out like any other
-        shas[i] = sha
-    return shas
+        return pa.array(_hash_refs(refs, progress, "hashing images"), pa.string())
+    unknown = np.flatnonzero(~known)
+    hashed = _hash_refs([refs[i] for i in unknown], progress, "hashing images")
+    # an unreadable sampled image is left out like any other
+    replaced = dict(zip(unknown.tolist(), hashed)) | dict(zip(sample, actual))
+    mask = np.zeros(len(refs), dtype=bool)
+    mask[list(replaced)] = True
+    values = pa.array([replaced[i] for i in sorted(replaced)], pa.string())
+    return pc.replace_with_mask(recorded, pa.array(mask), values)
 
 
-def _captions_by_image(cache: CaptionCache, recipes: list[str]) -> dict[str, list[str]]:
-    """image sha256 -> its caption keys (hex) under `recipes`, ordered (recipe, prompt_id, sample), no repeated text."""
-    table = cache.read_captions(
-        columns=["image_sha256", "recipe", "prompt_id", "sample", "text_sha256"], recipes=recipes
-    )
-    table = table.append_column("rank", pc.index_in(table.column("recipe"), value_set=pa.array(recipes, pa.string())))
-    table = table.sort_by(
-        [("image_sha256", "ascending"), ("rank", "ascending"), ("prompt_id", "ascending"), ("sample", "ascending")]
-    )
-    out: dict[str, list[str]] = {}
-    for sha, key in zip(table.column("image_sha256").to_pylist(), table.column("text_sha256").to_pylist()):
-        keys = out.setdefault(sha, [])
-        if key not in keys:
-            keys.append(key)
-    return out
+def _codes(column: pa.ChunkedArray, values: pa.Array | None = None) -> tuple[pa.Array, np.ndarray]:
+    """Each row's position among `values` (default: the column's distinct values, first seen first), found by
+    hashing: sorting millions of strings is what this avoids."""
+    values = pc.unique(column) if values is None else values
+    return values, pc.index_in(column, value_set=values).to_numpy()
 
 
-def _rejected(cache: CaptionCache, captioned: set[str]) -> dict[str, str]:
-    """sha256 -> reason, for images a captioner read but rejected (undecodable, too small, ...) and the
-    chosen recipes did not caption: the trainer could not use them either."""
-    failures = (
-        cache.read_failures()
-        .filter(pc.is_valid(pc.field("image_sha256")))
-        .sort_by([("image_sha256", "ascending"), ("reason", "ascending")])
-    )
-    out: dict[str, str] = {}
-    for sha, reason in zip(failures.column("image_sha256").to_pylist(), failures.column("reason").to_pylist()):
-        if sha not in captioned:
-            out.setdefault(sha, reason.split(" (")[0])
-    return out
+@dataclass
+class _CaptionRows:
+    """The chosen recipes' captions grouped by image and, within an image, ordered by (recipe, prompt_id, sample),
+    no text repeated for an image: image `images[i]` has the caption keys `keys[starts[i]:starts[i + 1]]`.
+    Ordered by integer codes and key bytes, never by the strings."""
+
+    keys: np.ndarray  # uint8 [m, 32]
+    images: pa.Array
+    starts: np.ndarray
+
+    @classmethod
+    def read(cls, cache: CaptionCache, recipes: list[str]) -> _CaptionRows:
+        table = cache.read_captions(
+            columns=["image_sha256", "recipe", "prompt_id", "sample", "text_sha256"], recipes=recipes
+        )
+        keys = _hex_bytes(table.column("text_sha256"), KEY_BYTES, "text_sha256")
+        images, image = _codes(table.column("image_sha256"))
+        _, rank = _codes(table.column("recipe"), pa.array(recipes, pa.string()))
+        _, prompt = _codes(table.column("prompt_id"), pc.unique(table.column("prompt_id")).sort())
+        order = np.lexsort((table.column("sample").to_numpy(), prompt, rank, image))  # the last key sorts first
+        # The first of each (image, text) pair in that order: sorted by image, then key, then that order, a row
+        # repeats the text of the row before it when both its image and its key's first 16 bytes are the same.
+        head = keys[order, :16].copy().view(">u8")
+        pairs = np.lexsort((np.arange(len(order)), head[:, 1], head[:, 0], image[order]))
+        same = np.zeros(len(order), dtype=bool)
+        same[1:] = (np.diff(image[order][pairs]) == 0) & (np.diff(head[pairs], axis=0) == 0).all(axis=1)
+        kept = order[np.sort(pairs[~same])]
+        starts = np.searchsorted(image[kept], np.arange(len(images) + 1)).astype(np.int64)
+        return cls(keys[kept], images, starts)
+
+    def keys_of(self, sha256: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, counts): each image's caption keys (`[m, 32]` uint8), concatenated in image order, and how many
+        each image has."""
+        block = pc.index_in(sha256, value_set=self.images).fill_null(-1).to_numpy()
+        has = block >= 0
+        counts = np.where(has, np.diff(self.starts)[np.maximum(block, 0)], 0)
+        first = np.where(has, self.starts[np.maximum(block, 0)], 0)
+        before = np.cumsum(counts) - counts
+        rows = np.repeat(first - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+        return self.keys[rows], counts
+
+
+def _rejected(cache: CaptionCache, captioned: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """(sha256, reason) of images a captioner read but rejected (undecodable, too small, ...) and the chosen recipes
+    did not caption: the trainer could not use them either. One reason per image, the first in order, without its
+    parenthesised detail."""
+    failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256")))
+    failures = failures.filter(pc.invert(pc.is_in(failures.column("image_sha256"), value_set=captioned)))
+    failures = failures.sort_by([("image_sha256", "ascending"), ("reason", "ascending")])
+    shas, sha = _codes(failures.column("image_sha256"))  # sorted: each sha's rows are one run, its first first
+    first = np.searchsorted(sha, np.arange(len(shas)))
+    reasons = pc.list_element(pc.split_pattern(failures.column("reason").take(first), " (", max_splits=1), 0)
+    return shas, reasons.combine_chunks()
 
 
 def build_index(
@@ -444,53 +497,51 @@ def build_index(
     refs = list_images(inputs, image_column, split)
     if not refs:
         raise UserError(f"no images found in {', '.join(map(str, inputs))}")
-    recorded: dict[str, str] = {}
-    by_image: dict[str, list[str]] = {}
-    rejected: dict[str, str] = {}
+    listed = ImageRefs.of(refs)
+    recorded = pa.nulls(len(refs), pa.string())
+    captions = None
+    reason = pa.nulls(len(refs), pa.string())  # why an image is left out; null: kept
     if caption_cache is not None:
-        recorded = _recorded_sha256(caption_cache, refs)
-        by_image = _captions_by_image(caption_cache, chosen)
-        rejected = _rejected(caption_cache, set(by_image))
-    shas = _image_sha256(refs, recorded, verify_sample, progress)
+        recorded = _recorded_sha256(caption_cache, listed.table.column("source_id").combine_chunks())
+        captions = _CaptionRows.read(caption_cache, chosen)
+    sha256 = _image_sha256(refs, recorded, verify_sample, progress)
 
-    left_out: Counter[str] = Counter()
-    kept: list[int] = []
-    kept_sha: list[str] = []
-    for i, sha in enumerate(shas):
-        reason = UNREADABLE if sha is None else rejected.get(sha)
-        if sha is not None and reason is None:
-            kept.append(i)
-            kept_sha.append(sha)
-        else:
-            left_out[reason or UNREADABLE] += 1
-    per_image = [by_image.get(sha, []) for sha in kept_sha]
-    missing: set[str] = set()
-    if embeddings is not None:
-        wanted = sorted({k for keys in per_image for k in keys})
-        if wanted:
-            rows = embeddings.locate(
-                np.frombuffer(bytes.fromhex("".join(wanted)), dtype=np.uint8).reshape(-1, KEY_BYTES)
-            )
-            missing = {k for k, row in zip(wanted, rows.tolist()) if row < 0}
-            per_image = [[k for k in keys if k not in missing] for keys in per_image]
+    # Left out: images that cannot be read, and images a captioner rejected that no chosen recipe captioned.
+    if caption_cache is not None and captions is not None:
+        rejected, reasons = _rejected(caption_cache, captions.images)
+        reason = pc.take(reasons, pc.index_in(sha256, value_set=rejected))
+    reason = pc.if_else(pc.is_null(sha256), pa.scalar(UNREADABLE), reason)
+    kept = np.flatnonzero(pc.is_null(reason).to_numpy(zero_copy_only=False))
+    left_out = {row["values"]: row["counts"] for row in pc.value_counts(reason.drop_null()).to_pylist()}
+    kept_sha256 = sha256.take(pa.array(kept, pa.int64()))
 
-    offsets = np.zeros(len(per_image) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter((len(keys) for keys in per_image), dtype=np.int64, count=len(per_image)), out=offsets[1:])
-    flat = np.frombuffer(bytes.fromhex("".join(k for keys in per_image for k in keys)), dtype=np.uint8)
-    caption_keys = flat.reshape(-1, KEY_BYTES).copy()
+    counts = np.zeros(len(kept), dtype=np.int64)
+    caption_keys = np.zeros((0, KEY_BYTES), dtype=np.uint8)
+    if captions is not None:
+        caption_keys, counts = captions.keys_of(kept_sha256)
+    missing = 0
     segments: list[str] = []
     spans = None
+    if embeddings is not None and len(caption_keys):
+        absent = embeddings.locate(caption_keys) < 0
+        if absent.any():
+            missing = len(np.unique(np.ascontiguousarray(caption_keys[absent]).view(f"V{KEY_BYTES}")))
+            image = np.repeat(np.arange(len(kept)), counts)
+            caption_keys, counts = caption_keys[~absent], np.bincount(image[~absent], minlength=len(kept))
+    offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
     if embeddings is not None:
         segments, spans = embeddings.spans(caption_keys)
+    sizes, images = np.unique(counts, return_counts=True)
     index = TrainIndex(
-        [refs[i] for i in kept],
-        kept_sha,
+        ImageRefs(listed.table.take(pa.array(kept, pa.int64()))),
+        HexDigests(_hex_bytes(kept_sha256, DIGEST_BYTES, "image sha256")),
         offsets,
         caption_keys,
         chosen,
-        dict(sorted(Counter(len(keys) for keys in per_image).items())),
+        dict(zip(sizes.tolist(), images.tolist())),
         dict(sorted(left_out.items())),
-        len(missing),
+        missing,
         segments,
         spans,
     )
