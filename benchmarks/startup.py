@@ -5,8 +5,10 @@ shards of `--shard-images` members (one PNG with each image's number after its e
 to write), a caption cache of their captions (committed as Arrow tables) and a store of random token vectors
 (written with the store's public API: open_or_create / new_segment / append / finish / publish). For each size it
 measures, `--repeats` times (the median counts; the machine is shared):
-  index_build_s   rank 0 builds the run index (join, every caption resolved to its span) and saves it; of that,
-                  listing_us_per_image is the listing of the images (tar headers), and join_us_per_caption the rest
+  index_build_s   rank 0 builds the run index (join, every caption resolved to its span) and saves it, the tar
+                  shards' listings remembered from an earlier run; of that, listing_us_per_image is the listing of
+                  the images, and join_us_per_caption the rest; first_listing_us_per_image lists with nothing
+                  remembered (every tar header parsed), as a first run on the images does
   worker_open_s   a DataLoader worker, from the loader's start until its first batch is made: the worker process's
                   start (worker_start_s, a fork of the parent) and its first batch (worker_first_batch_s)
   worker_rss_mb   that worker's resident memory after `--batches` batches, and its private part (what the worker
@@ -183,18 +185,31 @@ def _probe_class() -> Any:
     return Probe
 
 
-def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> tuple[float, float]:
-    """Seconds for rank 0 to build the run index and save it, and of those, the seconds of listing the images
-    (timed alone, just before: the build lists them again)."""
+def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> tuple[float, float, float]:
+    """Seconds for rank 0 to build the run index and save it, the images' tar listings remembered by an earlier run
+    (`remembered_tar_members`); of those, the listing's; and the listing's with nothing remembered (a first run on
+    these images: tarfile reads every header)."""
     from pipeline.core.sources import list_images
     from train.data_index import build_index
 
-    tick = time.perf_counter()
-    list_images([images])
-    listing = time.perf_counter() - tick
-    tick = time.perf_counter()
-    build_index([images], cache, store, [], progress=False, verify_sample=16).save(run / "index.parquet")
-    return time.perf_counter() - tick, listing
+    before = os.environ.get("TCJEPA_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as remembered:
+        os.environ["TCJEPA_CACHE_DIR"] = remembered
+        try:
+            tick = time.perf_counter()
+            list_images([images])
+            first = time.perf_counter() - tick
+            tick = time.perf_counter()
+            list_images([images])
+            listing = time.perf_counter() - tick
+            tick = time.perf_counter()
+            build_index([images], cache, store, [], progress=False, verify_sample=16).save(run / "index.parquet")
+            build = time.perf_counter() - tick
+        finally:
+            os.environ.pop("TCJEPA_CACHE_DIR")
+            if before is not None:
+                os.environ["TCJEPA_CACHE_DIR"] = before
+    return build, listing, first
 
 
 def worker_probe(images: Path, cache: Path, store: Path, batches: int, run: Path) -> Any:
@@ -232,7 +247,7 @@ def worker_run(probe: Any) -> dict[str, float]:
     return {**last, "open_s": first["done"] - tick, "start_s": first["started"] - tick}
 
 
-def summary(probe: Any, builds: list[tuple[float, float]], workers: list[dict[str, float]]) -> dict[str, Any]:
+def summary(probe: Any, builds: list[tuple[float, float, float]], workers: list[dict[str, float]]) -> dict[str, Any]:
     index = probe.data.index
     spans = index.caption_spans
     columns = index.caption_keys.nbytes + index.caption_offsets.nbytes
@@ -242,8 +257,7 @@ def summary(probe: Any, builds: list[tuple[float, float]], workers: list[dict[st
     def median(key: str) -> float:
         return statistics.median(w[key] for w in workers)
 
-    build = statistics.median(b for b, _ in builds)
-    listing = statistics.median(seconds for _, seconds in builds)
+    build, listing, first = (statistics.median(b[k] for b in builds) for k in range(3))
 
     return {
         "captions": n,
@@ -251,8 +265,10 @@ def summary(probe: Any, builds: list[tuple[float, float]], workers: list[dict[st
         "images": len(index),
         "index_build_s": round(build, 4),
         "index_build_us_per_caption": round(1e6 * build / n, 3),
-        "listing_us_per_image": round(1e6 * listing / len(index), 3),  # of the build: list_images
+        "listing_us_per_image": round(1e6 * listing / len(index), 3),  # of the build: list_images, remembered
         "join_us_per_caption": round(1e6 * (build - listing) / n, 3),  # the rest: cache, store, join, save
+        "first_listing_us_per_image": round(1e6 * first / len(index), 3),  # nothing remembered: tarfile
+        "first_index_build_us_per_caption": round(1e6 * (build - listing + first) / n, 3),  # a first run's
         "worker_open_s": round(median("open_s"), 4),
         "worker_open_us_per_caption": round(1e6 * median("open_s") / n, 3),
         "worker_start_s": round(median("start_s"), 4),  # of worker_open_s: the process's start, until the dataset
@@ -293,7 +309,7 @@ def main() -> None:
             made.append(time.perf_counter() - tick)
             index_build_s(*sizes[-1][:3], sizes[-1][3] / "run")  # warms imports and the page cache; not counted
         # The sizes take turns, so that whatever else the machine does weighs on both alike.
-        builds: list[list[tuple[float, float]]] = [[], []]
+        builds: list[list[tuple[float, float, float]]] = [[], []]
         for _ in range(args.repeats):
             for k, (images, cache, store, root) in enumerate(sizes):
                 builds[k].append(index_build_s(images, cache, store, root / "run"))

@@ -207,3 +207,55 @@ def test_list_images_refuses_what_it_cannot_read_at_random(tmp_path):
     assert [e.data for e in iter_images([tmp_path / "s.tar.gz"])] == [b"abc"]
     with pytest.raises(UserError, match="compressed tar shard.*decompress"):
         list_images([tmp_path / "s.tar.gz"])
+
+
+def _shard(path, names) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size = len(IMAGES[next(iter(IMAGES))])
+            tar.addfile(info, io.BytesIO(IMAGES[next(iter(IMAGES))]))
+
+
+def test_a_tar_shards_listing_is_remembered_until_the_shard_changes(tmp_path, monkeypatch, capsys):
+    """The listing is read back while the shard's (path, size, mtime, inode) stay; a shard damaged in place under
+    the same mtime still lists from memory, and once its mtime moves it is read again (and, unreadable, not
+    remembered); an unreadable entry or a cache that cannot be written only costs the remembering."""
+    import os
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TCJEPA_CACHE_DIR", str(cache))
+    images = tmp_path / "images"
+    images.mkdir()
+    shard = images / "s.tar"
+    _shard(shard, ["a.png", "notes.txt", "b.png"])
+    first = list_images([images])
+    assert [r.source_id for r in first] == ["s.tar::a.png", "s.tar::b.png"]
+    [entry] = (cache / "tar-listing").iterdir()
+    assert list_images([images]) == first
+
+    stat = shard.stat()
+    with open(shard, "r+b") as f:  # the first header overwritten in place: the same size and inode
+        f.write(b"x" * 512)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert list_images([images]) == first, "listed from memory, not from the damaged headers"
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    for _ in range(2):
+        capsys.readouterr()
+        assert list_images([images]) == []
+        assert "warning: s.tar: " in capsys.readouterr().err, "said each time: not remembered"
+    assert list((cache / "tar-listing").iterdir()) == [entry]
+
+    _shard(shard, ["c.png", "d.png", "e.png"])
+    listed = [r.source_id for r in list_images([images])]
+    assert listed == ["s.tar::c.png", "s.tar::d.png", "s.tar::e.png"]
+    new = [e for e in (cache / "tar-listing").iterdir() if e != entry]
+    assert len(new) == 1
+    new[0].write_bytes(b"not parquet")
+    assert [r.source_id for r in list_images([images])] == listed
+    assert new[0].read_bytes().startswith(b"PAR1"), "an unreadable entry is listed again and rewritten"
+    monkeypatch.setenv("TCJEPA_CACHE_DIR", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    assert [r.source_id for r in list_images([images])] == listed, "a cache that cannot be written"
+    reader = ImageReader()
+    assert [reader.read(r) for r in list_images([images])] == [IMAGES[next(iter(IMAGES))]] * 3

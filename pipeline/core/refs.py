@@ -39,10 +39,13 @@ def skip_warning(label: str, problem: str) -> None:
     logger.warning(f"warning: {label}: {problem}; its images are left out")
 
 
-def tar_member_refs(f: BinaryIO, label: str, where: str, shown: str) -> list[ImageRef]:
-    """Refs of the regular image members of the uncompressed tar shard open as `f` (seekable: only the headers are
-    read), with source ids ``label::member`` and `where` as their path; a compressed shard (named `shown`) is refused.
-    """
+TarMember = tuple[str, int, int]  # (member name, byte offset of its data, size)
+
+
+def tar_image_members(f: BinaryIO, label: str, shown: str) -> tuple[list[TarMember], bool]:
+    """The regular image members of the uncompressed tar shard open as `f` (seekable: only the headers are read),
+    and whether the listing reached the shard's end (False: it is damaged, and said so once); a compressed shard
+    (named `shown`) is refused."""
     compressed = f.read(6).startswith(COMPRESSED_MAGIC)
     if compressed:
         raise UserError(
@@ -54,14 +57,25 @@ def tar_member_refs(f: BinaryIO, label: str, where: str, shown: str) -> list[Ima
         tar = tarfile.open(fileobj=f, mode="r:")
     except tarfile.TarError as exc:
         skip_warning(label, f"unreadable tar shard ({exc})")
-        return []
-    refs: list[ImageRef] = []
+        return [], False
+    members: list[TarMember] = []
     with tar:
         try:
             for member in tar:
                 # links and sparse members have no contiguous data to pread; iter_images reports links as errors
                 if member.name.lower().endswith(IMAGE_SUFFIXES) and member.isreg() and not member.issparse():
-                    refs.append(ImageRef(f"{label}::{member.name}", "tar", where, member.offset_data, member.size))
+                    members.append((member.name, member.offset_data, member.size))
         except (tarfile.TarError, EOFError) as exc:
             skip_warning(label, f"tar shard ends early or is corrupt ({exc}); members after the damage")
-    return refs
+            return members, False
+    return members, True
+
+
+def member_refs(members: list[TarMember], label: str, where: str) -> list[ImageRef]:
+    """Refs of a tar shard's members, with source ids ``label::member`` and `where` as their path."""
+    return [ImageRef(f"{label}::{name}", "tar", where, offset, size) for name, offset, size in members]
+
+
+def tar_member_refs(f: BinaryIO, label: str, where: str, shown: str) -> list[ImageRef]:
+    """Refs of the regular image members of the uncompressed tar shard open as `f` (see `tar_image_members`)."""
+    return member_refs(tar_image_members(f, label, shown)[0], label, where)
