@@ -57,24 +57,36 @@ def _image_bytes(n_images: int, rng: np.random.Generator, cheap: bool) -> Iterat
         yield template + i.to_bytes(8, "little") if cheap else png(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
 
 
-def _write_images(images: Path, n_images: int, rng: np.random.Generator, shard_images: int) -> list[str]:
-    """The images as PNG files, or as tar shards of `shard_images` members; their sha256s (hex), in listing order."""
-    shas = []
+def _write_images(
+    images: Path, n_images: int, rng: np.random.Generator, shard_images: int
+) -> tuple[list[str], list[str]]:
+    """The images as PNG files, or as tar shards of `shard_images` members; their source ids (as `list_images`
+    names them, checked on the first file or shard) and sha256s (hex), in listing order."""
+    from pipeline.core.sources import list_images
+
+    ids, shas = [], []
     blobs = _image_bytes(n_images, rng, cheap=shard_images > 0)
     if not shard_images:
         for i, data in enumerate(blobs):
             (images / f"{i:08d}.png").write_bytes(data)
+            ids.append(f"{i:08d}.png")
             shas.append(hashlib.sha256(data).hexdigest())
-        return shas
-    for shard, first in enumerate(range(0, n_images, shard_images)):
-        with tarfile.open(images / f"shard-{shard:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in range(first, min(first + shard_images, n_images)):
-                data = next(blobs)
-                member = tarfile.TarInfo(f"{i:08d}.png")
-                member.size = len(data)
-                tar.addfile(member, io.BytesIO(data))
-                shas.append(hashlib.sha256(data).hexdigest())
-    return shas
+        first = images / ids[0]
+    else:
+        for shard, start in enumerate(range(0, n_images, shard_images)):
+            name = f"shard-{shard:06d}.tar"
+            with tarfile.open(images / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for i in range(start, min(start + shard_images, n_images)):
+                    data = next(blobs)
+                    member = tarfile.TarInfo(f"{i:08d}.png")
+                    member.size = len(data)
+                    tar.addfile(member, io.BytesIO(data))
+                    ids.append(f"{name}::{member.name}")
+                    shas.append(hashlib.sha256(data).hexdigest())
+        first = images / "shard-000000.tar"
+    listed = [ref.source_id for ref in list_images([first])]  # a file or shard given alone is named as in its folder
+    assert listed == ids[: len(listed)], (listed[:2], ids[:2])
+    return ids, shas
 
 
 def build_run(
@@ -87,14 +99,11 @@ def build_run(
 
     from captioning.cache import CaptionCache
     from embedding_cache.store import EmbeddingStore
-    from pipeline.core.sources import list_images
 
     rng = np.random.default_rng(seed)
     images, n_images = root / "images", captions // CAPTIONS_PER_IMAGE
     images.mkdir(parents=True)
-    shas = _write_images(images, n_images, rng, shard_images)
-    source_ids = [ref.source_id for ref in list_images([images])]
-    assert len(source_ids) == n_images, (len(source_ids), n_images)
+    source_ids, shas = _write_images(images, n_images, rng, shard_images)
 
     cache = CaptionCache.open_or_create(root / "cache")
     recipe = cache.add_recipe({"kind": "benchmark-startup", "captions_per_image": CAPTIONS_PER_IMAGE}, "synthetic")
@@ -298,6 +307,7 @@ def main() -> None:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TCJEPA_CACHE_DIR"] = str(Path(tmp) / "tcjepa-cache")  # remembered listings: not in the user's
         sizes, made = [], []
         for factor in (1, args.scale):
             root = Path(tmp) / f"x{factor}"
