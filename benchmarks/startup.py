@@ -23,7 +23,6 @@ the index's columns only, not with the store.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import os
@@ -62,6 +61,7 @@ def _write_images(
 ) -> tuple[list[str], list[str]]:
     """The images as PNG files, or as tar shards of `shard_images` members; their source ids (as `list_images`
     names them, checked on the first file or shard) and sha256s (hex), in listing order."""
+    from pipeline.core.recipes import sha256_bytes
     from pipeline.core.sources import list_images
 
     ids, shas = [], []
@@ -70,7 +70,7 @@ def _write_images(
         for i, data in enumerate(blobs):
             (images / f"{i:08d}.png").write_bytes(data)
             ids.append(f"{i:08d}.png")
-            shas.append(hashlib.sha256(data).hexdigest())
+            shas.append(sha256_bytes(data))
         first = images / ids[0]
     else:
         for shard, start in enumerate(range(0, n_images, shard_images)):
@@ -82,7 +82,7 @@ def _write_images(
                     member.size = len(data)
                     tar.addfile(member, io.BytesIO(data))
                     ids.append(f"{name}::{member.name}")
-                    shas.append(hashlib.sha256(data).hexdigest())
+                    shas.append(sha256_bytes(data))
         first = images / "shard-000000.tar"
     listed = [ref.source_id for ref in list_images([first])]  # a file or shard given alone is named as in its folder
     assert listed == ids[: len(listed)], (listed[:2], ids[:2])
@@ -99,6 +99,7 @@ def build_run(
 
     from captioning.cache import CaptionCache
     from embedding_cache.store import EmbeddingStore
+    from pipeline.core.recipes import text_key
 
     rng = np.random.default_rng(seed)
     images, n_images = root / "images", captions // CAPTIONS_PER_IMAGE
@@ -108,11 +109,11 @@ def build_run(
     cache = CaptionCache.open_or_create(root / "cache")
     recipe = cache.add_recipe({"kind": "benchmark-startup", "captions_per_image": CAPTIONS_PER_IMAGE}, "synthetic")
     keys = np.empty((n_images * CAPTIONS_PER_IMAGE, 32), dtype=np.uint8)
-    step = max(1, 250_000 // CAPTIONS_PER_IMAGE)  # a million captions a shard
+    step = 250_000 // CAPTIONS_PER_IMAGE  # images per commit: 250,000 captions a cache shard
     for lo in range(0, n_images, step):
         hi = min(lo + step, n_images)
         texts = [f"image {i} caption {k}" for i in range(lo, hi) for k in range(CAPTIONS_PER_IMAGE)]
-        digests = [hashlib.sha256(t.encode()).digest() for t in texts]
+        digests = [text_key(t) for t in texts]
         keys[lo * CAPTIONS_PER_IMAGE : hi * CAPTIONS_PER_IMAGE] = np.frombuffer(b"".join(digests), np.uint8).reshape(
             -1, 32
         )

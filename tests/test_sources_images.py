@@ -209,6 +209,12 @@ def test_list_images_refuses_what_it_cannot_read_at_random(tmp_path):
         list_images([tmp_path / "s.tar.gz"])
 
 
+def _parquet_bytes(table: pa.Table) -> bytes:
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    return buffer.getvalue().to_pybytes()
+
+
 def _shard(path, names) -> None:
     with tarfile.open(path, "w") as tar:
         for name in names:
@@ -251,9 +257,10 @@ def test_a_tar_shards_listing_is_remembered_until_the_shard_changes(tmp_path, mo
     assert listed == ["s.tar::c.png", "s.tar::d.png", "s.tar::e.png"]
     new = [e for e in (cache / "tar-listing").iterdir() if e != entry]
     assert len(new) == 1
-    new[0].write_bytes(b"not parquet")
-    assert [r.source_id for r in list_images([images])] == listed
-    assert new[0].read_bytes().startswith(b"PAR1"), "an unreadable entry is listed again and rewritten"
+    for unreadable in (b"not parquet", _parquet_bytes(pa.table({"other": [1]}))):
+        new[0].write_bytes(unreadable)
+        assert [r.source_id for r in list_images([images])] == listed
+        assert pq.read_table(new[0]).column_names == ["name", "offset", "size"], "listed again and rewritten"
     monkeypatch.setenv("TCJEPA_CACHE_DIR", str(tmp_path / "a-file"))
     (tmp_path / "a-file").write_text("")
     assert [r.source_id for r in list_images([images])] == listed, "a cache that cannot be written"

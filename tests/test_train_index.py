@@ -10,9 +10,9 @@ from captioning.annotations import import_annotations
 from captioning.cache import CaptionCache
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import EmbeddingStore
-from pipeline.core.errors import UserError
+from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import text_key
-from pipeline.core.sources import ImageReader
+from pipeline.core.sources import ImageReader, list_images
 from tests.support.images import png
 from tests.support.repo import REPO
 from tests.support.stores import store_keys
@@ -260,7 +260,6 @@ def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, see
     hashed), images with the same bytes under two names, ids the cache recorded with two different sha256s, two
     recipes with texts repeated within and across them, prompts and samples out of order, failures of captioned
     and uncaptioned images, a store missing some texts, an unreadable file. The index equals the plain join."""
-    from pipeline.core.sources import list_images
 
     rng = np.random.default_rng(seed)
     folders = [tmp_path / "one" / "images", tmp_path / "two" / "images"]  # one source id names two images
@@ -324,3 +323,16 @@ def _row(sha: str, source_id: str, recipe: str, prompt: str, sample: int, text: 
         "finish_reason": "stop",
         "num_tokens": None,
     }
+
+
+@pytest.mark.parametrize("bad", ["zz" * 32, "ab" * 31])
+def test_a_cache_key_that_is_not_a_hex_digest_is_refused_in_one_line(tmp_path, synth_dir, bad):
+    """Not hex, or too short: the build stops with one line naming the column and the command that finds it."""
+    cache = CaptionCache.open_or_create(tmp_path / "cache")
+    recipe = cache.add_recipe({"kind": "test"}, "r")
+    first = list_images([synth_dir / "images"])[0]
+    row = _row(hashlib.sha256(ImageReader().read(first)).hexdigest(), first.source_id, recipe, "p0", 0, "a caption")
+    cache.commit([{**row, "text_sha256": bad}])
+    line = r"^a text_sha256 value is not a 64-digit hex digest; run `tcjepa cache verify`$"
+    with pytest.raises(DataProblem, match=line):
+        build_index([synth_dir / "images"], tmp_path / "cache", None, [], 0, verify_sample=0, progress=False)

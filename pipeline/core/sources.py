@@ -28,11 +28,13 @@ import os
 import tarfile
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.errors import UserError
+from pipeline.core.fsutil import atomic_write_bytes, user_cache_dir
 from pipeline.core.refs import (
     IMAGE_SUFFIXES,
     TABLE_SUFFIXES,
@@ -456,39 +458,56 @@ def remembered_tar_members(path: Path, label: str) -> list[TarMember]:
 
     Python's tarfile parses ~30 µs of headers per member: every run over 14 M images would list for 7 minutes on
     one core before its first step. Remembered, a shard's listing is one small Parquet file read back in a few µs
-    per member. A damaged
-    shard's partial listing is not remembered (its warning is given again); a changed shard has another key.
+    per member. A damaged shard's partial listing is not remembered (its warning is given again); a changed shard
+    has another key; an entry that cannot be read is listed anew and rewritten.
     """
     import hashlib
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pipeline.core.fsutil import atomic_write_bytes, user_cache_dir
 
     real = Path(path).resolve()
     st = real.stat()
     key = f"v{TAR_LISTING_VERSION}\0{real}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
     entry = user_cache_dir() / "tar-listing" / f"{hashlib.sha256(key.encode()).hexdigest()}.parquet"
-    try:
-        table = pq.read_table(entry)
-        return list(zip(*(table.column(name).to_pylist() for name in ("name", "offset", "size"))))
-    except (OSError, pa.ArrowException):  # not remembered yet, or unreadable: list the shard
-        pass
+    remembered = _read_listing(entry)
+    if remembered is not None:
+        return remembered
     with open(real, "rb") as f:
         members, complete = tar_image_members(f, label, str(path))
     if complete:
-        names, offsets, sizes = zip(*members) if members else ((), (), ())
-        columns = {"name": pa.array(names, pa.string()), "offset": pa.array(offsets, pa.int64())}
-        table = pa.table({**columns, "size": pa.array(sizes, pa.int64())})
-        buffer = pa.BufferOutputStream()
-        pq.write_table(table, buffer)
-        try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(entry, buffer.getvalue().to_pybytes())
-        except OSError:  # a read-only home: the listing is still right, only not remembered
-            pass
+        _write_listing(entry, members)
     return members
+
+
+def _read_listing(entry: Path) -> list[TarMember] | None:
+    """A remembered listing; None when there is none or it cannot be read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(entry)
+        return list(zip(*(table.column(name).to_pylist() for name in ("name", "offset", "size"))))
+    except (OSError, KeyError, pa.ArrowException):
+        return None
+
+
+def _write_listing(entry: Path, members: list[TarMember]) -> None:
+    """Remember a listing (atomically: concurrent runs share the cache); a cache that cannot be written only means
+    the listing is not remembered."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names, offsets, sizes = zip(*members) if members else ((), (), ())
+    table = pa.table(
+        {
+            "name": pa.array(names, pa.string()),
+            "offset": pa.array(offsets, pa.int64()),
+            "size": pa.array(sizes, pa.int64()),
+        }
+    )
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    with suppress(OSError):
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(entry, buffer.getvalue().to_pybytes())
 
 
 def _tar_refs(path: Path, label: str) -> list[ImageRef]:
