@@ -1,8 +1,10 @@
 """A training sample's pixels: its crop decoded and resized on the CPU, or its JPEG bytes decoded on the device.
 
 CPU: a JPEG whose crop is at least twice the output side is decoded at 1/2, 1/4 or 1/8 scale (draft mode: libjpeg
-scales the DCT and skips most of the work), never below the output side; the crop is then resized with torchvision's
-antialiased bilinear, the default of its `RandomResizedCrop`.
+scales the DCT and skips most of the work), never below the output side; the crop is then resized with antialiased
+bilinear (the default of torchvision's `RandomResizedCrop`), through the torch call torchvision makes for uint8 on the
+CPU. torchvision itself is imported only for device decoding (its import costs ~0.4 s of CPU, and imports torch's
+compiler in a process that would not otherwise).
 
 Device (`--decode gpu`): the worker only reads the header, draws the crop and sends the bytes; `decode_on_device`
 decodes the batch's JPEGs in one batched `torchvision.io.decode_jpeg` call (nvJPEG) and crops and resizes there.
@@ -18,8 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms.v2.functional import resize
+from torch.nn.functional import interpolate
 
 from pipeline.core.images import exif_orientation, load_rgb
 
@@ -46,7 +47,7 @@ def crop_resize(im: Image.Image, upright: tuple[int, int], box: Box, size: int, 
     scaled = (round(left * fx), round(top * fy), max(round(right * fx), round(left * fx) + 1))
     crop = (scaled[0], scaled[1], scaled[2], max(round(bottom * fy), scaled[1] + 1))
     pixels = torch.from_numpy(np.array(decoded.crop(crop), dtype=np.uint8)).permute(2, 0, 1)
-    out = resize(pixels, [size, size], antialias=True)
+    out = interpolate(pixels[None], size=(size, size), mode="bilinear", align_corners=False, antialias=True)[0]
     return out.flip(-1) if flip else out
 
 
@@ -90,6 +91,9 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> None:
     """Fill `images` (uint8 `[b, 3, H, W]` on the device) at `encoded.rows`: one batched decode, then each crop
     resized there. Should nvJPEG refuse a file (a JPEG variant it lacks), the batch is decoded on the CPU instead,
     with one line on stderr per process."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms.v2.functional import resize
+
     global _warned
     try:
         decoded = decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=images.device)
