@@ -40,12 +40,13 @@ from captioning.cache import (
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.logs import NODE
+from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json, recipe_hash
 from pipeline.core.remote import (
+    CONDENSED,
     LOG,
     PublishLog,
     RemoteFileMissing,
-    create_if_absent,
     fetch,
     is_remote,
     mirror_lock,
@@ -78,19 +79,19 @@ def _fetch_cache_shard(fs: Any, root: str, local: Path, stem: str, source: str, 
     atomic_write_bytes(local / "manifests" / f"{stem}.json", canonical_json(doc))
 
 
-def sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
+def sync_cache_mirror(url: str, fs: Any, root: str, local: Path, objects: ObjectRoot) -> int:
     """Bring the mirror `local` up to date with the cache at `url` (call under `mirror_lock`); returns shards fetched.
 
     A shard is published by a manifest (a tree uploaded whole) or by a log entry (a remote writer). A shard that a
     compacted shard replaces is not fetched; one deleted while this sync ran is found replaced on a second look.
     """
     try:
-        return _sync_cache_mirror(url, fs, root, local)
+        return _sync_cache_mirror(url, fs, root, local, objects)
     except RemoteFileMissing:  # most likely compacted away since the listing: the log now says by which shard
-        return _sync_cache_mirror(url, fs, root, local)
+        return _sync_cache_mirror(url, fs, root, local, objects)
 
 
-def _sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
+def _sync_cache_mirror(url: str, fs: Any, root: str, local: Path, objects: ObjectRoot) -> int:
     marker = remote_call(url, fs.cat_file, f"{root}/CACHE.json")
     reset_if_rebuilt(local, marker)
     for sub in ("recipes", "captions", "failures", "manifests", "tmp"):
@@ -99,7 +100,7 @@ def _sync_cache_mirror(url: str, fs: Any, root: str, local: Path) -> int:
     for name in remote_names(fs, url, f"{root}/recipes"):
         if name.endswith(".json"):
             fetch(fs, f"{root}/recipes/{name}", local / "recipes" / name)
-    log = PublishLog(url, fs, root, local)
+    log = PublishLog(objects, local)
     entries = [(seq, raw, parse_json(f"{url}/{LOG}/{seq:012d}.json", raw)) for seq, raw in log.unseen()]
     replaced = {str(old) for _, _, doc in entries for old in doc.get("replaces", [])}
     fetched = 0
@@ -128,7 +129,7 @@ def mirror_cache(url: str, mirror: Path | None = None) -> Path:
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
     with mirror_lock(local):
-        fetched = sync_cache_mirror(url, fs, root, local)
+        fetched = sync_cache_mirror(url, fs, root, local, ObjectRoot.of(url))
         total = len(list((local / "manifests").glob("*.json")))
     logger.log(NODE, f"mirror: {url} -> {local}: {fetched} new of {total} shards")
     return local
@@ -144,10 +145,10 @@ def local_cache(location: str | Path, mirror: Path | None = None) -> Path:
 class RemoteCaptionCache(CaptionCache):
     """The cache at `url`, read through the local mirror at `local`, committed to through the remote log."""
 
-    def __init__(self, url: str, local: Path, fs: Any, root: str) -> None:
+    def __init__(self, url: str, local: Path, fs: Any, root: str, objects: ObjectRoot) -> None:
         super().__init__(local)
-        self.url, self._fs, self._remote = url, fs, root
-        self._log = PublishLog(url, fs, root, local)
+        self.url, self._fs, self._remote, self._objects = url, fs, root, objects
+        self._log = PublishLog(objects, local)
 
     @classmethod
     def open_or_create(cls, root: str | Path, mirror: Path | None = None) -> RemoteCaptionCache:
@@ -156,7 +157,8 @@ class RemoteCaptionCache(CaptionCache):
         fs, remote_root = writable_filesystem(url, "--cache")
         if not remote_call(url, fs.exists, f"{remote_root}/CACHE.json"):
             # Another creator may have finished between the two looks.
-            others = [n for n in remote_names(fs, url, remote_root) if n not in (*SUBDIRS, LOG, "CACHE.json")]
+            known = (*SUBDIRS, LOG, CONDENSED, "CACHE.json")
+            others = [n for n in remote_names(fs, url, remote_root) if n not in known]
             if others and not remote_call(url, fs.exists, f"{remote_root}/CACHE.json"):
                 raise UserError(
                     f"--cache {url} holds other objects ({', '.join(others[:3])}) and no CACHE.json; choose a new "
@@ -164,12 +166,13 @@ class RemoteCaptionCache(CaptionCache):
                 )
         # The random id tells mirrors this cache from one made later under the same URL.
         marker = canonical_json({"format": FORMAT, "version": VERSION, "id": uuid.uuid4().hex})
-        create_if_absent(fs, url, f"{remote_root}/CACHE.json", marker)
+        objects = ObjectRoot.of(url)
+        objects.create_or_read("CACHE.json", marker)
         local = mirror_path(url, mirror)
         local.mkdir(parents=True, exist_ok=True)
         with mirror_lock(local):
-            sync_cache_mirror(url, fs, remote_root, local)
-        return cls(url, local, fs, remote_root)
+            sync_cache_mirror(url, fs, remote_root, local, objects)
+        return cls(url, local, fs, remote_root, objects)
 
     def _lock(self) -> FileLock:
         return mirror_lock(self.root)
@@ -180,7 +183,7 @@ class RemoteCaptionCache(CaptionCache):
         path = self.root / "recipes" / f"{digest}.json"
         if not path.exists():
             doc = canonical_json({"hash": digest, "name": name, "recipe": recipe})
-            stored = create_if_absent(self._fs, self.url, f"{self._remote}/recipes/{digest}.json", doc)
+            stored = self._objects.create_or_read(f"recipes/{digest}.json", doc)
             with self._lock():
                 atomic_write_bytes(path, stored)
         return digest
@@ -215,7 +218,7 @@ class RemoteCaptionCache(CaptionCache):
                 if seq is not None:
                     break
                 self._withdraw(shard, staged)
-                sync_cache_mirror(self.url, self._fs, self._remote, self.root)
+                sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
             self._publish_staged(shard, staged, cap_digests, fail_digests)
             atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
             self._log.keep(seq, canonical_json(doc))
@@ -231,7 +234,7 @@ class RemoteCaptionCache(CaptionCache):
         before they were deleted looks again (see `sync_cache_mirror`).
         """
         with self._lock():
-            sync_cache_mirror(self.url, self._fs, self._remote, self.root)
+            sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
             self._clean_and_repair()
             while True:
                 if not set(old) <= set(self.shard_ids()):
@@ -244,7 +247,7 @@ class RemoteCaptionCache(CaptionCache):
                 if seq is not None:
                     break
                 self._withdraw(shard, staged)
-                sync_cache_mirror(self.url, self._fs, self._remote, self.root)
+                sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
             atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
             self._publish_staged(shard, staged, np.zeros((0, 16), np.uint8), np.zeros((0, 16), np.uint8))
             self._indexed_shards.discard(shard)

@@ -37,11 +37,12 @@ from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256,
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.logs import NODE
+from pipeline.core.objects import ObjectRoot, Stored
 from pipeline.core.recipes import canonical_json
 from pipeline.core.remote import (
+    CONDENSED,
     LOG,
     PublishLog,
-    create_if_absent,
     fetch,
     fetch_tree,
     is_remote,
@@ -64,24 +65,29 @@ FETCHING = ".fetching"
 KEYS_MIRROR_ARRAYS = ("zarr.json", "keys", "offsets")
 
 
-def remote_store_segments(url: str, fs: Any, root: str, local: Path) -> tuple[bytes, list[str]]:
-    """The remote root's `zarr.json` and every published segment: the root's list, then those only the log names.
+def remote_store_segments(objects: ObjectRoot, local: Path) -> tuple[Stored, list[str]]:
+    """The remote root's `zarr.json` (with its ETag) and every published segment: the root's list, then those only
+    the log names (read after the root, so that the list holds every segment the root's version lists and more).
 
     Log entries are copied under `local` as they are read (call under `mirror_lock`).
     """
-    root_raw = remote_call(url, fs.cat_file, f"{root}/zarr.json")
-    meta = parse_json(f"{url}/zarr.json", root_raw).get("attributes", {}).get("tcjepa", {})
+    url = objects.url
+    stored = objects.read("zarr.json")
+    if stored is None:
+        raise UserError(f"{url} is not an embedding store (no zarr.json)")
+    meta = parse_json(f"{url}/zarr.json", stored.data).get("attributes", {}).get("tcjepa", {})
     segments = meta.get("segments")
     if not isinstance(segments, list) or not all(plain_name(s) for s in segments):
         raise DataProblem(f"{url}/zarr.json: not a tcjepa embedding store root (no valid segment list)")
     reset_if_rebuilt(local, canonical_json({k: v for k, v in meta.items() if k != "segments"}))
-    log = PublishLog(url, fs, root, local)
-    for seq, raw in log.unseen():
+    log = PublishLog(objects, local)
+    new = log.unseen()
+    for seq, raw in new:
         if not plain_name(parse_json(f"{url}/{LOG}/{seq:012d}.json", raw).get("segment")):
             raise DataProblem(f"{url}/{LOG}/{seq:012d}.json: not a segment entry")
-        log.keep(seq, raw)
+    log.keep_all(new)
     listed = set(segments)
-    return root_raw, [*segments, *(s for s in (e["segment"] for e in log.entries()) if s not in listed)]
+    return stored, [*segments, *(s for s in (e["segment"] for e in log.entries()) if s not in listed)]
 
 
 def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | None = None) -> Path:
@@ -95,7 +101,7 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
     local = mirror_path(url, mirror)
     local.mkdir(parents=True, exist_ok=True)
     with mirror_lock(local):
-        root_raw, segments = remote_store_segments(url, fs, root, local)
+        stored, segments = remote_store_segments(ObjectRoot.of(url), local)
         if only is not None:
             only = set(only)
             unknown = sorted(only - set(segments))
@@ -109,7 +115,7 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
         _fetch_root_arrays(url, fs, root, local)
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
-        doc = json.loads(root_raw)
+        doc = json.loads(stored.data)
 
         def list_locally(listed: list[str]) -> None:
             doc["attributes"]["tcjepa"]["segments"] = listed
@@ -148,10 +154,10 @@ def local_store(location: str | Path, mirror: Path | None = None, only: Collecti
 class RemoteEmbeddingStore(EmbeddingStore):
     """The store at `url`; `local` is its keys mirror, where segments are also staged."""
 
-    def __init__(self, url: str, keys_mirror: Path, fs: Any, remote_root: str) -> None:
+    def __init__(self, url: str, keys_mirror: Path, fs: Any, remote_root: str, objects: ObjectRoot) -> None:
         super().__init__(keys_mirror)
-        self.url, self._fs, self._remote = url, fs, remote_root
-        self._log = PublishLog(url, fs, remote_root, keys_mirror)
+        self.url, self._fs, self._remote, self._objects = url, fs, remote_root, objects
+        self._log = PublishLog(objects, keys_mirror)
 
     @classmethod
     def open_or_create(
@@ -169,7 +175,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
         url = str(root)
         fs, remote_root = writable_filesystem(url, "--store")
         if not remote_call(url, fs.exists, f"{remote_root}/zarr.json"):
-            _create(url, fs, remote_root, encoder_recipe, width, transform)
+            _create(url, fs, remote_root, ObjectRoot.of(url), encoder_recipe, width, transform)
         store = cls.open(url, mirror)
         store.check_encoder(requested(encoder_recipe) if transform is not None else encoder_recipe)
         return store
@@ -180,7 +186,8 @@ class RemoteEmbeddingStore(EmbeddingStore):
         fs, remote_root = writable_filesystem(url, "--store")
         if not remote_call(url, fs.exists, f"{remote_root}/zarr.json"):
             raise UserError(f"--store {url} is not an embedding store (no zarr.json)")
-        return cls(url, _keys_mirror(url, fs, remote_root, mirror), fs, remote_root)
+        objects = ObjectRoot.of(url)
+        return cls(url, _keys_mirror(url, fs, remote_root, objects, mirror), fs, remote_root, objects)
 
     def _lock(self) -> FileLock:
         return mirror_lock(self.root)
@@ -201,7 +208,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
         with self._lock():
             # The next log entry detects any publication this mirror has not seen, so every entry seen must be in it.
             if not {e["segment"] for e in self._log.entries()} <= set(self.segment_ids()):
-                _sync_keys(self.url, self._fs, self._remote, self.root)
+                _sync_keys(self.url, self._fs, self._remote, self._objects, self.root)
             while True:
                 duplicate = self.published().contains(source.keys_array())
                 if duplicate.any():
@@ -219,7 +226,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
                     break
                 with contextlib.suppress(Exception):  # lost the race: no entry names this upload, so nobody reads it
                     self._fs.rm(f"{self._remote}/segments/{source.segment_id}", recursive=True)
-                _sync_keys(self.url, self._fs, self._remote, self.root)
+                _sync_keys(self.url, self._fs, self._remote, self._objects, self.root)
             _keep_keys(self.root, source.segment_id, source.staging)
             self._log.keep(seq, canonical_json(entry))
             source.discard()
@@ -227,23 +234,28 @@ class RemoteEmbeddingStore(EmbeddingStore):
         return PublishResult(source.segment_id, source.captions, source.tokens, dropped)
 
     def _update_remote_root(self) -> None:
-        """List every published segment in the remote root, for plain zarr readers; repeated while others publish."""
+        """List every published segment in the remote root, for plain zarr readers: a compare-and-swap on the version
+        read, retried when another writer replaced it meanwhile (its list then holds what this one would write, or
+        this one adds to it), never a blind overwrite."""
         while True:
             with self._lock():
-                root_raw, segments = remote_store_segments(self.url, self._fs, self._remote, self.root)
-                seen = set(self._log.seen())
-            doc = json.loads(root_raw)
-            if doc["attributes"]["tcjepa"]["segments"] != segments:
-                doc["attributes"]["tcjepa"]["segments"] = segments
-                remote_call(
-                    self.url, self._fs.pipe_file, f"{self._remote}/zarr.json", json.dumps(doc, indent=2).encode()
-                )
-            if set(self._log.remote()) <= seen:
+                stored, segments = remote_store_segments(self._objects, self.root)
+            doc = json.loads(stored.data)
+            if doc["attributes"]["tcjepa"]["segments"] == segments:
+                return
+            doc["attributes"]["tcjepa"]["segments"] = segments
+            if self._objects.replace("zarr.json", json.dumps(doc, indent=2).encode(), stored.etag):
                 return
 
 
 def _create(
-    url: str, fs: Any, root: str, encoder: dict[str, Any], width: int, transform: StoreTransform | None
+    url: str,
+    fs: Any,
+    root: str,
+    objects: ObjectRoot,
+    encoder: dict[str, Any],
+    width: int,
+    transform: StoreTransform | None,
 ) -> None:
     """Create the remote root unless another writer did; refuse a prefix holding anything else.
 
@@ -252,7 +264,8 @@ def _create(
     fit is deterministic, so creators fitting on the same captions upload the same bytes.
     """
     # another creator may be done
-    others = [n for n in remote_names(fs, url, root) if n not in ("segments", LOG, "zarr.json", *ROOT_ARRAYS)]
+    known = ("segments", LOG, CONDENSED, "zarr.json", *ROOT_ARRAYS)
+    others = [n for n in remote_names(fs, url, root) if n not in known]
     if remote_call(url, fs.exists, f"{root}/zarr.json"):
         return
     if others or any(n != "zarr.json" for n in remote_names(fs, url, f"{root}/segments")):
@@ -269,7 +282,7 @@ def _create(
         # tells mirrors this store from one made later under the same URL
         doc["attributes"]["tcjepa"]["id"] = uuid.uuid4().hex
         remote_call(url, fs.pipe_file, f"{root}/segments/zarr.json", segments_group)
-        create_if_absent(fs, url, f"{root}/zarr.json", json.dumps(doc, indent=2).encode())
+        objects.create_or_read("zarr.json", json.dumps(doc, indent=2).encode())
 
 
 def _set_local_segments(local: Path, segments: list[str]) -> None:
@@ -289,13 +302,13 @@ def _keep_keys(local: Path, segment: str, source: Path) -> None:
     _set_local_segments(local, [*listed, segment])
 
 
-def _sync_keys(url: str, fs: Any, root: str, local: Path) -> None:
+def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -> None:
     """Fetch the attributes, keys and offsets of every remote segment the keys mirror lacks (call under
     `mirror_lock`); a segment that a mirror made before offsets were kept lacks only those, and gets them."""
-    root_raw, segments = remote_store_segments(url, fs, root, local)
-    remote_meta = json.loads(root_raw)["attributes"]["tcjepa"]
+    stored, segments = remote_store_segments(objects, local)
+    remote_meta = json.loads(stored.data)["attributes"]["tcjepa"]
     if not (local / "zarr.json").exists():  # new, or emptied because the remote was made anew
-        doc = json.loads(root_raw)
+        doc = json.loads(stored.data)
         doc["attributes"]["tcjepa"]["segments"] = []
         atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
     fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
@@ -327,11 +340,11 @@ def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path) -> None:
         fetch_tree(url, fs, f"{root}/{name}", local / name)
 
 
-def _keys_mirror(url: str, fs: Any, root: str, mirror: Path | None) -> Path:
+def _keys_mirror(url: str, fs: Any, root: str, objects: ObjectRoot, mirror: Path | None) -> Path:
     local = mirror_path(url, mirror, suffix="-keys")
     local.mkdir(parents=True, exist_ok=True)
     with mirror_lock(local):
-        _sync_keys(url, fs, root, local)
+        _sync_keys(url, fs, root, objects, local)
     return local
 
 
@@ -340,7 +353,7 @@ def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
     attributes, keys and offsets, never its tokens. Enough to find which segments hold given captions, and where,
     before fetching any."""
     fs, root = remote_root(url, "zarr.json", "an embedding store")
-    local = _keys_mirror(url, fs, root, mirror)
+    local = _keys_mirror(url, fs, root, ObjectRoot.of(url), mirror)
     logger.log(NODE, f"mirror: {url} -> {local}: keys of {len(EmbeddingStore(local).segment_ids())} segments")
     return local
 

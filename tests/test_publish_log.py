@@ -1,8 +1,10 @@
-"""The publish log (`pipeline.core.remote.PublishLog`): entries created only if absent, one winner per number, a
-retried PUT that finds its own entry counts as published, and the ways S3 reports a lost race.
+"""The publish log (`pipeline.core.remote.PublishLog`) over `pipeline.core.objects.ObjectRoot`: entries created only
+if absent, one winner per number, a retried PUT that finds its own entry counts as published, lost races told by the
+error's type alone, listings that start after the entries held, condensed blocks for new mirrors, and
+compare-and-swap.
 
-fsspec's in-memory file system has the conditional create the log relies on (`pipe_file(mode="create")` raises
-FileExistsError), so the protocol runs in process; one test runs it against an S3 server.
+obstore's in-memory store has the conditional puts S3, GCS and Azure have (create if absent, replace if the ETag
+still matches), so the protocol runs in process; one test runs it against an S3 server.
 """
 
 from __future__ import annotations
@@ -10,60 +12,45 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import botocore.exceptions
-import fsspec
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
-from s3fs.errors import translate_boto_error
+from obstore.exceptions import AlreadyExistsError, GenericError, PermissionDeniedError, PreconditionError
+from obstore.store import MemoryStore
 
 from pipeline.core.errors import UserError
+from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json
-from pipeline.core.remote import PublishLog
+from pipeline.core.remote import CONDENSED, LOG, PublishLog
 
 
 @pytest.fixture
-def remote() -> tuple[Any, str]:
-    """An in-memory file system and a root of its own (the memory store is shared by every instance)."""
-    fs = fsspec.filesystem("memory", skip_instance_cache=True)
-    root = f"/log-test-{uuid.uuid4().hex}"
-    yield fs, root
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
+def objects() -> ObjectRoot:
+    return ObjectRoot("memory://bucket/cache", MemoryStore())
 
 
-def _log(remote, local) -> PublishLog:
-    fs, root = remote
-    return PublishLog(f"memory://{root}", fs, root, local)
+def _entry(objects: ObjectRoot, seq: int) -> bytes:
+    stored = objects.read(f"{LOG}/{seq:012d}.json")
+    assert stored is not None
+    return stored.data
 
 
-def test_memory_file_systems_create_only_if_absent(remote):
-    """What the in-process tests stand on: the conditional create S3 offers."""
-    fs, root = remote
-    fs.pipe_file(f"{root}/x", b"first", mode="create")
-    with pytest.raises(FileExistsError):
-        fs.pipe_file(f"{root}/x", b"second", mode="create")
-    assert fs.cat_file(f"{root}/x") == b"first"
-
-
-def test_entries_are_numbered_in_order_and_read_back_by_another_host(remote, tmp_path):
-    a = _log(remote, tmp_path / "a")
+def test_entries_are_numbered_in_order_and_read_back_by_another_host(objects, tmp_path):
+    a = PublishLog(objects, tmp_path / "a")
     docs = [{"shard": f"s{i}", "rows": i} for i in range(3)]
     for i, doc in enumerate(docs):
         assert a.append(doc) == i
         a.keep(i, canonical_json(doc))
-    assert a.remote() == a.seen() == [0, 1, 2] and a.unseen() == []
+    assert a.seen() == [0, 1, 2] and a.unseen() == [] and a.unseen_numbers() == []
     assert a.entries() == docs
-    b = _log(remote, tmp_path / "b")
-    assert b.seen() == [] and b.entries() == []
+    b = PublishLog(objects, tmp_path / "b")
+    assert b.seen() == [] and b.entries() == [] and b.unseen_numbers() == [0, 1, 2]
     assert b.unseen() == [(i, canonical_json(doc)) for i, doc in enumerate(docs)], "oldest first, as written"
 
 
-def test_a_writer_that_lost_the_race_gets_none_and_wins_the_next_number(remote, tmp_path):
-    a, b = _log(remote, tmp_path / "a"), _log(remote, tmp_path / "b")
+def test_a_writer_that_lost_the_race_gets_none_and_wins_the_next_number(objects, tmp_path):
+    a, b = PublishLog(objects, tmp_path / "a"), PublishLog(objects, tmp_path / "b")
     assert a.append({"writer": "a"}) == 0
     assert b.append({"writer": "b"}) is None, "entry 0 is a's"
-    fs, root = remote
-    assert fs.cat_file(f"{root}/log/000000000000.json") == canonical_json({"writer": "a"}), "the winner's entry stays"
+    assert _entry(objects, 0) == canonical_json({"writer": "a"}), "the winner's entry stays"
     for seq, raw in b.unseen():  # b looks again, acts on what it missed, and retries
         b.keep(seq, raw)
     assert b.append({"writer": "b"}) == 1
@@ -71,107 +58,171 @@ def test_a_writer_that_lost_the_race_gets_none_and_wins_the_next_number(remote, 
     assert a.append({"writer": "a again"}) is None, "a has not kept entry 0's successor either"
 
 
-def test_a_retried_put_that_finds_its_own_entry_is_a_success(remote, tmp_path):
+def test_a_retried_put_that_finds_its_own_entry_is_a_success(objects, tmp_path):
     """The PUT landed but its response was lost: the retry finds the same bytes under its number."""
-    log = _log(remote, tmp_path / "a")
+    log = PublishLog(objects, tmp_path / "a")
     assert log.append({"mine": 1}) == 0
     assert log.append({"mine": 1}) == 0, "not kept yet, so the same number: found with the same bytes"
     assert log.append({"mine": 2}) is None, "other bytes under that number: someone else's"
-    assert log.remote() == [0]
+    assert objects.names(LOG) == ["000000000000.json"]
 
 
-def test_names_that_are_not_entries_are_ignored(remote, tmp_path):
-    fs, root = remote
-    for name in ("000000000005.json.part", "readme.txt", "7.json", "000000000003.JSON"):
-        fs.pipe_file(f"{root}/log/{name}", b"{}")
-    log = _log(remote, tmp_path / "a")
-    assert log.remote() == [] and log.unseen() == []
+def test_names_that_are_not_entries_are_ignored(objects, tmp_path):
+    for name in ("000000000005.json.part", "readme.txt", "7.json", "000000000003.JSON", "sub/000000000001.json"):
+        objects.create(f"{LOG}/{name}", b"{}")
+    log = PublishLog(objects, tmp_path / "a")
+    assert log.unseen_numbers() == [] and log.unseen() == []
     assert log.append({"first": True}) == 0
 
 
-class _RefusingOnce(MemoryFileSystem):
-    """A memory file system whose next conditional create fails with `error` (as s3fs raises it) before writing;
-    `winner` (bytes) is then written under that path, as by a writer whose PUT was in flight."""
+def test_a_sync_lists_only_after_the_entries_held_and_reads_only_new_ones(objects, tmp_path):
+    """The cost of looking again does not grow with the history: one listing that starts after the newest entry held
+    without a gap, and one read per new entry."""
+    writer = PublishLog(objects, tmp_path / "writer")
+    for i in range(2200):
+        objects.create(f"{LOG}/{i:012d}.json", canonical_json({"i": i}))
+    reader = PublishLog(objects, tmp_path / "reader")
+    reader.keep_all(reader.unseen())
+    assert reader.seen() == list(range(2200)) and reader.entries() == [{"i": i} for i in range(2200)]
+    assert len(list((tmp_path / "reader" / LOG).iterdir())) == 2 + 200, "two local blocks of 1,000, 200 copies"
+    assert writer.append({"i": "new"}) is None, "entry 0 is taken"
+    writer.keep_all(writer.unseen())
+    assert writer.append({"i": "new"}) == 2200
+    objects.requests.clear()
+    objects.bytes_read = 0
+    assert reader.unseen() == [(2200, canonical_json({"i": "new"}))]
+    assert objects.requests == {"list": 2, "get": 1}, "condensed blocks after 2199, then entries after it"
+    assert objects.bytes_read == len(canonical_json({"i": "new"}))
+    (tmp_path / "reader" / LOG / f"{2100:012d}.json").unlink()  # a hole in the copies: listed from there again
+    assert reader.unseen_numbers() == [2100, 2200]
 
-    error: Exception | None = None
-    winner: bytes | None = None
 
-    def pipe_file(self, path, value, mode="overwrite", **kwargs):
-        if mode == "create" and self.error is not None:
+def test_a_new_mirror_reads_condensed_blocks_and_the_entries_after_them(objects, tmp_path):
+    writers = [PublishLog(objects, tmp_path / f"w{k}", condense_every=4) for k in range(2)]
+    docs = []
+    for i in range(10):  # two writers taking turns, each looking again before it appends
+        log = writers[i % 2]
+        for seq, raw in log.unseen():
+            log.keep(seq, raw)
+        doc = {"writer": i % 2, "i": i}
+        seq = log.append(doc)
+        assert seq == i
+        log.keep(seq, canonical_json(doc))
+        docs.append(doc)
+    assert objects.names(CONDENSED) == ["000000000003.json", "000000000007.json"], "by whichever writer crossed"
+    fresh = PublishLog(objects, tmp_path / "fresh", condense_every=4)
+    objects.requests.clear()
+    got = fresh.unseen()
+    assert [seq for seq, _ in got] == list(range(10))
+    assert [raw for _, raw in got] == [canonical_json(d) for d in docs], "the same bytes as the entries"
+    assert objects.requests == {"list": 2, "get": 4}, "two blocks, then entries 8 and 9"
+
+
+def test_a_writer_that_lacks_a_copy_writes_no_block(objects, tmp_path):
+    """A block is written only from entries held here: a writer that would have to guess writes none (readers then
+    read the entries one by one)."""
+    a = PublishLog(objects, tmp_path / "a", condense_every=4)
+    for i in range(3):
+        objects.create(f"{LOG}/{i:012d}.json", canonical_json({"i": i}))
+    for seq, raw in a.unseen():
+        if seq != 1:
+            a.keep(seq, raw)
+    assert a.append({"i": 3}) == 3 and objects.names(CONDENSED) == []
+    assert [seq for seq, _ in PublishLog(objects, tmp_path / "b", condense_every=4).unseen()] == [0, 1, 2, 3]
+
+
+class _Refusing:
+    """An obstore store whose next put raises `error` (a typed obstore error with a message no server sends) before
+    writing; `winner` (bytes) is then written under that path, as by a writer whose PUT was in flight."""
+
+    def __init__(self, error: Exception, winner: bytes | None) -> None:
+        self.inner, self.error, self.winner = MemoryStore(), error, winner
+
+    def put(self, path: str, data: bytes, **kwargs: Any) -> Any:
+        if self.error is not None:
             error, self.error = self.error, None
             if self.winner is not None:
-                super().pipe_file(path, self.winner, mode="create")
+                self.inner.put(path, self.winner, mode="create")
             raise error
-        return super().pipe_file(path, value, mode=mode, **kwargs)
+        return self.inner.put(path, data, **kwargs)
+
+    def get(self, path: str) -> Any:
+        return self.inner.get(path)
+
+    def list(self, prefix: str, **kwargs: Any) -> Any:
+        return self.inner.list(prefix, **kwargs)
 
 
-def _s3_error(code: str, status: int, message: str, **extra: str) -> Exception:
-    """The exception s3fs raises for an S3 error response (its own translation of botocore's)."""
-    response = {"Error": {"Code": code, "Message": message, **extra}, "ResponseMetadata": {"HTTPStatusCode": status}}
-    return translate_boto_error(botocore.exceptions.ClientError(response, "PutObject"))
-
-
-PRECONDITION = "At least one of the pre-conditions you specified did not hold"
-CONFLICT = "A conflicting conditional operation is currently in progress against this resource. Try again."
+@pytest.mark.parametrize(
+    "error",
+    [AlreadyExistsError("the bucket says: no"), PreconditionError("¿condición? 200 OK")],
+    ids=["already-exists", "precondition"],
+)
+@pytest.mark.parametrize("winner_landed", [True, False], ids=["winner-there", "winner-in-flight"])
+def test_a_refused_conditional_put_is_a_lost_race_by_its_type_alone(tmp_path, error, winner_landed):
+    """Whatever the message says, the type decides: look again, then retry. When the winner's entry cannot be read
+    yet, that is a lost race too, not an error."""
+    store = _Refusing(error, canonical_json({"writer": "other"}) if winner_landed else None)
+    objects = ObjectRoot("memory://bucket/cache", store)
+    log = PublishLog(objects, tmp_path / "mirror")
+    assert log.append({"writer": "me"}) is None
+    assert log.unseen_numbers() == ([0] if winner_landed else [])
+    for seq, raw in log.unseen():
+        log.keep(seq, raw)
+    assert log.append({"writer": "me"}) == (1 if winner_landed else 0)
 
 
 @pytest.mark.parametrize(
     "error",
     [
-        _s3_error("PreconditionFailed", 412, PRECONDITION, Condition="If-None-Match"),  # s3fs: FileExistsError
-        _s3_error("PreconditionFailed", 412, PRECONDITION),  # s3fs: OSError(EINVAL)
-        _s3_error("ConditionalRequestConflict", 409, CONFLICT),  # s3fs: OSError(EIO) naming the code
+        PermissionDeniedError("409 ConditionalRequestConflict PreconditionFailed"),
+        GenericError("412 Precondition Failed: At least one of the pre-conditions you specified did not hold"),
     ],
-    ids=["412-if-none-match", "412", "409"],
+    ids=["denied-naming-409", "generic-naming-412"],
 )
-@pytest.mark.parametrize("winner_landed", [True, False], ids=["winner-there", "winner-in-flight"])
-def test_s3s_refusals_of_a_conditional_put_are_a_lost_race(tmp_path, error, winner_landed):
-    """412 (the entry exists) and 409 (another PUT of it is in progress) mean: look again, then retry. When the
-    winner's entry cannot be read yet, that is a lost race too, not an error."""
-    fs = _RefusingOnce(skip_instance_cache=True)
-    root = f"/log-test-{uuid.uuid4().hex}"
-    fs.error, fs.winner = error, canonical_json({"writer": "other"}) if winner_landed else None
-    log = PublishLog(f"memory://{root}", fs, root, tmp_path / "mirror")
-    try:
-        assert log.append({"writer": "me"}) is None
-        assert log.remote() == ([0] if winner_landed else [])
-        if winner_landed:
-            for seq, raw in log.unseen():
-                log.keep(seq, raw)
-        assert log.append({"writer": "me"}) == (1 if winner_landed else 0)
-    finally:
-        fs.rm(root, recursive=True)
-
-
-@pytest.mark.parametrize(
-    "error",
-    [_s3_error("AccessDenied", 403, "Access Denied"), _s3_error("NoSuchBucket", 404, "The bucket does not exist")],
-    ids=["403", "404"],
-)
-def test_other_failures_of_the_put_are_one_line_errors(tmp_path, error):
-    fs = _RefusingOnce(skip_instance_cache=True)
-    fs.error = error
-    log = PublishLog("memory://bucket/cache", fs, "/bucket/cache", tmp_path / "mirror")
+def test_other_failures_of_the_put_are_one_line_errors_whatever_they_say(tmp_path, error):
+    """No decision on an error's text: a failure that names 409 or 412 but is not typed as a refusal is an error."""
+    objects = ObjectRoot("memory://bucket/cache", _Refusing(error, None))
     with pytest.raises(UserError, match=r"^memory://bucket/cache: \w+Error: ") as caught:
-        log.append({"writer": "me"})
+        PublishLog(objects, tmp_path / "mirror").append({"writer": "me"})
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.s3
-def test_the_log_on_an_s3_server(tmp_path, s3_env):
-    """The same protocol against S3's own conditional put (moto): a lost race, a won retry, a retried PUT."""
-    import s3fs
+def test_replace_is_a_compare_and_swap(objects):
+    assert objects.create_or_read("root.json", b"v1") == b"v1"
+    assert objects.create_or_read("root.json", b"other") == b"v1", "the first writer's bytes"
+    first = objects.read("root.json")
+    assert first is not None and objects.replace("root.json", b"v2", first.etag)
+    assert not objects.replace("root.json", b"v3", first.etag), "changed since it was read"
+    assert not objects.replace("new.json", b"x", "stale-etag")
+    now = objects.read("root.json")
+    assert now is not None and now.data == b"v2" and now.etag != first.etag
+    assert objects.replace("new.json", b"x", None) and not objects.replace("new.json", b"y", None)
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+
+@pytest.mark.s3
+def test_the_log_and_compare_and_swap_on_an_s3_server(tmp_path, s3_env):
+    """The same protocol against S3's own conditional puts (moto), through `ObjectRoot.of` and the environment."""
+    import boto3
+
     bucket = f"log-{uuid.uuid4().hex[:12]}"
-    fs.mkdir(bucket)
-    a = PublishLog(f"s3://{bucket}/x", fs, f"{bucket}/x", tmp_path / "a")
-    b = PublishLog(f"s3://{bucket}/x", fs, f"{bucket}/x", tmp_path / "b")
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/x"
+    a, b = PublishLog(ObjectRoot.of(url), tmp_path / "a"), PublishLog(ObjectRoot.of(url), tmp_path / "b")
     assert a.append({"writer": "a"}) == 0
     assert b.append({"writer": "b"}) is None
     assert a.append({"writer": "a"}) == 0, "a retried PUT finds its own entry"
     for seq, raw in b.unseen():
         b.keep(seq, raw)
     assert b.append({"writer": "b"}) == 1
-    assert fs.cat_file(f"{bucket}/x/log/000000000000.json") == canonical_json({"writer": "a"})
+    assert boto3.client("s3").get_object(Bucket=bucket, Key="x/log/000000000000.json")["Body"].read() == (
+        canonical_json({"writer": "a"})
+    )
     assert [seq for seq, _ in a.unseen()] == [0, 1]
+    objects = ObjectRoot.of(url)
+    assert objects.create_or_read("zarr.json", b"v1") == b"v1"
+    first = objects.read("zarr.json")
+    assert first is not None and objects.replace("zarr.json", b"v2", first.etag)
+    assert not objects.replace("zarr.json", b"v3", first.etag)
+    with pytest.raises(UserError, match=r"^s3://no-such-bucket-here/x: "):
+        ObjectRoot.of("s3://no-such-bucket-here/x").create("a", b"1")

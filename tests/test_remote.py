@@ -357,6 +357,37 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, ann
     assert_same_embeddings(mirror_store(url, tmp_path / "reader"), annotated_store)
 
 
+def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, s3):
+    """The root's segment list is replaced only in the version it was read from: when another writer replaces the
+    root between this writer's read and its write (here with a stale list, as a blind writer would), the swap is
+    refused, the root read again, and the list written holds every published segment."""
+    from embedding_cache.remote_store import RemoteEmbeddingStore
+    from embedding_cache.store import TokenLayout
+    from pipeline.core.objects import ObjectRoot
+
+    url = f"s3://{BUCKET}/swapped-store"
+    store = RemoteEmbeddingStore.open_or_create(url, {"kind": "test-encoder"}, 4, tmp_path / "host")
+    objects, swaps = store._objects, []
+
+    class Interrupted(ObjectRoot):
+        def replace(self, name: str, data: bytes, etag: str | None) -> bool:
+            if not swaps:  # another writer lands first, with the list it read before anything was published
+                stale = json.loads(objects.read(name).data)
+                stale["attributes"]["tcjepa"]["segments"] = []
+                assert objects.replace(name, json.dumps(stale).encode(), objects.read(name).etag)
+            swaps.append(name)
+            return objects.replace(name, data, etag)
+
+    store._objects = Interrupted(url, objects.store)
+    writer = store.new_segment(TokenLayout(8, 2))
+    writer.append(bytes(range(32)), np.ones((2, 4), np.float16))
+    writer.finish()
+    result = store.publish(writer)
+    assert swaps == ["zarr.json", "zarr.json"], "refused once, then written on the version read again"
+    root = json.loads(s3[0].cat_file(f"{BUCKET}/swapped-store/zarr.json"))
+    assert root["attributes"]["tcjepa"]["segments"] == [result.segment]
+
+
 def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir):
     _, env = s3
     proc = tcjepa(

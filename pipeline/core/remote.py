@@ -9,16 +9,17 @@ published since. One process at a time updates a mirror (a file lock); a file ar
 a temporary name and is renamed when whole, and a shard or segment counts as mirrored only
 once all of it is there, so a killed mirror resumes.
 
-Writing. Object storage has no rename and no lock, but S3 has a conditional put: an object
-created only if absent. A writer uploads its shard or segment under a unique name, then
-creates the next entry of ``log/<seq>.json`` naming it; of two writers that race for one
-entry exactly one succeeds, and the other fetches what was published, drops its rows that
-are now there and tries the next entry. A shard or segment exists for readers once a log
-entry (or, for trees uploaded whole, a manifest or the store root's list) names it; an
-upload whose writer died before its entry is never read.
+Writing. Object storage has no rename and no lock, but it has a conditional put: an object
+created only if absent (`pipeline.core.objects`, typed outcomes). A writer uploads its shard
+or segment under a unique name, then creates the next entry of ``log/<seq>.json`` naming it;
+of two writers that race for one entry exactly one succeeds, and the other fetches what was
+published, drops its rows that are now there and tries the next entry. A shard or segment
+exists for readers once a log entry (or, for trees uploaded whole, a manifest or the store
+root's list) names it; an upload whose writer died before its entry is never read.
 
-Credentials and endpoints come from fsspec's usual configuration (for S3: the AWS
-environment variables, e.g. ``AWS_ENDPOINT_URL`` for an S3-compatible server).
+Credentials and endpoints come from each cloud's usual configuration (for S3: the AWS
+environment variables, e.g. ``AWS_ENDPOINT_URL`` for an S3-compatible server), read by
+fsspec for mirrors and by obstore for the log.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeGuard, TypeVar
 
@@ -36,12 +37,16 @@ from filelock import FileLock
 
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes, user_cache_dir
+from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json, sha256_file
 
 WRITABLE_PROTOCOLS = ("s3", "s3a")
 LOG = "log"
+CONDENSED = "log-condensed"
+CONDENSE_EVERY = 1000  # entries per condensed block: a new mirror of a 10^6-entry log reads 1,000 blocks
 MIRROR_LOCK = ".mirror.lock"
 _ENTRY = re.compile(r"^(\d{12})\.json$")
+_LOCAL_BLOCK = re.compile(r"^(\d{12})-(\d{12})\.json$")
 T = TypeVar("T")
 
 
@@ -56,13 +61,10 @@ def is_remote(location: str | Path | None) -> TypeGuard[str]:
 
 def remote_call(url: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`call(*args, **kwargs)`, one fsspec call; any failure of the remote side (credentials, network, permissions)
-    becomes one line.
-
-    FileExistsError passes through: it is how a conditional put that found the object reports.
-    """
+    becomes one line."""
     try:
         return call(*args, **kwargs)
-    except (UserError, DataProblem, FileExistsError):
+    except (UserError, DataProblem):
         raise
     except Exception as exc:  # s3fs, botocore and aiohttp raise many unrelated types
         raise remote_error(url, exc) from None
@@ -170,87 +172,169 @@ def plain_name(name: Any) -> bool:
 
 
 class PublishLog:
-    """``log/<seq>.json`` under a remote root; each entry is created only if absent, and a local copy is kept.
+    """``log/<seq>.json`` under a remote root, each entry created only if absent; a local copy of each entry acted on
+    is kept under the mirror's ``log/``.
 
-    The local copies (under the mirror's ``log/``) are the entries already acted on: the
-    next entry to try is one past the highest sequence number seen, here or remotely.
+    The next entry to try is one past the highest number held here. Reading new entries lists only the names after
+    the entries this mirror holds without a gap, so a sync costs the same however long the history. Every
+    `condense_every` entries, the writer of the last one also writes them as one ``log-condensed/<last>.json``
+    (created only if absent), and a new mirror reads those blocks instead of each entry: N / `condense_every`
+    objects, not N. The local copies are condensed the same way (``<first>-<last>.json``), so that the mirror's
+    ``log/`` holds N / `condense_every` files, not N.
     """
 
-    def __init__(self, url: str, fs: Any, root: str, local: Path) -> None:
-        self.url, self._fs, self._dir, self.local = url, fs, f"{root}/{LOG}", local / LOG
+    def __init__(self, objects: ObjectRoot, local: Path, condense_every: int = CONDENSE_EVERY) -> None:
+        self.objects, self.local, self.condense_every = objects, local / LOG, condense_every
 
     @staticmethod
-    def _numbers(names: Iterable[str]) -> list[int]:
-        return sorted(int(m.group(1)) for m in map(_ENTRY.match, names) if m)
+    def _number(name: str) -> int | None:
+        match = _ENTRY.match(name)
+        return int(match.group(1)) if match else None
 
-    def _name(self, seq: int) -> str:
+    @staticmethod
+    def _name(seq: int) -> str:
         return f"{seq:012d}.json"
 
-    def seen(self) -> list[int]:
-        return self._numbers(p.name for p in self.local.glob("*.json")) if self.local.is_dir() else []
+    def _held(self) -> list[tuple[int, int]]:
+        """The entries held here, as sorted (first, last) ranges: single copies and local blocks, one directory scan."""
+        if not self.local.is_dir():
+            return []
+        held = []
+        for entry in os.scandir(self.local):
+            if match := _ENTRY.match(entry.name):
+                held.append((int(match.group(1)),) * 2)
+            elif match := _LOCAL_BLOCK.match(entry.name):
+                held.append((int(match.group(1)), int(match.group(2))))
+        return sorted(held)
 
-    def remote(self) -> list[int]:
-        return self._numbers(remote_names(self._fs, self.url, self._dir))
+    def seen(self) -> list[int]:
+        """The numbers of the entries held here."""
+        return [seq for first, last in self._held() for seq in range(first, last + 1)]
+
+    @staticmethod
+    def _held_through(held: list[tuple[int, int]]) -> int:
+        """The highest number up to which every entry is held (-1 when entry 0 is not)."""
+        through = -1
+        for first, last in held:
+            if first > through + 1:
+                break
+            through = max(through, last)
+        return through
+
+    def _listed_after(self, prefix: str, after: int) -> list[int]:
+        names = self.objects.names(prefix, self._name(after) if after >= 0 else None)
+        return [seq for seq in map(self._number, names) if seq is not None]
+
+    def unseen_numbers(self) -> list[int]:
+        """Numbers of the remote entries not copied here (one listing, no entry read)."""
+        held = self._held()
+        after = self._held_through(held)
+        beyond = {seq for first, last in held if last > after for seq in range(first, last + 1)}
+        return [seq for seq in self._listed_after(LOG, after) if seq not in beyond]
 
     def unseen(self) -> list[tuple[int, bytes]]:
         """Remote entries not copied here yet, oldest first (raw bytes; `keep` them once acted on)."""
-        seen = set(self.seen())
-        out = []
-        for seq in self.remote():
-            if seq not in seen:
-                path = f"{self._dir}/{self._name(seq)}"
-                out.append((seq, remote_call(self.url, self._fs.cat_file, path)))
-        return out
+        held = self._held()
+        after = self._held_through(held)
+        beyond = {seq for first, last in held if last > after for seq in range(first, last + 1)}
+        found: dict[int, bytes] = {}
+        for last in self._listed_after(CONDENSED, after):
+            found.update((seq, raw) for seq, raw in self._remote_block(last) if seq > after and seq not in beyond)
+        for seq in self._listed_after(LOG, max([after, *found])):
+            if seq in beyond or seq in found:
+                continue
+            stored = self.objects.read(f"{LOG}/{self._name(seq)}")
+            if stored is None:
+                raise RemoteFileMissing(f"{self.objects.url}/{LOG}/{self._name(seq)}: listed but missing")
+            found[seq] = stored.data
+        return sorted(found.items())
+
+    def _remote_block(self, last: int) -> list[tuple[int, bytes]]:
+        name = f"{CONDENSED}/{self._name(last)}"
+        stored = self.objects.read(name)
+        if stored is None:
+            raise RemoteFileMissing(f"{self.objects.url}/{name}: listed but missing on the remote side")
+        return _block_entries(f"{self.objects.url}/{name}", stored.data)
 
     def keep(self, seq: int, raw: bytes) -> None:
+        """Copy entry `seq` here; when it is the last of a block whose copies are all here, they become one local
+        block."""
         self.local.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.local / self._name(seq), raw)
+        if (seq + 1) % self.condense_every:
+            return
+        first = seq + 1 - self.condense_every
+        copies = [self.local / self._name(n) for n in range(first, seq + 1)]
+        if all(path.exists() for path in copies):  # else a hole (kept out of order): the copies stay single
+            block = {"first": first, "entries": [path.read_text() for path in copies]}
+            atomic_write_bytes(self.local / f"{first:012d}-{seq:012d}.json", canonical_json(block))
+            for path in copies:
+                path.unlink()
+
+    def keep_all(self, entries: list[tuple[int, bytes]]) -> None:
+        """`keep` each of `entries` (as `unseen` returns them), a whole block in one local file: a new mirror of a
+        long log writes N / `condense_every` files, not N."""
+        given, size = dict(entries), self.condense_every
+        starts = {seq - seq % size for seq in given}
+        whole = {first for first in starts if all(n in given for n in range(first, first + size))}
+        for first in sorted(whole):
+            self.local.mkdir(parents=True, exist_ok=True)
+            block = {"first": first, "entries": [given[n].decode() for n in range(first, first + size)]}
+            atomic_write_bytes(self.local / f"{first:012d}-{first + size - 1:012d}.json", canonical_json(block))
+        for seq in sorted(given):
+            if seq - seq % size not in whole:
+                self.keep(seq, given[seq])
+
+    def _local_raw(self, held: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
+        for first, last in held:
+            if first == last and (self.local / self._name(first)).exists():
+                out.append((first, (self.local / self._name(first)).read_bytes()))
+            else:
+                path = self.local / f"{first:012d}-{last:012d}.json"
+                out.extend(_block_entries(str(path), path.read_bytes()))
+        return out
 
     def entries(self) -> list[dict[str, Any]]:
         """Every entry copied here, oldest first."""
-        return [
-            parse_json(f"{self._dir}/{self._name(s)}", (self.local / self._name(s)).read_bytes()) for s in self.seen()
-        ]
+        url = f"{self.objects.url}/{LOG}"
+        return [parse_json(f"{url}/{self._name(seq)}", raw) for seq, raw in self._local_raw(self._held())]
 
     def append(self, doc: dict[str, Any]) -> int | None:
         """Create the next entry; its number, or None when another writer published first (look again, then retry).
 
         The caller `keep`s the entry once what it names is in the mirror.
         """
-        seq = max([-1, *self.seen()]) + 1
-        path, raw = f"{self._dir}/{self._name(seq)}", canonical_json(doc)
-        try:
-            self._fs.pipe_file(path, raw, mode="create")
-        except Exception as exc:
-            if not _lost_a_race(exc):
-                raise remote_error(self.url, exc) from None
+        held = self._held()
+        seq = max([-1, *(last for _, last in held)]) + 1
+        name, raw = f"{LOG}/{self._name(seq)}", canonical_json(doc)
+        if not self.objects.create(name, raw):
             # A PUT retried after a lost response finds its own entry: that is a success, not a lost race.
-            try:
-                there = self._fs.cat_file(path)
-            except FileNotFoundError:  # a conflict reported while the winner's write was still landing
+            there = self.objects.read(name)
+            if there is None or there.data != raw:  # None: the winner's write is still landing
                 return None
-            except Exception as read_exc:
-                raise remote_error(self.url, read_exc) from None
-            return seq if there == raw else None
+        if (seq + 1) % self.condense_every == 0:
+            self._condense(held, seq, raw)
         return seq
 
+    def _condense(self, held: list[tuple[int, int]], last: int, raw: bytes) -> None:
+        """Write entries `last - condense_every + 1 ..= last` as one block, if every one of them is held here (a
+        block is an optimisation: readers read the entries one by one without it)."""
+        first = last - self.condense_every + 1
+        copies = dict(self._local_raw([(a, b) for a, b in held if b >= first]))
+        if not all(seq in copies for seq in range(first, last)):
+            return
+        entries = [copies[seq].decode() for seq in range(first, last)] + [raw.decode()]
+        self.objects.create(f"{CONDENSED}/{self._name(last)}", canonical_json({"first": first, "entries": entries}))
 
-def _lost_a_race(exc: Exception) -> bool:
-    """A conditional put refused because the object exists or is being written (S3: 412, or 409
-    ConditionalRequestConflict)."""
-    text = f"{type(exc).__name__} {exc}"
-    return isinstance(exc, FileExistsError) or any(
-        k in text for k in ("PreconditionFailed", "pre-conditions", "ConditionalRequestConflict", "409")
-    )
 
-
-def create_if_absent(fs: Any, url: str, path: str, data: bytes) -> bytes:
-    """Put `data` at `path` unless something is there already; returns what is there now."""
-    try:
-        remote_call(url, fs.pipe_file, path, data, mode="create")
-        return data
-    except FileExistsError:
-        return remote_call(url, fs.cat_file, path)
+def _block_entries(where: str, data: bytes) -> list[tuple[int, bytes]]:
+    """The numbered entries of a condensed block (remote or local)."""
+    doc = parse_json(where, data)
+    first, entries = doc.get("first"), doc.get("entries")
+    if not isinstance(first, int) or not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise DataProblem(f"{where}: not a condensed log block")
+    return [(first + i, entry.encode()) for i, entry in enumerate(entries)]
 
 
 def reset_if_rebuilt(local: Path, identity: bytes) -> None:
