@@ -40,3 +40,15 @@ def test_the_startup_benchmark_reports_the_keys_the_issue_names():
     )
     keys = {"captions", "segments", "index_build_s", "worker_open_s", "worker_rss_mb", "open_files"}
     assert keys <= set(result) and result["captions"] >= 200
+
+
+def test_the_publish_log_benchmark_counts_the_same_requests_at_both_sizes():
+    """What its closing-note figure rests on: per-commit requests on the simulated back-end, at two history sizes."""
+    result = _result("benchmarks.publish_log", *("--sizes", 10, 2100, "--commits", 3, "--others", 2))
+    assert result["benchmark"] == "publish_log" and [row["entries"] for row in result["per_size"]] == [10, 2100]
+    small, large = result["per_size"]
+    assert small["list_requests_per_commit"] == large["list_requests_per_commit"] == 2
+    assert small["gets_per_commit"] == large["gets_per_commit"] == 3, "2 new entries and the refused number"
+    assert large["old_protocol_list_requests_per_commit"] == 3 and large["new_mirror_gets"] == 2 + 100 + 3 * 3, (
+        "2 blocks, then 100 + 9 entries"
+    )
