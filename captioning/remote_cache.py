@@ -39,6 +39,7 @@ from captioning.cache import (
 )
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.garbage import GarbageReport, collect_garbage, is_claim
 from pipeline.core.logs import NODE
 from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json, recipe_hash
@@ -115,7 +116,7 @@ def _sync_cache_mirror(url: str, fs: Any, root: str, local: Path, objects: Objec
             fetched += 1
     for seq, raw, doc in entries:
         stem = str(doc.get("shard"))
-        if stem not in replaced and not (local / "manifests" / f"{stem}.json").exists():
+        if not is_claim(doc) and stem not in replaced and not (local / "manifests" / f"{stem}.json").exists():
             _fetch_cache_shard(fs, root, local, stem, f"{url}/{LOG}/{seq:012d}.json", doc)
             fetched += 1
         log.keep(seq, raw)
@@ -262,6 +263,22 @@ class RemoteCaptionCache(CaptionCache):
                 except Exception as exc:
                     raise remote_error(self.url, exc) from None
         return shard
+
+
+def collect_cache_garbage(url: str, grace_s: float, delete: bool) -> GarbageReport:
+    """`tcjepa cache gc`: the uploaded shard files of the cache at `url` that no log entry (or manifest) names."""
+    writable_filesystem(url, "cache gc")
+    objects = ObjectRoot.of(url)
+    if objects.read("CACHE.json") is None:
+        raise UserError(f"{url} is not a caption cache (no CACHE.json)")
+
+    def live_shards(entries: list[dict[str, Any]]) -> set[str]:
+        named = {str(e.get("shard")) for e in entries} | {n.removesuffix(".json") for n in objects.names("manifests")}
+        return named - {str(old) for e in entries for old in e.get("replaces", [])}
+
+    return collect_garbage(
+        objects, ["captions", "failures"], lambda name: Path(name).stem, live_shards, grace_s, delete
+    )
 
 
 def open_cache_for_writing(location: str | Path, mirror: Path | None = None) -> CaptionCache:

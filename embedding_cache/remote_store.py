@@ -36,6 +36,7 @@ from embedding_cache.store import STAGING, EmbeddingStore, PublishResult, Segmen
 from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, requested
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.garbage import GarbageReport, claimed, collect_garbage, is_claim
 from pipeline.core.logs import NODE
 from pipeline.core.objects import ObjectRoot, Stored
 from pipeline.core.recipes import canonical_json
@@ -83,11 +84,17 @@ def remote_store_segments(objects: ObjectRoot, local: Path) -> tuple[Stored, lis
     log = PublishLog(objects, local)
     new = log.unseen()
     for seq, raw in new:
-        if not plain_name(parse_json(f"{url}/{LOG}/{seq:012d}.json", raw).get("segment")):
+        doc = parse_json(f"{url}/{LOG}/{seq:012d}.json", raw)
+        if not is_claim(doc) and not plain_name(doc.get("segment")):
             raise DataProblem(f"{url}/{LOG}/{seq:012d}.json: not a segment entry")
     log.keep_all(new)
     listed = set(segments)
-    return stored, [*segments, *(s for s in (e["segment"] for e in log.entries()) if s not in listed)]
+    return stored, [*segments, *(s for s in published_segments(log.entries()) if s not in listed)]
+
+
+def published_segments(entries: list[dict[str, Any]]) -> list[str]:
+    """The segments that log entries publish, in order (gc claims publish none)."""
+    return [e["segment"] for e in entries if not is_claim(e)]
 
 
 def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | None = None) -> Path:
@@ -207,7 +214,7 @@ class RemoteEmbeddingStore(EmbeddingStore):
         source = writer
         with self._lock():
             # The next log entry detects any publication this mirror has not seen, so every entry seen must be in it.
-            if not {e["segment"] for e in self._log.entries()} <= set(self.segment_ids()):
+            if not set(published_segments(self._log.entries())) <= set(self.segment_ids()):
                 _sync_keys(self.url, self._fs, self._remote, self._objects, self.root)
             while True:
                 duplicate = self.published().contains(source.keys_array())
@@ -227,6 +234,12 @@ class RemoteEmbeddingStore(EmbeddingStore):
                 with contextlib.suppress(Exception):  # lost the race: no entry names this upload, so nobody reads it
                     self._fs.rm(f"{self._remote}/segments/{source.segment_id}", recursive=True)
                 _sync_keys(self.url, self._fs, self._remote, self._objects, self.root)
+                prefix = f"segments/{source.segment_id}/"
+                if any(name.startswith(prefix) for name in claimed(self._log.entries())):
+                    # a gc claimed this upload and may still be deleting it: upload the captions under a new name
+                    rest = source.without(np.zeros(source.captions, dtype=bool))
+                    source.discard()
+                    source = rest
             _keep_keys(self.root, source.segment_id, source.staging)
             self._log.keep(seq, canonical_json(entry))
             source.discard()
@@ -246,6 +259,21 @@ class RemoteEmbeddingStore(EmbeddingStore):
             doc["attributes"]["tcjepa"]["segments"] = segments
             if self._objects.replace("zarr.json", json.dumps(doc, indent=2).encode(), stored.etag):
                 return
+
+
+def collect_store_garbage(url: str, grace_s: float, delete: bool) -> GarbageReport:
+    """`tcjepa store gc`: the uploaded segment files of the store at `url` that neither its root nor its log names."""
+    writable_filesystem(url, "store gc")
+    objects = ObjectRoot.of(url)
+
+    def live_segments(entries: list[dict[str, Any]]) -> set[str]:
+        stored = objects.read("zarr.json")
+        if stored is None:
+            raise UserError(f"{url} is not an embedding store (no zarr.json)")
+        listed = parse_json(f"{url}/zarr.json", stored.data).get("attributes", {}).get("tcjepa", {}).get("segments")
+        return {"zarr.json", *(listed or []), *published_segments(entries)}
+
+    return collect_garbage(objects, ["segments"], lambda name: name.split("/")[1], live_segments, grace_s, delete)
 
 
 def _create(

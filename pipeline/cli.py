@@ -16,6 +16,8 @@ from typing import Annotated, Any, TypeVar, cast
 import typer
 
 from evaluation.protocol import HELP as EVAL_PROTOCOL
+from pipeline.cli_cache_store import cache_app, store_app
+from pipeline.cli_options import Executor, Mirror, Progress, RayActors, RayAddress
 from pipeline.core import logs
 from pipeline.core.errors import STOPPED_STATUS, DataProblem, Stopped, UserError, os_error_line
 from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_TRAINING
@@ -28,32 +30,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-cache_app = typer.Typer(help="Inspect a caption cache.", no_args_is_help=True)
-store_app = typer.Typer(help="Inspect an embedding store.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 app.add_typer(store_app, name="store")
-
-# Options several commands share.
-CacheDir = Annotated[
-    str, typer.Argument(help="Caption cache: a directory, or an fsspec URL (s3://...: mirrored locally first).")
-]
-Mirror = Annotated[
-    Path | None, typer.Option(help="Local mirror directory of s3:// (fsspec) URLs (default: ~/.cache/tcjepa/mirror).")
-]
-Executor = Annotated[
-    str, typer.Option(help="local (this process) or ray (Ray Data, a model actor per GPU; see docs/cluster.md).")
-]
-RayAddress = Annotated[
-    str | None,
-    typer.Option(help="With --executor ray: the cluster to join (default: RAY_ADDRESS, else a local instance)."),
-]
-RayActors = Annotated[
-    int | None,
-    typer.Option(
-        help="With --executor ray: model actors (default: one per GPU, or per tensor_parallel_size GPUs; else 1)."
-    ),
-]
-Progress = Annotated[bool, typer.Option(help="Show a progress bar.")]
 
 
 def check_executor(name: str) -> str:
@@ -207,77 +185,6 @@ def caption(
     )
     give_this_process_to_the_engine()
     typer.echo(run_caption(cfg).summary(dry_run))
-
-
-@cache_app.command("info")
-def cache_info(
-    cache: CacheDir,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
-    mirror: Mirror = None,
-) -> None:
-    """Images, captions, recipes (hash, name, counts), shards and failures of a cache."""
-    from dataclasses import asdict
-
-    from captioning.cache import CaptionCache
-    from captioning.remote_cache import local_cache
-
-    info = CaptionCache(local_cache(cache, mirror)).info()
-    typer.echo(json.dumps(asdict(info)) if as_json else info.summary(cache))
-
-
-@cache_app.command("compact")
-def cache_compact(
-    cache: CacheDir,
-    target_mb: Annotated[float, typer.Option(help="Merge small shards into shards of about this many MiB.")] = 256.0,
-    mirror: Mirror = None,
-    progress: Progress = True,
-) -> None:
-    """Merge small shards into few large ones; readers see every row once throughout, and a kill is safe (rerun)."""
-    from captioning.compact import compact_cache
-
-    typer.echo(compact_cache(cache, target_mb, mirror, progress).summary())
-
-
-@cache_app.command("verify")
-def cache_verify(cache: CacheDir, progress: Progress = True) -> None:
-    """Check manifests, per-shard sha256, schema, recipes and caption-key uniqueness; exit 1 with the first problem."""
-    from captioning.verify import verify_cache
-
-    typer.echo(verify_cache(cache, progress=progress).summary())
-
-
-@store_app.command("info")
-def store_info(
-    store: Annotated[Path, typer.Argument(help="Embedding store directory.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a line.")] = False,
-) -> None:
-    """Encoder recipe, codec, projection, bytes per token, segments, captions and tokens of an embedding store."""
-    from dataclasses import asdict
-
-    from embedding_cache.store import EmbeddingStore
-
-    info = EmbeddingStore(store).info()
-    typer.echo(json.dumps(asdict(info)) if as_json else info.summary())
-
-
-@store_app.command("verify")
-def store_verify(
-    store: Annotated[str, typer.Argument(help="Embedding store: a directory, or an fsspec URL (mirrored locally).")],
-    deep: Annotated[bool, typer.Option(help="Also re-encode a sample of captions to compare (needs --cache).")] = False,
-    cache: Annotated[Path | None, typer.Option(help="--deep: the caption cache the store was embedded from.")] = None,
-    model: Annotated[str | None, typer.Option(help="--deep: the T5 encoder (default: the recorded hub id).")] = None,
-    sample: Annotated[int, typer.Option(help="--deep: captions to re-encode.")] = 64,
-    seed: Annotated[int, typer.Option(help="--deep: seed of the sample.")] = 0,
-    device: Annotated[str, typer.Option(help="--deep: device for the encoder (auto, cpu, cuda, cuda:N).")] = "auto",
-    progress: Progress = True,
-) -> None:
-    """Check segments, offsets, recorded sha256, finiteness and key uniqueness; exit 1 with the first problem."""
-    from embedding_cache.verify import verify_store
-
-    report = verify_store(
-        store, deep=deep, cache=cache, model=model, sample=sample, seed=seed, device=device, progress=progress
-    )
-    typer.echo(report.summary())
 
 
 @app.command()

@@ -34,6 +34,15 @@ class Stored:
     etag: str | None
 
 
+@dataclass(frozen=True, order=True)
+class Listed:
+    """One listed object: its name under the root, its size, and when it was last written (seconds since the epoch)."""
+
+    name: str
+    size: int
+    modified: float
+
+
 class ObjectRoot:
     """The objects under one URL (`store` is an obstore store rooted there): create if absent, replace if unchanged,
     read, and list after a name. `requests` counts the requests made, by kind, and `bytes_read` what they read."""
@@ -122,6 +131,17 @@ class ObjectRoot:
             raise self._error(exc) from None
         self.requests["list"] += max(1, -(-len(paths) // LIST_PAGE))
         return [path[len(prefix) + 1 :] for path in paths]
+
+    def listing(self, prefix: str) -> list[Listed]:
+        """Every object under `prefix/` (at any depth): its name relative to the root, size and last modification."""
+        try:
+            metas = [meta for page in self.store.list(f"{prefix}/") for meta in page]
+        except FileNotFoundError:
+            metas = []
+        except Exception as exc:
+            raise self._error(exc) from None
+        self.requests["list"] += max(1, -(-len(metas) // LIST_PAGE))
+        return sorted(Listed(m["path"], int(m["size"]), m["last_modified"].timestamp()) for m in metas)
 
     def delete(self, name: str) -> None:
         """Remove the object at `name` (nothing when there is none)."""
