@@ -140,12 +140,12 @@ def test_batch_buffers_are_reused_once_released_and_never_while_out():
     buffers = BatchBuffers(capacity=256, keep=2)
     a, lease_a = buffers.take()
     b, lease_b = buffers.take()
-    assert a.data_ptr() != b.data_ptr() and int(lease_a[0]) == int(lease_b[0]) == 1
+    assert a.data_ptr() != b.data_ptr() and (int(lease_a[0]), int(lease_b[0])) == (1, 2), "each take's number"
     c, _ = buffers.take()  # both out, the pool full: a fresh buffer that is not kept
     assert c.data_ptr() not in (a.data_ptr(), b.data_ptr()) and len(buffers.pool) == 2
     lease_b.zero_()  # what Batch.release does
     again, lease = buffers.take()
-    assert again.data_ptr() == b.data_ptr() and int(lease[0]) == 1
+    assert again.data_ptr() == b.data_ptr() and int(lease[0]) == 4
 
 
 # --- --verify-images and --decode gpu, through the CLI ----------------------------------------------------------

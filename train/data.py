@@ -181,17 +181,18 @@ class BatchBuffers:
 
     Fresh shared memory costs, on every batch, its page faults and one file descriptor per tensor passed to the main
     process: at t5-large width more than copying the tokens themselves. Each buffer starts with a lease word, set
-    when the buffer leaves in a batch and cleared by `Batch.release`. At most `keep` buffers are kept; when all are
-    out, a batch gets a fresh one that is not kept.
+    when the buffer leaves in a batch (to the number of that take, from 1) and cleared by `Batch.release`. At most
+    `keep` buffers are kept; when all are out, a batch gets a fresh one that is not kept.
     """
 
     def __init__(self, capacity: int, keep: int = 6) -> None:
         self.capacity = capacity
         self.keep = keep
         self.pool: list[torch.Tensor] = []  # uint8 [LEASE_BYTES + capacity], shared
+        self.taken = 0
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a free buffer's `capacity` bytes, its lease word, now set)."""
+        """(a free buffer's `capacity` bytes, its lease word, now set to this take's number)."""
         for buffer in self.pool:
             lease = buffer[:8].view(torch.int64)
             if int(lease[0]) == 0:
@@ -201,7 +202,8 @@ class BatchBuffers:
             if len(self.pool) < self.keep:
                 self.pool.append(buffer)
             lease = buffer[:8].view(torch.int64)
-        lease.fill_(1)
+        self.taken += 1
+        lease.fill_(self.taken)
         return buffer[LEASE_BYTES:], lease
 
 
