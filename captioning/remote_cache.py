@@ -1,4 +1,4 @@
-"""A caption cache on object storage: read through a local mirror (any fsspec URL), written by several hosts (s3://).
+"""A caption cache on object storage: read through a local mirror (s3, gs, az, https), written by several hosts (s3).
 
 Reading. `local_cache` is the one place a cache location becomes a local directory: a
 path is used as it is; a URL is mirrored (``pipeline.core.remote``): each shard's files

@@ -1,4 +1,4 @@
-"""An embedding store on object storage: read through a local mirror (any fsspec URL), appended to by several hosts (s3://).
+"""An embedding store on object storage: read through a local mirror (s3, gs, az, https), appended to by hosts (s3).
 
 Reading. `local_store` is the one place a store location becomes a local directory: a
 path is used as it is; a URL is mirrored: each published segment (or only those a run
@@ -88,8 +88,7 @@ def remote_store_segments(objects: ObjectRoot, local: Path) -> tuple[Stored, lis
         if not is_claim(doc) and not plain_name(doc.get("segment")):
             raise DataProblem(f"{url}/{LOG}/{seq:012d}.json: not a segment entry")
     log.keep_all(new)
-    listed = set(segments)
-    return stored, [*segments, *(s for s in published_segments(log.entries()) if s not in listed)]
+    return stored, list(dict.fromkeys([*segments, *published_segments(log.entries())]))
 
 
 def published_segments(entries: list[dict[str, Any]]) -> list[str]:
@@ -377,7 +376,7 @@ def _keys_mirror(url: str, fs: Any, root: str, objects: ObjectRoot, mirror: Path
 
 
 def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
-    """The keys mirror of the store at `url` (any fsspec URL), brought up to date: the root and each segment's
+    """The keys mirror of the store at `url` (a URL obstore opens), brought up to date: the root and each segment's
     attributes, keys and offsets, never its tokens. Enough to find which segments hold given captions, and where,
     before fetching any."""
     fs, root = remote_root(url, "zarr.json", "an embedding store")

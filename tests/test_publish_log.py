@@ -226,3 +226,44 @@ def test_the_log_and_compare_and_swap_on_an_s3_server(tmp_path, s3_env):
     assert not objects.replace("zarr.json", b"v3", first.etag)
     with pytest.raises(UserError, match=r"^s3://no-such-bucket-here/x: "):
         ObjectRoot.of("s3://no-such-bucket-here/x").create("a", b"1")
+
+
+def test_a_missing_block_does_not_hide_the_entries_before_the_next_one(objects, tmp_path):
+    """The writer of a block's last entry died before writing the block: a new mirror reads that stretch entry by
+    entry, and still gets every entry in one sync (a gc reads once: an entry it missed would be deleted data)."""
+    log = PublishLog(objects, tmp_path / "writer", condense_every=4)
+    for i in range(12):
+        assert log.append({"i": i}) == i
+        log.keep(i, canonical_json({"i": i}))
+    assert objects.names(CONDENSED) == ["000000000003.json", "000000000007.json", "000000000011.json"]
+    objects.delete(f"{CONDENSED}/000000000003.json")
+    fresh = PublishLog(objects, tmp_path / "fresh", condense_every=4)
+    assert [seq for seq, _ in fresh.unseen()] == list(range(12))
+
+
+def test_a_copy_left_beside_its_local_block_is_held_once(objects, tmp_path):
+    """A process killed while condensing its copies leaves single copies beside the block: they count once."""
+    log = PublishLog(objects, tmp_path / "mirror", condense_every=4)
+    for i in range(4):
+        log.keep(i, canonical_json({"i": i}))
+    assert sorted(p.name for p in (tmp_path / "mirror" / LOG).iterdir()) == ["000000000000-000000000003.json"]
+    (tmp_path / "mirror" / LOG / "000000000002.json").write_bytes(canonical_json({"i": 2}))
+    assert log.seen() == [0, 1, 2, 3] and log.entries() == [{"i": i} for i in range(4)]
+
+
+class _NoBlocks(_Refusing):
+    """A store that refuses to write condensed blocks (a failure on the way)."""
+
+    def put(self, path: str, data: bytes, **kwargs: Any) -> Any:
+        if path.startswith(CONDENSED):
+            raise GenericError("the network went away")
+        return self.inner.put(path, data, **kwargs)
+
+
+def test_an_entry_whose_block_cannot_be_written_is_still_published(tmp_path):
+    objects = ObjectRoot("memory://bucket/cache", _NoBlocks(None, None))  # type: ignore[arg-type]
+    log = PublishLog(objects, tmp_path / "mirror", condense_every=2)
+    assert log.append({"i": 0}) == 0
+    log.keep(0, canonical_json({"i": 0}))
+    assert log.append({"i": 1}) == 1, "published; only its block is missing"
+    assert objects.names(CONDENSED) == []

@@ -6,7 +6,10 @@ ones safe to delete is the log itself. Before deleting, gc publishes a claim, th
 it will delete; it computed that list from the whole log as it was just before the claim's number, and the claim is
 created only if that number is still free. A writer that uploaded an object of the list can publish only after
 taking a later number, so it has first read the claim, and uploads its rows again under a new name (as after any lost
-race). Nothing a writer publishes is lost, whatever the grace; a paused writer only redoes its upload.
+race). Nothing a writer publishes through the log is lost, whatever the grace; a paused writer only redoes its upload.
+A tree uploaded whole (`aws s3 sync` of a local cache or store: its manifests or root list written last, no log
+entry) cannot read a claim: gc looks at the manifests and the root list again after its claim and spares what they
+name by then, but such an upload must finish within the grace.
 """
 
 from __future__ import annotations
@@ -91,7 +94,10 @@ def collect_garbage(
             claim = {CLAIM: [o.name for o in old], "grace_s": grace_s, "by": f"{socket.gethostname()}:{os.getpid()}"}
             if log.append(claim) is not None:
                 break  # else a writer published meanwhile: look again
-    for listed in old:
+        # A tree uploaded whole (its manifest or root list written last, no log entry) may have named one since.
+        live = live_owners([e for e in log.entries() if not is_claim(e)])
+    doomed = [o for o in old if owner(o.name) not in live]
+    for listed in doomed:
         objects.delete(listed.name)
-    report.deleted, report.dry_run = len(old), False
+    report.deleted, report.dry_run = len(doomed), False
     return report

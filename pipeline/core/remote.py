@@ -24,8 +24,10 @@ fsspec for mirrors and by obstore for the log.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,6 +42,7 @@ from pipeline.core.fsutil import atomic_write_bytes, user_cache_dir
 from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json, sha256_file
 
+logger = logging.getLogger(__name__)
 WRITABLE_PROTOCOLS = ("s3", "s3a")
 LOG = "log"
 CONDENSED = "log-condensed"
@@ -199,13 +202,20 @@ class PublishLog:
         """The entries held here, as sorted (first, last) ranges: single copies and local blocks, one directory scan."""
         if not self.local.is_dir():
             return []
-        held = []
+        singles, blocks = [], []
         for entry in os.scandir(self.local):
             if match := _ENTRY.match(entry.name):
-                held.append((int(match.group(1)),) * 2)
+                singles.append(int(match.group(1)))
             elif match := _LOCAL_BLOCK.match(entry.name):
-                held.append((int(match.group(1)), int(match.group(2))))
-        return sorted(held)
+                blocks.append((int(match.group(1)), int(match.group(2))))
+        blocks.sort()
+        starts = [first for first, _ in blocks]
+
+        def in_a_block(seq: int) -> bool:  # a copy left by a process killed while condensing: the block has it
+            k = bisect.bisect_right(starts, seq) - 1
+            return k >= 0 and seq <= blocks[k][1]
+
+        return sorted([*blocks, *((seq, seq) for seq in singles if not in_a_block(seq))])
 
     def seen(self) -> list[int]:
         """The numbers of the entries held here."""
@@ -238,9 +248,14 @@ class PublishLog:
         after = self._held_through(held)
         beyond = {seq for first, last in held if last > after for seq in range(first, last + 1)}
         found: dict[int, bytes] = {}
+        cursor = after  # every entry up to here is held or found
         for last in self._listed_after(CONDENSED, after):
-            found.update((seq, raw) for seq, raw in self._remote_block(last) if seq > after and seq not in beyond)
-        for seq in self._listed_after(LOG, max([after, *found])):
+            block = self._remote_block(last)
+            if not block or block[0][0] > cursor + 1:
+                break  # a block is missing before this one (its writer died): read the entries from `cursor` on
+            found.update((seq, raw) for seq, raw in block if seq > after and seq not in beyond)
+            cursor = max(cursor, block[-1][0])
+        for seq in self._listed_after(LOG, cursor):
             if seq in beyond or seq in found:
                 continue
             stored = self.objects.read(f"{LOG}/{self._name(seq)}")
@@ -325,7 +340,10 @@ class PublishLog:
         if not all(seq in copies for seq in range(first, last)):
             return
         entries = [copies[seq].decode() for seq in range(first, last)] + [raw.decode()]
-        self.objects.create(f"{CONDENSED}/{self._name(last)}", canonical_json({"first": first, "entries": entries}))
+        try:
+            self.objects.create(f"{CONDENSED}/{self._name(last)}", canonical_json({"first": first, "entries": entries}))
+        except UserError as exc:  # the entry is published; without its block, readers read the entries one by one
+            logger.warning(f"{exc} (the log's condensed block {last} is not written; nothing is lost)")
 
 
 def _block_entries(where: str, data: bytes) -> list[tuple[int, bytes]]:
