@@ -59,6 +59,32 @@ def test_grace_periods_are_read_in_hours_minutes_or_seconds():
             parse_grace(bad)
 
 
+def test_gc_spares_what_a_tree_upload_named_between_its_look_and_its_claim(tmp_path):
+    """In process, on obstore's in-memory store: two unpublished uploads are found; by the time gc has claimed them,
+    a manifest (a tree uploaded whole, which reads no log) names one of them: only the other is deleted, and the
+    report counts what was freed, not what was found."""
+    from obstore.store import MemoryStore
+
+    from pipeline.core.garbage import collect_garbage
+    from pipeline.core.objects import ObjectRoot
+
+    objects = ObjectRoot("memory://bucket/cache", MemoryStore())
+    objects.create("captions/a.parquet", b"a" * 300)
+    objects.create("captions/b.parquet", b"b" * 700)
+    looks = []
+
+    def live(entries):
+        looks.append(len(entries))
+        return set() if len(looks) == 1 else {"b"}  # b's manifest lands after the first look
+
+    report = collect_garbage(objects, ["captions"], lambda name: name.split("/")[1].split(".")[0], live, 0.0, True)
+    assert (report.found, report.found_bytes, report.deleted, report.freed_bytes) == (2, 1000, 1, 300)
+    assert objects.names("captions") == ["b.parquet"] and len(looks) == 2
+    assert [json.loads(objects.read(f"log/{n}").data)[CLAIM] for n in objects.names("log")] == [
+        ["captions/a.parquet", "captions/b.parquet"]
+    ]
+
+
 def test_cache_gc_reports_spares_the_young_and_deletes_only_when_told(tmp_path, bucket):
     from captioning.remote_cache import RemoteCaptionCache
 

@@ -135,7 +135,7 @@ class _Refusing:
     """An obstore store whose next put raises `error` (a typed obstore error with a message no server sends) before
     writing; `winner` (bytes) is then written under that path, as by a writer whose PUT was in flight."""
 
-    def __init__(self, error: Exception, winner: bytes | None) -> None:
+    def __init__(self, error: Exception | None, winner: bytes | None) -> None:
         self.inner, self.error, self.winner = MemoryStore(), error, winner
 
     def put(self, path: str, data: bytes, **kwargs: Any) -> Any:
@@ -261,7 +261,7 @@ class _NoBlocks(_Refusing):
 
 
 def test_an_entry_whose_block_cannot_be_written_is_still_published(tmp_path):
-    objects = ObjectRoot("memory://bucket/cache", _NoBlocks(None, None))  # type: ignore[arg-type]
+    objects = ObjectRoot("memory://bucket/cache", _NoBlocks(None, None))
     log = PublishLog(objects, tmp_path / "mirror", condense_every=2)
     assert log.append({"i": 0}) == 0
     log.keep(0, canonical_json({"i": 0}))

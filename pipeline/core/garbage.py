@@ -37,6 +37,7 @@ class GarbageReport:
     found_bytes: int
     young: int
     deleted: int
+    freed_bytes: int
     dry_run: bool
 
     def summary(self) -> str:
@@ -44,7 +45,7 @@ class GarbageReport:
         young = f"; {self.young} younger kept" if self.young else ""
         if self.dry_run:
             return f"{found}{young}; dry run, nothing deleted (--delete to free them)"
-        return f"{found}{young}; deleted {self.deleted}, freed {self.found_bytes / 2**20:.1f} MiB"
+        return f"{found}{young}; deleted {self.deleted}, freed {self.freed_bytes / 2**20:.1f} MiB"
 
 
 def parse_grace(text: str) -> float:
@@ -88,7 +89,7 @@ def collect_garbage(
             now = time.time()
             unnamed: list[Listed] = [o for p in prefixes for o in objects.listing(p) if owner(o.name) not in live]
             old = [o for o in unnamed if now - o.modified >= grace_s]
-            report = GarbageReport(objects.url, len(old), sum(o.size for o in old), len(unnamed) - len(old), 0, True)
+            report = GarbageReport(objects.url, len(old), sum(o.size for o in old), len(unnamed) - len(old), 0, 0, True)
             if not delete or not old:
                 return report
             claim = {CLAIM: [o.name for o in old], "grace_s": grace_s, "by": f"{socket.gethostname()}:{os.getpid()}"}
@@ -99,5 +100,5 @@ def collect_garbage(
     doomed = [o for o in old if owner(o.name) not in live]
     for listed in doomed:
         objects.delete(listed.name)
-    report.deleted, report.dry_run = len(doomed), False
+    report.deleted, report.freed_bytes, report.dry_run = len(doomed), sum(o.size for o in doomed), False
     return report

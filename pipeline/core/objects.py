@@ -4,7 +4,8 @@ S3, GCS and Azure each offer a put that creates an object only if none is there,
 if it still has the ETag it was read with (compare-and-swap). obstore gives both on every back-end, with typed errors
 (`AlreadyExistsError`, `PreconditionError`), and lists keys after a given one (S3's `start-after`), so that reading a
 log's new entries costs the same however long its history. The publication layer (`pipeline.core.remote`) decides on
-those types alone; reading mirrors stays on fsspec, as `datasets` needs it.
+those types alone, and reads the log through it; the files of shards and segments are still uploaded and fetched
+through fsspec, which `datasets` needs too.
 
 Credentials and endpoints come from each cloud's environment variables (obstore's `from_url`): for S3 the AWS ones,
 e.g. `AWS_ENDPOINT_URL` for an S3-compatible server (an http:// endpoint is allowed); for GCS
@@ -34,7 +35,7 @@ class Stored:
     etag: str | None
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Listed:
     """One listed object: its name under the root, its size, and when it was last written (seconds since the epoch)."""
 
@@ -122,26 +123,23 @@ class ObjectRoot:
     def names(self, prefix: str, after: str | None = None) -> list[str]:
         """The names under `prefix/` (at any depth, relative to it) that sort after `after`, in order."""
         offset = f"{prefix}/{after}" if after is not None else None
-        try:
-            pages = self.store.list(f"{prefix}/", offset=offset) if offset else self.store.list(f"{prefix}/")
-            paths = sorted(meta["path"] for page in pages for meta in page)
-        except FileNotFoundError:
-            paths = []
-        except Exception as exc:
-            raise self._error(exc) from None
-        self.requests["list"] += max(1, -(-len(paths) // LIST_PAGE))
-        return [path[len(prefix) + 1 :] for path in paths]
+        return [meta["path"][len(prefix) + 1 :] for meta in self._list(prefix, offset)]
 
     def listing(self, prefix: str) -> list[Listed]:
         """Every object under `prefix/` (at any depth): its name relative to the root, size and last modification."""
+        return [Listed(m["path"], int(m["size"]), m["last_modified"].timestamp()) for m in self._list(prefix, None)]
+
+    def _list(self, prefix: str, offset: str | None) -> list[dict[str, Any]]:
+        """The listed objects' metadata, sorted by path; one request counted per page."""
         try:
-            metas = [meta for page in self.store.list(f"{prefix}/") for meta in page]
+            pages = self.store.list(f"{prefix}/", offset=offset) if offset else self.store.list(f"{prefix}/")
+            metas = sorted((meta for page in pages for meta in page), key=lambda meta: meta["path"])
         except FileNotFoundError:
             metas = []
         except Exception as exc:
             raise self._error(exc) from None
         self.requests["list"] += max(1, -(-len(metas) // LIST_PAGE))
-        return sorted(Listed(m["path"], int(m["size"]), m["last_modified"].timestamp()) for m in metas)
+        return metas
 
     def delete(self, name: str) -> None:
         """Remove the object at `name` (nothing when there is none)."""

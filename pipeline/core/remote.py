@@ -235,18 +235,20 @@ class PublishLog:
         names = self.objects.names(prefix, self._name(after) if after >= 0 else None)
         return [seq for seq in map(self._number, names) if seq is not None]
 
-    def unseen_numbers(self) -> list[int]:
-        """Numbers of the remote entries not copied here (one listing, no entry read)."""
+    def _position(self) -> tuple[int, set[int]]:
+        """(the number up to which every entry is held here, or -1; the numbers held beyond it, after a hole)."""
         held = self._held()
         after = self._held_through(held)
-        beyond = {seq for first, last in held if last > after for seq in range(first, last + 1)}
+        return after, {seq for first, last in held if last > after for seq in range(first, last + 1)}
+
+    def unseen_numbers(self) -> list[int]:
+        """Numbers of the remote entries not copied here (one listing, no entry read)."""
+        after, beyond = self._position()
         return [seq for seq in self._listed_after(LOG, after) if seq not in beyond]
 
     def unseen(self) -> list[tuple[int, bytes]]:
         """Remote entries not copied here yet, oldest first (raw bytes; `keep` them once acted on)."""
-        held = self._held()
-        after = self._held_through(held)
-        beyond = {seq for first, last in held if last > after for seq in range(first, last + 1)}
+        after, beyond = self._position()
         found: dict[int, bytes] = {}
         cursor = after  # every entry up to here is held or found
         for last in self._listed_after(CONDENSED, after):
@@ -281,8 +283,7 @@ class PublishLog:
         first = seq + 1 - self.condense_every
         copies = [self.local / self._name(n) for n in range(first, seq + 1)]
         if all(path.exists() for path in copies):  # else a hole (kept out of order): the copies stay single
-            block = {"first": first, "entries": [path.read_text() for path in copies]}
-            atomic_write_bytes(self.local / f"{first:012d}-{seq:012d}.json", canonical_json(block))
+            self._keep_block(first, [path.read_bytes() for path in copies])
             for path in copies:
                 path.unlink()
 
@@ -293,12 +294,16 @@ class PublishLog:
         starts = {seq - seq % size for seq in given}
         whole = {first for first in starts if all(n in given for n in range(first, first + size))}
         for first in sorted(whole):
-            self.local.mkdir(parents=True, exist_ok=True)
-            block = {"first": first, "entries": [given[n].decode() for n in range(first, first + size)]}
-            atomic_write_bytes(self.local / f"{first:012d}-{first + size - 1:012d}.json", canonical_json(block))
+            self._keep_block(first, [given[n] for n in range(first, first + size)])
         for seq in sorted(given):
             if seq - seq % size not in whole:
                 self.keep(seq, given[seq])
+
+    def _keep_block(self, first: int, raws: list[bytes]) -> None:
+        """Entries `first, first + 1, ...` held here as one local block file."""
+        self.local.mkdir(parents=True, exist_ok=True)
+        block = canonical_json({"first": first, "entries": [raw.decode() for raw in raws]})
+        atomic_write_bytes(self.local / f"{first:012d}-{first + len(raws) - 1:012d}.json", block)
 
     def _local_raw(self, held: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
         out: list[tuple[int, bytes]] = []
