@@ -1,12 +1,19 @@
-"""`--device`: the one place it is read; CUDA asked for on a machine without it is a one-line error."""
+"""`--device`: the one place it is read; CUDA asked for on a machine without it is a one-line error; bf16 only where
+the device computes it."""
 
 from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
 
 import pytest
 import torch
 
-from pipeline.core.devices import resolve_device
+from pipeline.core.devices import native_bf16, resolve_device
 from pipeline.core.errors import UserError
+from train.config import TrainConfig
+from train.runtime import precision_on
 
 
 def test_auto_and_cpu_resolve_on_this_machine():
@@ -33,3 +40,26 @@ def test_cuda_follows_the_local_rank_and_refuses_a_gpu_the_machine_lacks():
     assert resolve_device("cuda", local_rank=0) == torch.device("cuda", 0)
     with pytest.raises(UserError, match="this machine has"):
         resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as the Linux kernel lists them: a source apart from torch's own detection."""
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from Linux")
+def test_training_on_the_cpu_keeps_bf16_only_where_the_cpu_has_bf16_instructions(caplog):
+    """On a CPU without AVX512-BF16 or AMX (this machine's kind varies) bf16 is emulated, several times slower than
+    float32: the run trains in float32 and says so; with them, or when float32 was asked for, nothing changes."""
+    native = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert native_bf16(torch.device("cpu")) == native
+    asked = TrainConfig()
+    assert asked.bf16
+    with caplog.at_level(logging.INFO, logger="train.runtime"):
+        ran = precision_on(asked, torch.device("cpu"))
+    assert ran.bf16 == native and asked.bf16, "the asked-for config is left as it was"
+    assert ("training in float32" in caplog.text) == (not native)
+    assert precision_on(replace(asked, bf16=False), torch.device("cpu")).bf16 is False

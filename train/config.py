@@ -233,7 +233,11 @@ class TrainConfig:
     # runtime
     seed: int = setting(0, "seed for weights, data order, crops, masks and caption sampling")
     device: str = setting("auto", DEVICE_HELP)
-    bf16: bool = setting(True, "bf16 autocast (no GradScaler is needed for bf16)")
+    bf16: bool = setting(
+        True,
+        "bf16 autocast (no GradScaler needed) where the device computes bf16; a CPU without AVX512-BF16 or AMX "
+        "runs float32",
+    )
     compile: bool = setting(
         False,
         "torch.compile each encoder and predictor block (batch and sequence lengths marked dynamic: one graph for "

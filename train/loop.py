@@ -51,7 +51,7 @@ from train.optim import apply_schedules, make_optimizer
 from train.parallel import wrap_models
 from train.reporting import Progress, check_loggers
 from train.run_dir import prepare_run, save_config
-from train.runtime import STOP_SIGNALS, StopRequests, processes_per_node, start_runtime
+from train.runtime import STOP_SIGNALS, StopRequests, precision_on, processes_per_node, start_runtime
 from train.schedules import Cosine, Linear, WarmupCosine
 from train.step import TrainStep, on_device
 from train.validation import validate_in_chunks
@@ -97,7 +97,7 @@ class Trainer:
         save_config(cfg, run, self.rt)
         self.split, self.nodes, segments = partition(for_index, self.index, self.rt)
         images_for_training(for_index, self.index, self.split, self.nodes, self.rt)
-        self.cfg = cfg = inputs_for_training(cfg, for_index, segments, self.rt)
+        self.cfg = cfg = precision_on(inputs_for_training(cfg, for_index, segments, self.rt), self.rt.device)
         torch.manual_seed(cfg.seed)
         self.model, self.target = build_models(ModelConfig.of(cfg), text_width(cfg))
         if cfg.init is not None and not has_checkpoint(run):

@@ -8,22 +8,24 @@ stop signals are agreed after a step (`StopRequests`), so that every rank stops 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from pipeline.core import logs
-from pipeline.core.devices import resolve_device
+from pipeline.core.devices import native_bf16, resolve_device
 from pipeline.core.errors import DataProblem, UserError
 from train.config import TrainConfig
 from train.step import use_tensor_cores
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # What Slurm (`--signal`) and Kubernetes send before they kill a job: finish the step, checkpoint, exit 75.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -79,6 +81,19 @@ def start_runtime(cfg: TrainConfig) -> Runtime:
             )
         control = dist.new_group(backend="gloo", timeout=AGREEMENT_TIMEOUT)
     return Runtime(rank, world, device, control)
+
+
+def precision_on(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """`cfg` as `device` runs it: bf16 autocast only where the device computes bf16 natively. A CPU without bf16
+    instructions runs float32, several times faster than emulated bf16 there, and says so in one line; the run's
+    saved config keeps what was asked for."""
+    if not cfg.bf16 or native_bf16(device):
+        return cfg
+    logger.info(
+        f"bf16: off on this CPU ({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX: torch would "
+        "emulate bf16 at several times float32's cost); training in float32"
+    )
+    return replace(cfg, bf16=False)
 
 
 def barrier(rt: Runtime) -> None:

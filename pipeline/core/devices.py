@@ -1,4 +1,4 @@
-"""Which device a command computes on: the one place `--device` is read."""
+"""Which device a command computes on: the one place `--device` is read, and what that device computes natively."""
 
 from __future__ import annotations
 
@@ -33,3 +33,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         if device.index >= torch.cuda.device_count():
             raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} GPUs")
     return device
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` has bf16 arithmetic of its own: every CUDA device torch supports here, and a CPU with
+    AVX512-BF16 or AMX. Elsewhere torch emulates it: on an AVX2-only CPU a bf16 matmul under autocast took 8.4x
+    the float32 one (4096 x 192 by 192 x 768, one thread, 2026-12-03)."""
+    import torch
+
+    if device.type != "cpu":
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
