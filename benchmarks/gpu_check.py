@@ -12,8 +12,8 @@ when $OUT (or --out) is set, in `$OUT/gpu_check.jsonl`:
 - `torchrun`: one process under `torchrun` with NCCL, two steps with DDP and two with FSDP2, and a sharded
   checkpoint written and read back.
 
-`--dry-run` does all of it on the CPU with tiny shapes, a few steps and gloo (a test runs it). Exit status 1 when a
-check fails. Under 5 minutes on one H200.
+`--dry-run` does all of it on the CPU with tiny shapes, a few steps, gloo, and torch.compile's `aot_eager` backend
+(a test runs it). Exit status 1 when a check fails. Under 5 minutes on one H200.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from train.jepa import build_models
 from train.masks import sample_masks
 from train.optim import make_optimizer
 from train.parallel import wrap_models
+from train.runtime import precision_on
 from train.schedules import WarmupCosine
 from train.step import TrainStep, on_device, use_tensor_cores
 
@@ -79,6 +80,7 @@ class Shapes:
     timed: int
     smoke_steps: int
     overrides: dict  # TrainConfig fields that shrink the model (dry run)
+    compile_backend: str = "inductor"
 
 
 FULL = Shapes(224, 16, 64, 8, 128, 1024, warmup=3, timed=10, smoke_steps=100, overrides={})
@@ -93,6 +95,9 @@ DRY = Shapes(
     timed=2,
     smoke_steps=30,
     overrides=dict(width=64, depth=2, heads=2, predictor_width=32, predictor_depth=2, predictor_heads=2),
+    # Dynamo's capture (whole graphs, lengths marked dynamic) and AOTAutograd as on the GPU; not inductor, whose CPU
+    # code generation (C++, ~75 s cold per graph set here) is nothing the GPU's Triton path runs
+    compile_backend="aot_eager",
 )
 
 
@@ -145,10 +150,10 @@ def synthetic_batch(
 class Rig:
     """Models, optimizer and step for one config on `device` (wrapped for DDP/FSDP when a process group is up)."""
 
-    def __init__(self, cfg: TrainConfig, text_dim: int | None, device: torch.device, count_flops: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, shapes: Shapes, device: torch.device, count_flops: bool = False) -> None:
         torch.manual_seed(cfg.seed)
-        self.cfg = cfg
-        self.text_dim = text_dim if cfg.conditioning != "none" else None
+        self.cfg = cfg = precision_on(cfg, device)
+        self.text_dim = shapes.text_dim if cfg.conditioning != "none" else None
         self.device = device
         self.model, self.target = build_models(ModelConfig.of(cfg), self.text_dim)
         self.model.to(device)
@@ -156,7 +161,7 @@ class Rig:
         self.grid = self.model.encoder.grid
         # Counted before compiling: FlopCounterMode does not see inside compiled kernels.
         self.flops_per_step = self._count_flops() if count_flops else 0
-        self.module = wrap_models(self.model, self.target, cfg, device)
+        self.module = wrap_models(self.model, self.target, cfg, device, shapes.compile_backend)
         self.optimizer = make_optimizer(self.model, cfg, device)
         self.step = TrainStep(self.model, self.module, self.target, self.optimizer, cfg, device)
         self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
@@ -216,7 +221,7 @@ def host_syncs(rig: Rig, batch: Batch) -> int | None:
 
 def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     cfg = config(spec, shapes)
-    rig = Rig(cfg, shapes.text_dim, device, count_flops=True)
+    rig = Rig(cfg, shapes, device, count_flops=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -255,7 +260,7 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
 def smoke(shapes: Shapes, device: torch.device) -> dict:
     """Compiled training on 4 fixed batches, cycled: the loss (mean of the last tenth over the first) must fall."""
     cfg = config(Spec("smoke", "vit_base", "cross", "before_mlp", True), shapes)
-    rig = Rig(cfg, shapes.text_dim, device)
+    rig = Rig(cfg, shapes, device)
     fixed = rig.batches(range(4), missing=0.25)
     losses = torch.stack(rig.run([fixed[i % 4] for i in range(shapes.smoke_steps)]))[:, 0].tolist()
     tenth = max(len(losses) // 10, 1)
@@ -285,13 +290,13 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
             Spec("torchrun", "vit_base", "cross", "before_mlp", True), replace(shapes, batch=shapes.batch // 4 or 1)
         )
         for name, cfg in (("ddp", base), ("fsdp", replace(base, fsdp=True))):
-            rig = Rig(cfg, shapes.text_dim, device)
+            rig = Rig(cfg, shapes, device)
             losses = torch.stack(rig.run(rig.batches(range(2))))[:, 0].tolist()
             out[f"{name}_losses"] = [round(v, 4) for v in losses]
             if cfg.fsdp:
                 with tempfile.TemporaryDirectory() as tmp:
                     save_sharded_checkpoint(Path(tmp), _sharded(rig), 2, {})
-                    again = Rig(cfg, shapes.text_dim, device)
+                    again = Rig(cfg, shapes, device)
                     restored = _sharded(again)
                     load_sharded_into(Path(tmp), restored)
                     _restore(again, restored)

@@ -20,12 +20,14 @@ from train.runtime import processes_per_node
 from train.vit import VisionTransformer
 
 
-def wrap_models(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """The module that trains: blocks compiled and/or checkpointed in place, then, in a process group, DDP around
-    the JEPA, or FSDP2 sharding of the JEPA and the target alike (the same mesh, block by block, so the EMA is
-    shard-local)."""
+def wrap_models(
+    model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torch.device, compile_backend: str = "inductor"
+) -> torch.nn.Module:
+    """The module that trains: blocks compiled (by `compile_backend`) and/or checkpointed in place, then, in a process
+    group, DDP around the JEPA, or FSDP2 sharding of the JEPA and the target alike (the same mesh, block by block, so
+    the EMA is shard-local)."""
     if cfg.compile:
-        compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks)
+        compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks, backend=compile_backend)
     if cfg.checkpoint_activations:
         checkpoint_blocks(model.encoder.blocks, model.predictor.blocks)
     if not dist.is_initialized():
@@ -100,8 +102,10 @@ def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-def compile_blocks(*stacks: nn.ModuleList) -> None:
+def compile_blocks(*stacks: nn.ModuleList, backend: str = "inductor") -> None:
     """torch.compile each block's forward (a whole graph, no break allowed), one graph shared by all blocks alike.
+    `backend`: torch.compile's; the GPU check's CPU dry run takes `aot_eager` (Dynamo and AOTAutograd without
+    inductor's code generation, which on a CPU writes C++ that no GPU runs).
 
     Shapes: the batch and sequence lengths are marked dynamic rather than padded to a few bucket sizes. Context and
     target lengths change every step (block sizes are drawn per step, contexts are padded only to the batch's
@@ -115,7 +119,7 @@ def compile_blocks(*stacks: nn.ModuleList) -> None:
     """
     for blocks in stacks:
         for block in blocks:
-            block.forward = _mark_lengths_dynamic(torch.compile(block.forward, fullgraph=True))
+            block.forward = _mark_lengths_dynamic(torch.compile(block.forward, fullgraph=True, backend=backend))
 
 
 def checkpoint_blocks(*stacks: nn.ModuleList) -> None:
