@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -138,7 +139,7 @@ class CaptionActor:
 
 def caption_on_ray(
     cfg: CaptionConfig,
-    refs: list[ImageRef],
+    refs: Sequence[ImageRef],
     shard: tuple[int, int],
     done: set[str],
     prompts: list[Prompt],

@@ -245,7 +245,11 @@ class StoreKeys:
 
         Reads the offsets of those segments (a keys mirror carries them); every key must be in the store.
         """
-        segs, rows = self._held(keys)
+        return self.spans_of_rows(self._held(keys)[1])
+
+    def spans_of_rows(self, rows: np.ndarray) -> tuple[list[str], Spans]:
+        """`spans` of the keys at global `rows` (`locate`'s, none of them -1), without looking them up again."""
+        segs = np.searchsorted(self.starts, rows, side="right") - 1
         held, position, count = np.unique(segs, return_inverse=True, return_counts=True)
         start = np.empty(len(rows), dtype=np.int64)
         length = np.empty(len(rows), dtype=np.int32)

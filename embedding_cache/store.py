@@ -44,6 +44,7 @@ import numpy as np
 from filelock import FileLock
 
 from embedding_cache.codec import bytes_per_token
+from embedding_cache.plain_arrays import read_plain_array
 from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, codec_of, is_fitted, requested
 from pipeline.core.digests import DigestIndex
 from pipeline.core.errors import UserError
@@ -307,14 +308,12 @@ class EmbeddingStore:
         return self.root / "segments" / segment
 
     def read_keys(self, segment: str) -> np.ndarray:
-        import zarr
-
-        return zarr.open_array(str(self.segment_path(segment) / "keys"), mode="r")[:]
+        """The segment's caption keys, uint8 `[n, 32]` (read without zarr: see `plain_arrays`)."""
+        return read_plain_array(self.segment_path(segment) / "keys")
 
     def read_offsets(self, segment: str) -> np.ndarray:
-        import zarr
-
-        return zarr.open_array(str(self.segment_path(segment) / "offsets"), mode="r")[:]
+        """The segment's token offsets, int64 `[n + 1]` (read without zarr: see `plain_arrays`)."""
+        return read_plain_array(self.segment_path(segment) / "offsets")
 
     def published(self) -> DigestIndex:
         """Index of every published key (payload: nothing meaningful); refreshed incrementally."""

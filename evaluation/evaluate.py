@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ class EvalConfig:
     step: int | None = None  # a checkpoint the run kept (None: its newest)
 
 
-def _labelled_images(cfg: EvalConfig) -> tuple[list[ImageRef], Labels, str]:
+def _labelled_images(cfg: EvalConfig) -> tuple[Sequence[ImageRef], Labels, str]:
     """(every image given, their labels, the report's default name) from a labels file or class folders."""
     if cfg.train is not None or cfg.val is not None:
         if cfg.train is None or cfg.val is None:
@@ -97,10 +98,10 @@ def _labelled_images(cfg: EvalConfig) -> tuple[list[ImageRef], Labels, str]:
         return refs, labels, Path(cfg.train).resolve().parent.name
     if not cfg.images or cfg.labels is None:
         raise UserError("give IMAGES and --labels FILE, or class folders with --train DIR/train --val DIR/val")
-    refs = list_images(cfg.images)
-    if not refs:
+    listed = list_images(cfg.images)
+    if not listed:
         raise UserError(f"no images found in {', '.join(map(str, cfg.images))}")
-    return refs, read_labels(cfg.labels, refs, cfg.image_root), Path(cfg.labels).stem
+    return listed, read_labels(cfg.labels, listed, cfg.image_root), Path(cfg.labels).stem
 
 
 def _split(labels: Labels, usable: np.ndarray, cfg: EvalConfig) -> Split:
@@ -136,7 +137,7 @@ def _dense_labels(
     return out
 
 
-def geometry_of(cfg: EvalConfig, trained: TrainedRun, refs: list[ImageRef], labels: Labels) -> tuple[str, str]:
+def geometry_of(cfg: EvalConfig, trained: TrainedRun, refs: Sequence[ImageRef], labels: Labels) -> tuple[str, str]:
     """(`crop` or `whole`, why): `--eval-resize` as given, or chosen from the labelled images' sizes (headers only)
     and their label cells."""
     if cfg.eval_resize not in EVAL_RESIZE:
@@ -195,7 +196,7 @@ def _probe_all(
 def floor_inputs(
     cfg: EvalConfig,
     run_config: TrainConfig,
-    refs: list[ImageRef],
+    refs: Sequence[ImageRef],
     labels: Labels,
     probes: tuple[str, ...],
     geometry: str,

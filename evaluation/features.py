@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,7 @@ def full_patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return F.unfold(images, patch_size, stride=patch_size).transpose(1, 2)
 
 
-def image_sizes(refs: list[ImageRef]) -> list[tuple[int, int]]:
+def image_sizes(refs: Sequence[ImageRef]) -> list[tuple[int, int]]:
     """Each image's (width, height) once its EXIF orientation is applied, read from its header alone; (0, 0) where
     it cannot be read: what `--eval-resize auto` decides on."""
     from pipeline.core.images import open_image, oriented_size
@@ -217,7 +218,7 @@ def _stat(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
-def images_digest(image_size: int, refs: list[ImageRef], geometry: str = "crop") -> str:
+def images_digest(image_size: int, refs: Sequence[ImageRef], geometry: str = "crop") -> str:
     """Digest of what any feature set of `refs` depends on besides the encoder: image size and placement, and each
     image's place and file stat, in order."""
     placed = f"crop={CROP_FRACTION}" if geometry == "crop" else "whole"

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def _line_error(path: Path, number: int, why: str) -> UserError:
     return UserError(f"--labels {path}, line {number}: {why}")
 
 
-def read_labels(path: Path, refs: list[ImageRef], image_root: Path | None = None) -> Labels:
+def read_labels(path: Path, refs: Sequence[ImageRef], image_root: Path | None = None) -> Labels:
     """Labels matched to `refs` by resolved file path or by source id; lines for other images are counted, not used."""
     path = Path(path)
     if not path.is_file():
@@ -246,7 +247,7 @@ def folder_labels(train: Path, val: Path) -> tuple[list[ImageRef], Labels]:
     folder name; `train`'s images form the train split, `val`'s the test split (validation is carved out of
     train). Images outside a class folder, and `val` images of a class `train` lacks, are counted, not used."""
     refs: list[ImageRef] = []
-    parts: list[list[ImageRef]] = []
+    parts: list[Sequence[ImageRef]] = []
     for option, folder in (("--train", train), ("--val", val)):
         if not Path(folder).is_dir():
             raise UserError(
@@ -262,8 +263,8 @@ def folder_labels(train: Path, val: Path) -> tuple[list[ImageRef], Labels]:
     label: list[int] = []
     split: list[str] = []
     unmatched = 0
-    for listed, name in zip(parts, ("train", "test")):
-        for ref in listed:
+    for part, name in zip(parts, ("train", "test")):
+        for ref in part:
             cls = _folder_class(ref)
             if cls not in ids:
                 unmatched += 1

@@ -11,9 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from pipeline.core import refs as refs_module
 from pipeline.core.errors import UserError
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.recipes import sha256_bytes
+from pipeline.core.refs import ImageRef, ImageRefs
 from pipeline.core.sources import ImageReader, iter_images, list_images
 from tests.support.images import bad_image_catalogue, png
 
@@ -188,6 +190,30 @@ def test_list_images_reads_what_iter_images_yields(tmp_path, monkeypatch):
     assert vars(pickle.loads(pickle.dumps(reader)))["_handles"] == {}  # a used reader pickles without its handles
     reader.close()
     assert _read_all(reader, refs[:3]) == [e.data for e in list(iter_images([folder]))[:3]]
+
+
+def test_listed_refs_are_columns_whose_items_iteration_and_slices_agree(tmp_path, monkeypatch):
+    """Tar shards and loose files listed together: one `ImageRefs`, each shard's path stored once in the path
+    column's dictionary; iteration (converted a batch at a time) gives what indexing gives, across batch bounds."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for shard in ("a.tar", "b.tar"):
+        with tarfile.open(folder / shard, "w") as tar:
+            for k in range(3):
+                data = png(k)
+                info = tarfile.TarInfo(f"{k}.png")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (folder / "c.png").write_bytes(png(9))
+    refs = list_images([folder])
+    assert isinstance(refs, ImageRefs) and len(refs) == 7
+    assert [r.source_id for r in refs] == [*(f"{s}.tar::{k}.png" for s in "ab" for k in range(3)), "c.png"]
+    paths = refs.table.column("path").combine_chunks()
+    assert sorted(paths.dictionary.to_pylist()) == sorted(str(folder / f) for f in ("a.tar", "b.tar", "c.png"))
+    monkeypatch.setattr(refs_module, "ITER_ROWS", 2)
+    assert list(refs) == [refs[i] for i in range(len(refs))] == refs[:]
+    assert refs[-1] == ImageRef("c.png", "file", str(folder / "c.png"))
+    assert ImageRefs.concat([refs[:2], [], refs]) == refs[:2] + list(refs)
 
 
 def test_list_images_refuses_what_it_cannot_read_at_random(tmp_path):

@@ -12,11 +12,12 @@ from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import text_key
+from pipeline.core.refs import ImageRefs
 from pipeline.core.sources import ImageReader, list_images
 from tests.support.images import png
 from tests.support.repo import REPO
 from tests.support.stores import store_keys
-from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index
+from train.data_index import HexDigests, TrainIndex, build_index
 
 N = 40  # images in the session's synth_dir, 8 captions each
 EXTRA = 10  # images that get one extra caption (and one repeated text) in a second recipe

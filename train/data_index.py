@@ -26,10 +26,9 @@ import io
 import json
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar, overload
 
 import numpy as np
 import pyarrow as pa
@@ -41,7 +40,7 @@ from embedding_cache.reader import Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
-from pipeline.core.refs import ImageRef
+from pipeline.core.refs import Columnar, ImageRef, ImageRefs
 from pipeline.core.remote import is_remote
 from pipeline.core.sources import ImageReader, list_images, read_images
 
@@ -82,76 +81,7 @@ def _fixed_width_arrow(values: np.ndarray, width: int) -> pa.FixedSizeBinaryArra
     return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, data])
 
 
-T = TypeVar("T")
-
-
-class _Columnar(Sequence[T]):
-    """A sequence whose items are made from columns when asked for; none is kept."""
-
-    def _item(self, row: int) -> T:
-        raise NotImplementedError
-
-    @overload
-    def __getitem__(self, i: int) -> T: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[T]: ...
-    def __getitem__(self, i: int | slice) -> T | list[T]:
-        if isinstance(i, slice):
-            return [self._item(j) for j in range(*i.indices(len(self)))]
-        return self._item(range(len(self))[i])
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class ImageRefs(_Columnar[ImageRef]):
-    """The index's images as Arrow columns: an `ImageRef` is made when one is asked for.
-
-    A list of ImageRef objects costs ~440 B per image (6 GB for ImageNet-21k) in every process, and the pages of a
-    forked DataLoader worker's copy are duplicated as reference counts touch them; Arrow buffers are not.
-    """
-
-    NAMES = ("source_id", "kind", "path", "offset", "size", "column")
-
-    def __init__(self, table: pa.Table) -> None:
-        self.table = table.select(list(self.NAMES))
-        self._columns = [column.combine_chunks() for column in self.table.columns]
-
-    @classmethod
-    def of(cls, refs: Sequence[ImageRef]) -> ImageRefs:
-        if isinstance(refs, ImageRefs):
-            return refs
-        return cls(
-            pa.table(
-                {
-                    "source_id": pa.array([r.source_id for r in refs], pa.string()),
-                    "kind": pa.array([r.kind for r in refs], pa.string()).dictionary_encode(),
-                    "path": pa.array([r.path for r in refs], pa.string()).dictionary_encode(),
-                    "offset": pa.array([r.offset for r in refs], pa.int64()),
-                    "size": pa.array([r.size for r in refs], pa.int64()),
-                    "column": pa.array([r.column for r in refs], pa.string()).dictionary_encode(),
-                }
-            )
-        )
-
-    def __len__(self) -> int:
-        return self.table.num_rows
-
-    def _item(self, row: int) -> ImageRef:
-        return ImageRef(*(column[row].as_py() for column in self._columns))
-
-    def with_paths(self, paths: Mapping[str, str]) -> ImageRefs:
-        """These refs with the files named in `paths` read from where it maps them (a node's local copies of tar
-        shards on object storage): only the path column's dictionary changes, not a row."""
-        column = self.table.column("path").combine_chunks()
-        dictionary = pa.array([paths.get(p, p) for p in column.dictionary.to_pylist()], pa.string())
-        remapped = pa.DictionaryArray.from_arrays(column.indices, dictionary)
-        return ImageRefs(self.table.set_column(self.table.schema.get_field_index("path"), "path", remapped))
-
-
-class HexDigests(_Columnar[str]):
+class HexDigests(Columnar[str]):
     """sha256 digests as one uint8 `[n, 32]` array, each given as hex when asked for."""
 
     def __init__(self, values: np.ndarray) -> None:
@@ -297,7 +227,7 @@ class TrainIndex:
         )
 
 
-def _hash_refs(refs: list[ImageRef], progress: bool, what: str) -> list[str | None]:
+def _hash_refs(refs: Sequence[ImageRef], progress: bool, what: str) -> list[str | None]:
     """sha256 of each image's bytes, None for one that cannot be read (tar members on object storage read by byte
     range)."""
     from tqdm import tqdm
@@ -385,7 +315,7 @@ def _recorded_sha256(cache: CaptionCache, source_ids: pa.Array) -> pa.Array:
     return pc.if_else(pa.array(repeated), pa.nulls(len(source_ids), pa.string()), recorded.combine_chunks())
 
 
-def _image_sha256(refs: list[ImageRef], recorded: pa.Array, verify_sample: int, progress: bool) -> pa.Array:
+def _image_sha256(refs: Sequence[ImageRef], recorded: pa.Array, verify_sample: int, progress: bool) -> pa.Array:
     """Each image's sha256 (hex; null: unreadable): the cache's record, checked on a random sample, else hashed from
     the bytes."""
     known = recorded.is_valid().to_numpy(zero_copy_only=False)
@@ -523,16 +453,19 @@ def build_index(
     missing = 0
     segments: list[str] = []
     spans = None
+    rows = np.zeros(0, dtype=np.int64)  # each caption key's row in the store
     if embeddings is not None and len(caption_keys):
-        absent = embeddings.locate(caption_keys) < 0
+        rows = embeddings.locate(caption_keys)
+        absent = rows < 0
         if absent.any():
             missing = len(np.unique(np.ascontiguousarray(caption_keys[absent]).view(f"V{KEY_BYTES}")))
             image = np.repeat(np.arange(len(kept)), counts)
             caption_keys, counts = caption_keys[~absent], np.bincount(image[~absent], minlength=len(kept))
+            rows = rows[~absent]
     offsets = np.zeros(len(kept) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     if embeddings is not None:
-        segments, spans = embeddings.spans(caption_keys)
+        segments, spans = embeddings.spans_of_rows(rows)
     sizes, images = np.unique(counts, return_counts=True)
     index = TrainIndex(
         ImageRefs(listed.table.take(pa.array(kept, pa.int64()))),

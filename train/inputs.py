@@ -10,8 +10,9 @@ from pathlib import Path
 
 from pipeline.core.errors import UserError
 from pipeline.core.logs import NODE
+from pipeline.core.refs import ImageRefs
 from train.config import TrainConfig
-from train.data_index import HexDigests, ImageRefs, TrainIndex, build_index, verify_images
+from train.data_index import HexDigests, TrainIndex, build_index, verify_images
 from train.partitions import (
     PartitionSplit,
     check_layout,

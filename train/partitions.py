@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from train.data_index import ImageRefs, TrainIndex
+from pipeline.core.refs import ImageRefs
+from train.data_index import TrainIndex
 
 _PASS_STREAM = 0x9A27  # keeps each partition's pass orders apart from the other seeded streams of a run
 _SPLIT_STREAM = 0x73706C69  # "spli": which images of a partition are held out for validation

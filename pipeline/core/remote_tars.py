@@ -42,7 +42,7 @@ PIECE = 32 << 20  # bytes of a shard per request while it is downloaded
 _RECORD = np.dtype([("offset", "<i8"), ("size", "<i8"), ("sha256", "V32")])  # one checked member
 
 
-def list_remote_tars(urls: list[str], threads: int = LIST_THREADS) -> dict[str, list[ImageRef]]:
+def list_remote_tars(urls: list[str], threads: int = LIST_THREADS) -> dict[str, Sequence[ImageRef]]:
     """Refs of the image members of every shard each URL names (a shard, or a prefix of shards), keyed by URL, in
     the order a local folder of the same shards lists them. Every URL is checked before any header is read."""
     shards = {url: _shards(url) for url in urls}
@@ -87,10 +87,10 @@ def _shards(url: str) -> list[tuple[str, str]]:
     return [(f"{url.rstrip('/')}/{shard.as_posix()}", shard.as_posix()) for shard in sorted(shards)]
 
 
-def _shard_refs(url: str, label: str) -> list[ImageRef]:
+def _shard_refs(url: str, label: str) -> Sequence[ImageRef]:
     fs, path = filesystem(url)
 
-    def walk() -> list[ImageRef]:
+    def walk() -> Sequence[ImageRef]:
         with fs.open(path, "rb", block_size=HEADER_READ_AHEAD, cache_type="readahead") as f:
             return tar_member_refs(f, label, url, url)
 

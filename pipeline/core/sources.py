@@ -33,15 +33,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes, user_cache_dir
 from pipeline.core.refs import (
     IMAGE_SUFFIXES,
+    MEMBERS_SCHEMA,
     TABLE_SUFFIXES,
     TAR_SUFFIXES,
     ImageRef,
-    TarMember,
+    ImageRefs,
     member_refs,
+    members_table,
     skip_warning,
     tar_image_members,
 )
@@ -452,9 +456,9 @@ def _table_samples(
 TAR_LISTING_VERSION = 1
 
 
-def remembered_tar_members(path: Path, label: str) -> list[TarMember]:
-    """A local tar shard's image members (`tar_image_members`), listed once per (real path, size, mtime, inode) and
-    remembered under the tcjepa cache, as file hashes are (`remembered_sha256`).
+def remembered_tar_members(path: Path, label: str) -> pa.Table:
+    """A local tar shard's image members (`tar_image_members`, as `members_table`'s columns), listed once per (real
+    path, size, mtime, inode) and remembered under the tcjepa cache, as file hashes are (`remembered_sha256`).
 
     Python's tarfile parses ~30 µs of headers per member: every run over 14 M images would list for 7 minutes on
     one core before its first step. Remembered, a shard's listing is one small Parquet file read back in a few µs
@@ -472,37 +476,27 @@ def remembered_tar_members(path: Path, label: str) -> list[TarMember]:
         return remembered
     with open(real, "rb") as f:
         members, complete = tar_image_members(f, label, str(path))
+    table = members_table(members)
     if complete:
-        _write_listing(entry, members)
-    return members
+        _write_listing(entry, table)
+    return table
 
 
-def _read_listing(entry: Path) -> list[TarMember] | None:
+def _read_listing(entry: Path) -> pa.Table | None:
     """A remembered listing; None when there is none or it cannot be read."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(entry)
-        return list(zip(*(table.column(name).to_pylist() for name in ("name", "offset", "size"))))
+        return pq.read_table(entry, columns=MEMBERS_SCHEMA.names).cast(MEMBERS_SCHEMA)
     except (OSError, KeyError, pa.ArrowException):
         return None
 
 
-def _write_listing(entry: Path, members: list[TarMember]) -> None:
+def _write_listing(entry: Path, table: pa.Table) -> None:
     """Remember a listing (atomically: concurrent runs share the cache); a cache that cannot be written only means
     the listing is not remembered."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    names, offsets, sizes = zip(*members) if members else ((), (), ())
-    table = pa.table(
-        {
-            "name": pa.array(names, pa.string()),
-            "offset": pa.array(offsets, pa.int64()),
-            "size": pa.array(sizes, pa.int64()),
-        }
-    )
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     with suppress(OSError):
@@ -510,7 +504,7 @@ def _write_listing(entry: Path, members: list[TarMember]) -> None:
         atomic_write_bytes(entry, buffer.getvalue().to_pybytes())
 
 
-def _tar_refs(path: Path, label: str) -> list[ImageRef]:
+def _tar_refs(path: Path, label: str) -> Sequence[ImageRef]:
     """Regular image members of an uncompressed tar shard, from the headers alone (remembered)."""
     try:
         return member_refs(remembered_tar_members(path, label), label, os.path.abspath(path))
@@ -547,10 +541,9 @@ def _hf_spec_refs(spec: str, column: str | None) -> list[ImageRef]:
     return [ImageRef(f"{spec}::{row}", "hf", spec, row, column=name) for row in range(ds.num_rows)]
 
 
-def list_images(
-    inputs: Sequence[str | Path], image_column: str | None = None, split: str = DEFAULT_SPLIT
-) -> list[ImageRef]:
-    """Same images, same order, same source ids as iter_images, without reading image bytes.
+def list_images(inputs: Sequence[str | Path], image_column: str | None = None, split: str = DEFAULT_SPLIT) -> ImageRefs:
+    """Same images, same order, same source ids as iter_images, without reading image bytes: as Arrow columns, a
+    tar shard's members never made into objects.
 
     Tar shards are listed from their headers, Parquet files from their metadata. Entries
     iter_images yields only as errors (links in tar shards, unreadable shards) are left
@@ -562,26 +555,36 @@ def list_images(
     """
     local = iter(_check_inputs([Path(i) for i in inputs if not is_remote(str(i))], split))
     remote = [str(i) for i in inputs if is_remote(str(i))]
-    shards: dict[str, list[ImageRef]] = {}
+    shards: dict[str, Sequence[ImageRef]] = {}
     if remote:
         shards = list_remote_tars(remote)
-    refs: list[ImageRef] = []
+    parts: list[Sequence[ImageRef]] = []
+    files: list[ImageRef] = []  # loose image files in a row, one part
+
+    def add(part: Sequence[ImageRef]) -> None:
+        nonlocal files
+        if files:
+            parts.append(files)
+            files = []
+        parts.append(part)
+
     for given in inputs:
         if is_remote(str(given)):
-            refs.extend(shards[str(given)])
+            add(shards[str(given)])
             continue
         for path, kind, label in _leaves([next(local)]):
             if kind == "hf":
-                refs.extend(_hf_spec_refs(label, image_column))
+                add(_hf_spec_refs(label, image_column))
             elif kind == "hf-dataset":
-                refs.extend(_hf_refs(path, image_column))
+                add(_hf_refs(path, image_column))
             elif kind == "parquet":
-                refs.extend(_parquet_refs(path, image_column, label))
+                add(_parquet_refs(path, image_column, label))
             elif kind == "tar":
-                refs.extend(_tar_refs(path, label))
+                add(_tar_refs(path, label))
             else:
-                refs.append(ImageRef(label, "file", os.path.abspath(path)))
-    return refs
+                files.append(ImageRef(label, "file", os.path.abspath(path)))
+    add([])
+    return ImageRefs.concat(parts)
 
 
 def read_images(refs: Sequence[ImageRef], batch: int = RANGE_BATCH) -> Iterator[bytes | None]:
