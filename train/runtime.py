@@ -8,6 +8,7 @@ stop signals are agreed after a step (`StopRequests`), so that every rank stops 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import signal
@@ -89,11 +90,17 @@ def precision_on(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     saved config keeps what was asked for."""
     if not cfg.bf16 or native_bf16(device):
         return cfg
-    logger.info(
-        f"bf16: off on this CPU ({torch.backends.cpu.get_cpu_capability()}, no AVX512-BF16 or AMX: torch would "
-        "emulate bf16 at several times float32's cost); training in float32"
-    )
+    _say_bf16_off(torch.backends.cpu.get_cpu_capability())
     return replace(cfg, bf16=False)
+
+
+@functools.cache
+def _say_bf16_off(capability: str) -> None:
+    """The line `precision_on` gives, once per process (the GPU check's dry run builds several trainers)."""
+    logger.info(
+        f"bf16: off on this CPU ({capability}, no AVX512-BF16 or AMX: torch would emulate bf16 at several times "
+        "float32's cost); training in float32"
+    )
 
 
 def barrier(rt: Runtime) -> None:
