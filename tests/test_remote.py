@@ -415,6 +415,23 @@ def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir)
     assert not (REPO / "s3:").exists() and not (REPO / "memory:").exists()
 
 
+def test_a_missing_bucket_is_named_in_one_line_by_readers_and_writers(tmp_path, s3, synth_dir):
+    """Not "no CACHE.json" for a reader nor the server's 404 on a writer's first put: the bucket, and what to do."""
+    _, env = s3
+    url = "s3://no-such-bucket/cache"
+    for args in (
+        ("cache", "info", url),
+        ("store", "verify", "s3://no-such-bucket/store"),
+        ("caption", "--cache", url, "--annotations", synth_dir / "captions.jsonl", "--mirror", tmp_path / "m"),
+        ("cache", "gc", url),
+    ):
+        proc = tcjepa(*args, check=False, env=env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert "the bucket 'no-such-bucket' does not exist (or these credentials cannot see it)" in proc.stderr
+    proc = tcjepa("cache", "info", f"s3://{BUCKET}/absent-cache", check=False, env=env)
+    assert proc.returncode == 2 and "is not a caption cache (no CACHE.json)" in proc.stderr, "the bucket is there"
+
+
 def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(tmp_path, s3, annotated_cache, tiny_models):
     """The projection and channel scales go up with the root, come down with every mirror (keys mirror included, for
     a resumed writer) and are checked there; the vectors equal a local store's of the same recipe."""

@@ -99,13 +99,25 @@ def writable_filesystem(url: str, option: str) -> tuple[Any, str]:
             f"{option} {url}: tcjepa writes to object storage only through S3's conditional put (s3://); "
             f"give a local directory and upload the finished tree, or use an s3:// URL"
         )
-    return filesystem(url)
+    fs, root = filesystem(url)
+    require_bucket(fs, url, root)
+    return fs, root
+
+
+def require_bucket(fs: Any, url: str, root: str) -> None:
+    """Refuse a URL whose bucket does not exist in one line that says so: a reader would otherwise find no cache
+    there, and a writer's first put would fail with the server's 404."""
+    bucket = root.split("/", 1)[0]
+    fs.invalidate_cache(bucket)
+    if not remote_call(url, fs.exists, bucket):
+        raise UserError(f"{url}: the bucket {bucket!r} does not exist (or these credentials cannot see it); create it")
 
 
 def remote_root(url: str, marker: str, what: str) -> tuple[Any, str]:
-    """The file system and root of `url`, refusing a URL whose root lacks `marker`."""
+    """The file system and root of `url`, refusing a URL whose root lacks `marker` (or whose bucket is missing)."""
     fs, root = filesystem(url)
     if not remote_call(url, fs.exists, f"{root}/{marker}"):
+        require_bucket(fs, url, root)
         raise UserError(f"{url} is not {what} (no {marker})")
     return fs, root
 
