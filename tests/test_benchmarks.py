@@ -52,3 +52,21 @@ def test_the_publish_log_benchmark_counts_the_same_requests_at_both_sizes():
     assert large["old_protocol_list_requests_per_commit"] == 3 and large["new_mirror_gets"] == 2 + 100 + 3 * 3, (
         "2 blocks, then 100 + 9 entries"
     )
+
+
+@pytest.mark.s3
+@pytest.mark.distributed
+def test_writers_killed_at_random_into_one_s3_cache_and_store_lose_and_repeat_nothing_and_gc_frees_their_leftovers():
+    """The scale test of issue 33 at a small size (3 writers × 8 commits, each writer killed once mid-run): every row
+    and key of the uninterrupted run once, both verifications, and gc at grace 0 leaves nothing unpublished."""
+    result = _result("benchmarks.shared_writers", "--writers", 3, "--commits", 8, "--kills", 1, "--kill-every", 1.5)
+    assert result["kills"] == 3
+    for state in ("after_writers", "after_gc"):
+        figures = result[state]
+        assert figures["caption_rows"] == figures["expected_rows"] == 3 * 8 * 4, figures
+        lost = ("rows_lost", "rows_repeated", "rows_unexpected", "keys_lost", "keys_unexpected", "vectors_differ")
+        assert all(figures[k] == 0 for k in lost) and figures["keys"] == figures["expected_rows"], figures
+        assert figures["cache_verify"].startswith("ok: 1 recipes,") and figures["store_verify"].startswith("ok: ")
+    freed = result["gc_delete"]
+    assert (freed["cache_deleted"], freed["store_deleted"]) == (freed["cache_found"], freed["store_found"])
+    assert result["gc_left"]["cache_found"] == result["gc_left"]["store_found"] == 0 and result["same_after_gc"]
