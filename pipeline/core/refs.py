@@ -82,11 +82,10 @@ MEMBERS_SCHEMA = pa.schema([("name", pa.string()), ("offset", pa.int64()), ("siz
 
 def members_table(members: list[TarMember]) -> pa.Table:
     """A tar shard's members as the columns of `MEMBERS_SCHEMA`."""
-    return (
-        pa.Table.from_arrays([pa.array(column) for column in zip(*members)], schema=MEMBERS_SCHEMA)
-        if members
-        else (MEMBERS_SCHEMA.empty_table())
-    )
+    if not members:
+        return MEMBERS_SCHEMA.empty_table()
+    columns = [pa.array(values, field.type) for values, field in zip(zip(*members), MEMBERS_SCHEMA)]
+    return pa.Table.from_arrays(columns, schema=MEMBERS_SCHEMA)
 
 
 def member_refs(members: pa.Table, label: str, where: str) -> ImageRefs:
