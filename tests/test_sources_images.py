@@ -216,6 +216,15 @@ def test_listed_refs_are_columns_whose_items_iteration_and_slices_agree(tmp_path
     assert ImageRefs.concat([refs[:2], [], refs]) == refs[:2] + list(refs)
 
 
+def test_a_columnar_sequence_must_say_how_it_makes_an_item():
+    class Lengthy(refs_module.Columnar[int]):
+        def __len__(self) -> int:
+            return 1
+
+    with pytest.raises(TypeError, match="_item"):
+        Lengthy()  # type: ignore[abstract]
+
+
 def test_list_images_refuses_what_it_cannot_read_at_random(tmp_path):
     import gzip
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import tarfile
+from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, TypeVar, overload
@@ -116,8 +117,9 @@ ITER_ROWS = 65_536  # rows an `ImageRefs` iteration converts at once
 class Columnar(Sequence[T]):
     """A sequence whose items are made from columns when asked for; none is kept."""
 
+    @abstractmethod
     def _item(self, row: int) -> T:
-        raise NotImplementedError
+        """The item of row `row` (0 <= row < len(self)), made from the columns."""
 
     @overload
     def __getitem__(self, i: int) -> T: ...
@@ -158,10 +160,9 @@ class ImageRefs(Columnar[ImageRef]):
         path_names: Sequence[str],
         offsets: pa.Array | pa.ChunkedArray | np.ndarray,
         sizes: pa.Array | pa.ChunkedArray | np.ndarray,
-        columns: np.ndarray | None = None,
-        column_names: Sequence[str] = ("",),
     ) -> ImageRefs:
-        """Refs from their columns: kind, path and column as int32 codes into the names given."""
+        """Refs from their columns: kind and path as int32 codes into the names given; no image column (files and tar
+        members; a table's rows come through `of`)."""
 
         def encoded(codes: np.ndarray, names: Sequence[str]) -> pa.DictionaryArray:
             return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(list(names), pa.string()))
@@ -175,7 +176,7 @@ class ImageRefs(Columnar[ImageRef]):
                     "path": encoded(paths, path_names),
                     "offset": pa.array(offsets, pa.int64()) if isinstance(offsets, np.ndarray) else offsets,
                     "size": pa.array(sizes, pa.int64()) if isinstance(sizes, np.ndarray) else sizes,
-                    "column": encoded(np.zeros(n, np.int32) if columns is None else columns, column_names),
+                    "column": encoded(np.zeros(n, np.int32), [""]),
                 }
             )
         )
