@@ -123,7 +123,8 @@ TINY = [
     "4",
     "--seeds",
     "0",
-    *("--set", "depth=1", "--set", "predictor_depth=1", "--set", "predictor_width=96", "--set", "batch_size=8"),
+    *("--set", "depth=1", "--set", "width=96", "--set", "predictor_depth=1", "--set", "predictor_width=96"),
+    *("--set", "batch_size=8", "--set", "image_size=32"),
     *("--set", "val_images=8", "--set", "log_every=2", "--set", "val_every=4", "--set", "checkpoint_every=4"),
     *("--set", "num_workers=0", "--set", "warmup_steps=2"),
 ]
@@ -182,7 +183,7 @@ def test_text_experiment_runs_end_to_end_writes_the_readme_tables_and_resumes(tm
     assert result["beyond_spread"] == []
     text = readme.read_text()
     assert text.startswith(f"# title\n{begin}\nMeasured by `benchmarks/ablations.py --experiment text`")
-    assert "; changed by --set: `depth=1`, `predictor_depth=1`," in text, "the caption names every --set"
+    assert "; changed by --set: `depth=1`, `width=96`, `predictor_depth=1`," in text, "the caption names every --set"
     assert "| variant | masks | encoder | seeds | linear | k-NN | dense acc | dense mIoU | shape acc |" in text
     assert "| cross | hard | context | 1 | " in text and "| hard/target | 1 | " in text and text.endswith(f"{end}\n")
     assert "Probes on the EMA target encoder and the context encoder." in text
