@@ -28,7 +28,10 @@ K/V projection; SDPA's backward as 2.5× its forward; the regularisers'
 recomputed cosine maps). The ratios use these counts (`--no-flop-counter`: the
 analytic ones instead, 2·m·k·n per matmul of the forward, a step 3× the forward
 of the context encoder and predictor plus 1× the target encoder; both are
-reported).
+reported). `useful_over_computed_flops`: the analytic count at each image's
+real context and caption lengths over the count at the padded shapes the step
+computes (contexts padded to the batch's longest rounded up to a multiple of 8;
+captions to `--words`, as the loader pads them under `--compile`).
 
 Memory autograd saves for backward: one more untimed step under
 `torch.autograd.graph.saved_tensors_hooks`, each storage counted once (the
@@ -451,12 +454,23 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         optimizer.step()
         ema_update(target, model.encoder, 0.996)
 
+    flops = analytic_flops(cfg, mode, model.encoder, model.predictor, lc, lt, m, s, args.text_dim)
+    # Useful FLOPs: the same count at each image's real context length and mean caption length, averaged over images
+    # (what the step would cost if no row carried padding), over the count at the padded shapes it computes.
+    words = lengths8[:, : mode.captions].mean(axis=1) if mode.conditioning != "none" else np.zeros(cfg.batch_size)
+    useful = np.mean(
+        [
+            analytic_flops(cfg, mode, model.encoder, model.predictor, int(n), lt, m, w, args.text_dim)["step"]
+            for n, w in zip(masks.context_lengths, words)
+        ]
+    )
     info = {
         "lc": lc,
         "lt": lt,
         "m": m,
         "s": s,
-        "flops": analytic_flops(cfg, mode, model.encoder, model.predictor, lc, lt, m, s, args.text_dim),
+        "flops": flops,
+        "useful_over_computed": float(useful / flops["step"]),
         "params": sum(p.numel() for p in model.parameters()),
         "threads": torch.get_num_threads(),
     }
@@ -644,6 +658,7 @@ def main() -> None:
             "s_per_step_all": [round(t, 3) for t in times[name]],
             "gflops_per_step": round(flops[name] / 1e9, 2),
             "gflops_per_step_analytic": round(info[name]["flops"]["step"] / 1e9, 2),
+            "useful_over_computed_flops": round(info[name]["useful_over_computed"], 3),
             "images_per_s": round(args.batch / medians[name], 1),
             "achieved_tflops": round(flops[name] / medians[name] / 1e12, 4),
             "saved_mib": round(info[name]["saved_bytes"] / 2**20, 1),

@@ -132,8 +132,10 @@ def test_int8_captions_are_dequantized_and_padded_on_the_device_as_the_reader_pa
     assert batch.tokens.dtype == torch.int8
     moved = to_device(batch, torch.device("cpu"))
     old, _ = reader.gather_padded(chosen.reshape(-1), max_len=10)
-    assert moved.tokens.dtype == torch.float16 and moved.tokens.shape == (4, 3, 10, d)
-    torch.testing.assert_close(moved.tokens, torch.from_numpy(old).view(4, 3, 10, d), rtol=1e-3, atol=1e-3)
+    # the longest caption (10 tokens) rounded up to a multiple of 8: zeros past the reader's padding
+    assert moved.tokens.dtype == torch.float16 and moved.tokens.shape == (4, 3, 16, d)
+    torch.testing.assert_close(moved.tokens[:, :, :10], torch.from_numpy(old).view(4, 3, 10, d), rtol=1e-3, atol=1e-3)
+    assert not moved.tokens[:, :, 10:].any()
 
 
 def test_batch_buffers_are_reused_once_released_and_never_while_out():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from train.masks import MaskConfig, Masks, block_size, sample_masks
+from train.masks import MaskConfig, Masks, block_size, padded_length, sample_masks
 
 CFG = MaskConfig()
 
@@ -53,7 +53,7 @@ def test_pad_keeps_every_context_patch_and_cut_keeps_the_batch_minimum():
         pad = sample_masks(MaskConfig(context_equalise="pad"), (H, W), 9, step, 32)
         cut = sample_masks(MaskConfig(context_equalise="cut"), (H, W), 9, step, 32)
         assert np.array_equal(pad.targets, cut.targets) and pad.context_hw == cut.context_hw
-        assert pad.context.shape[1] == pad.context_lengths.max()
+        assert pad.context.shape[1] == padded_length(int(pad.context_lengths.max())) and pad.context.shape[1] % 8 == 0
         assert (cut.context_lengths == pad.context_lengths.min()).all() and cut.context.shape[
             1
         ] == pad.context_lengths.min()
@@ -70,6 +70,19 @@ def test_pad_keeps_every_context_patch_and_cut_keeps_the_batch_minimum():
                 for c0 in range(W - cw + 1)
             )
             assert any(kept == block for block in blocks), f"image {b}: not a whole context block minus its targets"
+
+
+def test_padded_lengths_are_rounded_up_to_a_multiple_of_8_even_past_the_grid():
+    """Rounding pads with the row's first patch, masked like any padding; on a grid of fewer patches than the rounded
+    length the rows are still whole (the padding then repeats the first patch past the grid's end)."""
+    assert [padded_length(n) for n in (1, 7, 8, 9, 16, 17, 196)] == [8, 8, 8, 16, 16, 24, 200]
+    cfg = MaskConfig(num_targets=1, target_scale=(0.2, 0.2), target_aspect=(1.0, 1.0), min_context=1)
+    for grid in ((2, 3), (14, 14)):
+        masks = sample_masks(cfg, grid, 0, 0, 16)
+        assert masks.context.shape[1] == padded_length(int(masks.context_lengths.max()))
+        for row, n in zip(masks.context, masks.context_lengths):
+            assert len(set(row[:n].tolist())) == n and (row[n:] == row[0]).all()
+            assert row.max() < grid[0] * grid[1]
 
 
 def test_with_pad_the_context_an_image_keeps_does_not_depend_on_the_batch_size():

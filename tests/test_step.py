@@ -12,6 +12,7 @@ from tests.support.training_step import STEP_CONFIG, STEP_TEXT_DIM, assert_same_
 from train.config import ModelConfig, TrainConfig
 from train.data import Batch
 from train.jepa import build_models
+from train.masks import padded_length
 from train.parallel import checkpoint_blocks
 from train.step import micro_batches, on_device
 
@@ -46,7 +47,7 @@ def test_micro_batches_are_the_batch_rows_with_only_padding_dropped():
         assert torch.equal(torch.cat([getattr(mb, name) for mb in micro]), getattr(batch, name)), name
     for i, mb in enumerate(micro):
         rows = batch.context[2 * i : 2 * i + 2]
-        assert mb.context.shape[1] == int(mb.context_lengths.max()) <= rows.shape[1]
+        assert mb.context.shape[1] == padded_length(int(mb.context_lengths.max())) <= rows.shape[1]
         for row, full, n in zip(mb.context, rows, mb.context_lengths):
             assert torch.equal(row[:n], full[:n])
     assert sum(mb.images_with_text() for mb in micro) == batch.images_with_text() < len(batch)
@@ -67,10 +68,31 @@ def test_checkpointed_blocks_train_the_same_and_keep_their_names():
     plain.load_state_dict(model.state_dict())  # a checkpointed model's state loads into a plain one
 
 
+def test_contexts_padded_to_a_multiple_of_8_train_as_contexts_cut_to_their_longest():
+    """The rounding changes shapes only: the same batches with each context cut back to its longest real patch give
+    the same losses and the same models."""
+    batches = [step_batch(s) for s in range(2)]
+    assert all(b.context.shape[1] % 8 == 0 for b in batches)
+    assert any(b.context.shape[1] > int(b.context_lengths.max()) for b in batches), "no batch was rounded up"
+    cut = [copy.copy(b) for b in batches]
+    for b in cut:
+        b.context = b.context[:, : int(b.context_lengths.max())]
+    torch.manual_seed(0)
+    model, target = build_models(ModelConfig.of(STEP_CONFIG), STEP_TEXT_DIM)
+    runs = []
+    for inputs in (batches, cut):
+        m, t = copy.deepcopy(model), copy.deepcopy(target)
+        runs.append((m, t, torch.stack(train_steps(STEP_CONFIG, m, t, inputs))))
+    (m, t, parts), (m_cut, t_cut, parts_cut) = runs
+    torch.testing.assert_close(parts, parts_cut, rtol=1e-5, atol=1e-6)
+    assert_same_models(m, m_cut, rtol=1e-4, atol=1e-6)
+    assert_same_models(t, t_cut, rtol=1e-4, atol=1e-6)
+
+
 def padded_on_host(batch: Batch) -> torch.Tensor:
     """The batch's packed captions zero-padded slot by slot on the host, as the loader used to ship them."""
     b, n = batch.lengths.shape
-    longest = max(int(batch.lengths.max()), 1)
+    longest = padded_length(max(int(batch.lengths.max()), 1))
     out = torch.zeros(b, n, longest, batch.tokens.shape[-1], dtype=torch.float16)
     start = 0
     for k in range(b):

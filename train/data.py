@@ -33,7 +33,7 @@ from pipeline.core.sources import ImageReader
 from train.config import TrainConfig, mask_settings
 from train.data_index import TrainIndex
 from train.images import EncodedImages, crop_resize, device_decodable
-from train.masks import MaskConfig, Masks, sample_masks
+from train.masks import MaskConfig, Masks, padded_length, sample_masks
 from train.partitions import PartitionSchedule
 
 logger = logging.getLogger(__name__)
@@ -135,9 +135,10 @@ class Batch:
         return offsets
 
     def rows(self, start: int, stop: int) -> Batch:
-        """Rows `start:stop` (a micro-batch), the context cut to their longest: only padding is dropped."""
+        """Rows `start:stop` (a micro-batch), the context cut to their longest (rounded up as `sample_masks` rounds
+        it): only padding is dropped."""
         lengths = self.context_lengths[start:stop]
-        longest = int(lengths.max())
+        longest = padded_length(int(lengths.max()))
         tokens, scales, caption_lengths = self.tokens, self.scales, self.lengths
         if caption_lengths is not None and tokens is not None:
             n = caption_lengths.shape[1]
@@ -399,7 +400,8 @@ class StepBatches(torch.utils.data.Dataset):
     def _most_bytes(self, b: int) -> int:
         """The largest buffer a batch of `b` images can fill: pixels, masks, and each caption at `max_words`."""
         size, patches, n = self.cfg.image_size, self.grid[0] * self.grid[1], self.cfg.captions_per_image
-        parts = [b * 3 * size * size, b * patches * 8, b * 8, b * self.cfg.num_targets * patches * 8, b * n * 8]
+        context = b * padded_length(patches) * 8
+        parts = [b * 3 * size * size, context, b * 8, b * self.cfg.num_targets * patches * 8, b * n * 8]
         if self._store is not None:
             tokens = b * n * self.cfg.max_words
             parts += [tokens * self._store.width * self._store.token_dtype.itemsize, tokens * 4]

@@ -34,6 +34,16 @@ from train.choices import CONTEXT_EQUALISE
 _MASK_STREAM = 0x6D61736B  # "mask"
 # Redraws of the positions of images whose context is under `min_context`.
 _MAX_TRIES = 50
+# Padded sequences (contexts, captions) are padded to a multiple of this: attention kernels on GPUs want aligned
+# lengths (tensor-core tiles; masked attention at odd lengths has failed under compile, pytorch#121943, #124289),
+# and fewer distinct lengths mean fewer shapes for a compiled graph. The padding is masked out, so nothing changes
+# but the shapes.
+LENGTH_MULTIPLE = 8
+
+
+def padded_length(length: int) -> int:
+    """`length` rounded up to a multiple of LENGTH_MULTIPLE."""
+    return -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
 
 
 def _check_range(name: str, value: tuple[float, float], upper: float | None) -> None:
@@ -207,12 +217,14 @@ def sample_masks(
         context_idx = np.sort(np.argpartition(keys, length - 1, axis=1)[:, :length], axis=1).astype(np.int64)
         lengths = np.full(len(idx), length, dtype=np.int64)
     else:
-        # Every patch kept, rows padded to the global batch's longest (so the shape does not depend on `rows`):
-        # a stable sort puts each row's context patches first, in patch order, then pads with its first patch.
-        length = int(counts.max())
+        # Every patch kept, rows padded to the global batch's longest, rounded up to a multiple of LENGTH_MULTIPLE
+        # (so the shape does not depend on `rows`): a stable sort puts each row's context patches first, in patch
+        # order, then pads with its first patch.
+        length = padded_length(int(counts.max()))
         order = np.argsort(~flat, axis=1, kind="stable")[:, :length]
         lengths = counts[idx].astype(np.int64)
         pad = np.arange(length) >= lengths[:, None]
+        order = np.pad(order, ((0, 0), (0, length - order.shape[1])))  # a grid of fewer patches than `length`
         context_idx = np.where(pad, order[:, :1], order).astype(np.int64)
 
     h, w = target_hw

@@ -27,6 +27,7 @@ from train.config import TrainConfig
 from train.data import Normalise
 from train.jepa import JEPA, ema_update
 from train.losses import sigreg_directions
+from train.masks import padded_length
 from train.objective import StepLosses, compute_losses
 from train.predictor import TextBatch
 from train.vit import VisionTransformer
@@ -74,7 +75,7 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
         decode_on_device(images, batch.encoded)
     tokens = lengths = None
     if batch.tokens is not None and batch.lengths is not None:
-        longest = max(int(batch.lengths.max()) if batch.lengths.numel() else 0, 1)  # read on the host: no sync
+        longest = padded_length(max(int(batch.lengths.max()) if batch.lengths.numel() else 0, 1))  # on the host
         scales, channel_scales = batch.scales, batch.channel_scales
         lengths = move(batch.lengths)
         tokens = pad_packed(  # read only to be padded into new memory: moved without `move`'s CPU copy
@@ -224,8 +225,8 @@ class TrainStep:
         self.device = device
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         self.normalise = Normalise().to(device)
-        # A compiled predictor sees one caption length: the config's longest.
-        self.words = cfg.max_words if cfg.compile else None
+        # A compiled predictor sees one caption length: the config's longest, rounded as every padded length is.
+        self.words = padded_length(cfg.max_words) if cfg.compile else None
         self.masked = cfg.context_equalise == "pad"  # cut: rows are never padded, attention needs no mask
 
     def text(self, mb: DeviceBatch) -> TextBatch | None:
