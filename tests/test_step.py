@@ -124,3 +124,34 @@ def test_on_the_cpu_batches_reach_the_step_unchanged_and_one_ahead():
             assert mb.images_with_text == host.images_with_text()
         seen.append(i)
     assert seen == [0, 1, 2]
+
+
+def _block_input_dtypes(cfg: TrainConfig, model: torch.nn.Module, target: torch.nn.Module) -> set[torch.dtype]:
+    """The dtypes of the residual stream each encoder and predictor block took in one training step."""
+    seen: set[torch.dtype] = set()
+    blocks = [*model.encoder.blocks, *model.predictor.blocks]
+    hooks = [b.register_forward_pre_hook(lambda _, args: seen.add(args[0].dtype)) for b in blocks]
+    train_steps(cfg, model, target, [step_batch(0, cfg)])
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def test_under_fsdp_with_bf16_parameters_the_residual_stream_stays_float32_as_in_one_process(tmp_path):
+    """FSDP2 gathers bf16 parameters; autocast casts for the matmuls, as in one process (and under DDP), where the
+    residual stream between blocks stays float32. Blocks that cast their inputs (FSDP's default) would take it in
+    bf16. A one-process gloo group: FSDP's hooks run as on many."""
+    import torch.distributed as dist
+
+    from train.parallel import shard
+
+    cfg = TrainConfig(**{**STEP_CONFIG.__dict__, "bf16": True})
+    torch.manual_seed(0)
+    model, target = build_models(ModelConfig.of(cfg), STEP_TEXT_DIM)
+    assert _block_input_dtypes(cfg, copy.deepcopy(model), copy.deepcopy(target)) == {torch.float32}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        shard(model, target, cfg, torch.device("cpu"))
+        assert _block_input_dtypes(cfg, model, target) == {torch.float32}
+    finally:
+        dist.destroy_process_group()

@@ -70,7 +70,11 @@ def shard(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torc
         mesh = init_device_mesh(device.type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=torch.float32)
+    # Inputs are not cast: cast, every block would take and return the residual stream in bf16, where DDP (autocast
+    # over float32 weights) keeps it in float32. Autocast does the casting for the matmuls in both.
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     for root, blocks in ((model, [*model.encoder.blocks, *model.predictor.blocks]), (target, list(target.blocks))):
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)

@@ -48,7 +48,7 @@ from torch import nn
 
 from train.choices import CONDITIONERS, CONDITIONING, POOLING
 from train.losses import patch_word_cosine
-from train.vit import LN_EPS, MLP, SelfAttention, init_weights, scale_residual_outputs, sincos_2d
+from train.vit import LN_EPS, MLP, LayerNorm, SelfAttention, init_weights, scale_residual_outputs, sincos_2d
 
 
 @dataclass
@@ -206,11 +206,11 @@ class PredictorBlock(nn.Module):
         self, dim: int, heads: int, mlp_ratio: float, cross: bool, pool: str, conditioner: str = "paper"
     ) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.norm1 = LayerNorm(dim, eps=LN_EPS)
         self.attn = SelfAttention(dim, heads)
         self.cross = TextCrossAttention(dim, heads, conditioner) if cross else None
-        self.norm_cross = nn.LayerNorm(dim, eps=LN_EPS) if cross else None
-        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.norm_cross = LayerNorm(dim, eps=LN_EPS) if cross else None
+        self.norm2 = LayerNorm(dim, eps=LN_EPS)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
         self.pool = pool
 
@@ -281,7 +281,7 @@ class Predictor(nn.Module):
         self.cross = TextKeysValues(text_width, width, depth, bias=conditioner == "mha") if cross else None
         self.text_embed = nn.Linear(text_width, width) if conditioning == "sequence" else None
         self.text_type = nn.Parameter(torch.zeros(1, 1, width)) if conditioning == "sequence" else None
-        self.norm = nn.LayerNorm(width, eps=LN_EPS)
+        self.norm = LayerNorm(width, eps=LN_EPS)
         self.proj = nn.Linear(width, encoder_width)
         init_weights(self)
         nn.init.trunc_normal_(self.mask_token, std=0.02)

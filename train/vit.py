@@ -23,6 +23,16 @@ from train.choices import VIT_SIZES
 LN_EPS = 1e-6
 
 
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` whose scale and shift are raised to the input's precision when theirs is lower: FSDP2 gathers
+    bf16 parameters while the residual stream stays float32, as under DDP. CUDA's autocast runs layer norms in
+    float32 anyway; the CPU's does not, and the CPU kernel refuses a float32 input with bf16 parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(self.weight.dtype, x.dtype)
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(dtype), self.bias.to(dtype), self.eps)
+
+
 def sincos_1d(dim: int, positions: torch.Tensor) -> torch.Tensor:
     """`[len(positions), dim]` sin-cos embedding of 1-D positions (dim even)."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2))
@@ -73,9 +83,9 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.norm1 = LayerNorm(dim, eps=LN_EPS)
         self.attn = SelfAttention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim, eps=LN_EPS)
+        self.norm2 = LayerNorm(dim, eps=LN_EPS)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,7 +134,7 @@ class VisionTransformer(nn.Module):
         self.patch_embed = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size)
         self.register_buffer("pos_embed", sincos_2d(width, self.grid), persistent=False)
         self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio) for _ in range(depth))
-        self.norm = nn.LayerNorm(width, eps=LN_EPS)
+        self.norm = LayerNorm(width, eps=LN_EPS)
         init_weights(self)
         scale_residual_outputs(self.blocks)
 
