@@ -43,7 +43,7 @@ from train.optim import make_optimizer
 from train.parallel import wrap_models
 from train.runtime import precision_on
 from train.schedules import WarmupCosine
-from train.step import TrainStep, on_device, use_tensor_cores
+from train.step import TrainStep, choose_cuda_kernels, on_device
 
 # Dense bf16 peak per GPU, by name as torch reports it.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        use_tensor_cores()
+        choose_cuda_kernels()
     elif args.dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.in_torchrun:

@@ -24,7 +24,7 @@ from pipeline.core import logs
 from pipeline.core.devices import native_bf16, resolve_device
 from pipeline.core.errors import DataProblem, UserError
 from train.config import TrainConfig
-from train.step import use_tensor_cores
+from train.step import choose_cuda_kernels
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,7 +69,7 @@ def start_runtime(cfg: TrainConfig) -> Runtime:
     device = resolve_device(cfg.device, local_rank())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        use_tensor_cores()
+        choose_cuda_kernels()
     control = None
     if world > 1:
         if not dist.is_initialized():
