@@ -401,7 +401,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     from train.config import ModelConfig
     from train.data import mask_config
     from train.jepa import build_models, ema_update
-    from train.masks import sample_masks
+    from train.masks import padded_length, sample_masks
     from train.optim import param_groups
     from train.predictor import TextBatch
 
@@ -435,7 +435,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     s = 0
     if mode.conditioning != "none":
         lengths = lengths8[:, : mode.captions]
-        s = args.words  # padded to the longest a caption may be, as the loader does
+        s = padded_length(args.words)  # padded to the longest a caption may be, as the trainer does under compile
         tokens = rng.standard_normal((cfg.batch_size, mode.captions, s, args.text_dim)).astype(np.float16)
         tokens *= (np.arange(s) < lengths[..., None])[..., None]
         text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64))).to(device, dtype=dtype)

@@ -34,10 +34,10 @@ from train.choices import CONTEXT_EQUALISE
 _MASK_STREAM = 0x6D61736B  # "mask"
 # Redraws of the positions of images whose context is under `min_context`.
 _MAX_TRIES = 50
-# Padded sequences (contexts, captions) are padded to a multiple of this: attention kernels on GPUs want aligned
-# lengths (tensor-core tiles; masked attention at odd lengths has failed under compile, pytorch#121943, #124289),
-# and fewer distinct lengths mean fewer shapes for a compiled graph. The padding is masked out, so nothing changes
-# but the shapes.
+# Padded sequences (the encoder's contexts, captions) are padded to a multiple of this: attention kernels on GPUs
+# want aligned lengths (tensor-core tiles; masked attention at odd lengths has failed under compile,
+# pytorch#121943, #124289), and fewer distinct lengths mean fewer shapes for a compiled graph. The padding is masked
+# out, so nothing changes but the shapes. The predictor's sequences (context and one target block) are not rounded.
 LENGTH_MULTIPLE = 8
 
 

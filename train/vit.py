@@ -29,8 +29,12 @@ class LayerNorm(nn.LayerNorm):
     float32 anyway; the CPU's does not, and the CPU kernel refuses a float32 input with bf16 parameters."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(self.weight.dtype, x.dtype)
-        return F.layer_norm(x, self.normalized_shape, self.weight.to(dtype), self.bias.to(dtype), self.eps)
+        weight: torch.Tensor | None = self.weight
+        bias: torch.Tensor | None = self.bias
+        if weight is not None and weight.dtype != x.dtype:
+            dtype = torch.promote_types(weight.dtype, x.dtype)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 def sincos_1d(dim: int, positions: torch.Tensor) -> torch.Tensor:
