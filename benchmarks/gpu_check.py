@@ -83,7 +83,8 @@ class Shapes:
     compile_backend: str = "inductor"
 
 
-FULL = Shapes(224, 16, 64, 8, 128, 1024, warmup=3, timed=10, smoke_steps=100, overrides={})
+# Batch 128 per GPU, as a run would use it: at 64 an H200 waits on the host (docs/development.md, "On a GPU").
+FULL = Shapes(224, 16, 128, 8, 128, 1024, warmup=3, timed=10, smoke_steps=100, overrides={})
 DRY = Shapes(
     32,
     8,
