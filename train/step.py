@@ -306,7 +306,7 @@ def choose_cuda_kernels() -> None:
     """TF32 for float32 matmuls and convolutions on CUDA (all of them without `bf16`, and those autocast keeps in
     float32 with it), and no cuDNN attention: our attentions take a key mask whose length changes every step, and
     cuDNN's SDPA builds a plan per new shape. On an H200 a compiled ViT-B/16 step on fresh masks took 100 ms with it
-    and 39 ms with the memory-efficient kernel SDPA falls back to (docs/development.md, "On a GPU")."""
+    and 39 ms with the kernel SDPA falls back to (docs/development.md, "On a GPU")."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.enable_cudnn_sdp(False)
