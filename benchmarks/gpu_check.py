@@ -1,19 +1,25 @@
 """The GPU check: the trainer's own step on synthetic tensors, for the day a GPU is lent (`benchmarks/gpu_check.sh`).
 
 Needs torch and the project's model and step modules only (no store, no images, no text model: zarr, numcodecs,
-datasets and vllm are never imported), so it runs on a bare CUDA machine. One JSON line per figure, on stdout and,
-when $OUT (or --out) is set, in `$OUT/gpu_check.jsonl`:
+datasets and vllm are never imported), so it runs on a bare CUDA machine. It comes in phases (PHASES; `--list`
+prints them with their expected time, each under 4 minutes cold on one H200), so that a device lent for 15 minutes
+runs them all with time to rerun one; `--phase A B` runs some, by default all. ViT-B/16 at 224, batch 128 per
+GPU, captions N=8 × 128 words of width 1024. One JSON line per figure, on stdout and, when $OUT (or --out) is set, in
+`$OUT/gpu_check.jsonl`, and a `phase` line with each phase's seconds:
 
-- `throughput`: images/s, MFU (FLOPs of one step counted by `FlopCounterMode` on the shapes computed, padding
-  included, over the step's time and the GPU's dense bf16 peak) and peak memory, ViT-B/16 at 224, captions
-  N=8 × 128 words of width 1024: `none` and `cross` `before_mlp` compiled; `cross` `after_mlp` and ViT-L/16
-  uncompiled; the host syncs counted in one step (CUDA's sync debug mode: 0 is the goal);
+- `throughput` lines (phases `throughput`, `variants`, `options`): images/s; MFU on the FLOPs computed
+  (`FlopCounterMode` on the shapes run, padding included) and on the useful ones (the analytic count at each image's
+  real lengths over the padded one); peak allocated and reserved memory; graphs compiled, graph breaks and
+  recompiles during the timed steps (fresh masks every step: 0 is the goal); the host syncs of one step (CUDA's sync
+  debug mode: 0 is the goal);
+- `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
+  predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds;
 - `smoke`: 100 compiled training steps over a few fixed batches: the loss must fall;
 - `torchrun`: one process under `torchrun` with NCCL, two steps with DDP and two with FSDP2, and a sharded
   checkpoint written and read back.
 
 `--dry-run` does all of it on the CPU with tiny shapes, a few steps, gloo, and torch.compile's `aot_eager` backend
-(a test runs it). Exit status 1 when a check fails. Under 5 minutes on one H200.
+(a test runs it). Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +45,7 @@ from benchmarks.common import ROOT
 from train.config import ModelConfig, TrainConfig
 from train.data import Batch, mask_config
 from train.jepa import build_models
-from train.masks import sample_masks
+from train.masks import padded_length, sample_masks
 from train.optim import make_optimizer
 from train.parallel import wrap_models
 from train.runtime import precision_on
@@ -51,21 +58,61 @@ PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 
 @dataclass(frozen=True)
 class Spec:
-    """One throughput measurement."""
+    """One throughput measurement: a model, a text mode, compiled or not, the caption codec, and TrainConfig fields
+    that set an option (activation checkpointing, accumulation, predictor heads)."""
 
     name: str
     model: str
     conditioning: str
     pool: str
     compiled: bool
+    codec: str = "float16"  # the store's: float16, or int8 with per-token and per-channel scales
+    options: tuple[tuple[str, object], ...] = ()
 
 
-SPECS = [
-    Spec("vit_b16_none_compiled", "vit_base", "none", "before_mlp", True),
-    Spec("vit_b16_cross8_before_mlp_compiled", "vit_base", "cross", "before_mlp", True),
-    Spec("vit_b16_cross8_after_mlp", "vit_base", "cross", "after_mlp", False),
-    Spec("vit_l16_cross8_before_mlp", "vit_large", "cross", "before_mlp", False),
-]
+NONE = Spec("vit_b16_none_compiled", "vit_base", "none", "before_mlp", True)
+CROSS = Spec("vit_b16_cross8_before_mlp_compiled", "vit_base", "cross", "before_mlp", True)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A separate command (`--phase NAME`): one device call runs one or a few, each under 4 minutes cold."""
+
+    about: str
+    expected_s: int  # on one H200, cold (compilation included), process start excluded
+    specs: tuple[Spec, ...] = ()
+
+
+PHASES = {
+    "throughput": Phase(
+        "ViT-B/16 none and cross before_mlp compiled; cross with float16 and with int8 captions",
+        150,
+        (NONE, CROSS, replace(CROSS, name=CROSS.name + "_int8", codec="int8")),
+    ),
+    "variants": Phase(
+        "cross compiled after_mlp, and compiled ViT-L/16",
+        180,
+        (
+            Spec("vit_b16_cross8_after_mlp_compiled", "vit_base", "cross", "after_mlp", True),
+            Spec("vit_l16_cross8_before_mlp_compiled", "vit_large", "cross", "before_mlp", True),
+        ),
+    ),
+    "options": Phase(
+        "cross compiled: the default beside activation checkpointing, accumulation 2 and predictor_heads 6",
+        200,
+        (
+            CROSS,
+            replace(CROSS, name=CROSS.name + "_checkpointed", options=(("checkpoint_activations", True),)),
+            replace(CROSS, name=CROSS.name + "_accum2", options=(("accum_steps", 2),)),
+            replace(CROSS, name=CROSS.name + "_predictor_heads6", options=(("predictor_heads", 6),)),
+        ),
+    ),
+    "profile": Phase("cross compiled: device time per step by part (encoders, predictor, regularisers, ...)", 60),
+    "smoke": Phase("100 compiled training steps on 4 fixed batches: the loss must fall", 80),
+    "torchrun": Phase("one process under torchrun, NCCL: DDP and FSDP2 steps, a sharded checkpoint round trip", 60),
+}
+# The step's parts, as train.jepa, train.objective and train.step label them for a profiler.
+PARTS = ("target_encoder", "context_encoder", "predictor", "regularisers", "backward", "optimizer", "ema")
 
 
 @dataclass(frozen=True)
@@ -95,7 +142,7 @@ DRY = Shapes(
     warmup=1,
     timed=2,
     smoke_steps=30,
-    overrides=dict(width=64, depth=2, heads=2, predictor_width=32, predictor_depth=2, predictor_heads=2),
+    overrides=dict(width=64, depth=2, heads=2, predictor_width=48, predictor_depth=2, predictor_heads=2),
     # Dynamo's capture (whole graphs, lengths marked dynamic) and AOTAutograd as on the GPU; not inductor, whose CPU
     # code generation (C++, ~75 s cold per graph set here) is nothing the GPU's Triton path runs
     compile_backend="aot_eager",
@@ -116,27 +163,41 @@ def config(spec: Spec, shapes: Shapes) -> TrainConfig:
         min_context=4,
         warmup_steps=10,
         steps=shapes.smoke_steps,
-        **shapes.overrides,
+        **{**shapes.overrides, **dict(spec.options)},
     )
 
 
 def synthetic_batch(
-    cfg: TrainConfig, grid: tuple[int, int], step: int, text_dim: int | None, missing: float = 0.0
+    cfg: TrainConfig,
+    grid: tuple[int, int],
+    step: int,
+    text_dim: int | None,
+    missing: float = 0.0,
+    codec: str = "float16",
 ) -> Batch:
     """A host batch as the loader makes it for `step`: random pixels, the step's masks for the global batch, and
-    (with `text_dim`) N captions per image of random token vectors, float16, packed back to back; a `missing` share
-    of the images has no caption, and others lack some."""
+    (with `text_dim`) N captions per image of random token vectors packed back to back, float16 or int8 with
+    per-token and per-channel scales as an int8 store holds them; a `missing` share of the images has no caption, and
+    others lack some."""
     rng = np.random.default_rng([cfg.seed, step])
     b, n = cfg.batch_size, cfg.captions_per_image
     masks = sample_masks(mask_config(cfg), grid, cfg.seed, step, b)
     images = torch.from_numpy(rng.integers(0, 256, (b, 3, cfg.image_size, cfg.image_size), dtype=np.uint8))
-    tokens = lengths = None
+    tokens = lengths = scales = channel_scales = None
     if text_dim is not None:
         words = rng.integers(max(cfg.max_words // 2, 1), cfg.max_words + 1, (b, n))
         words[:, 1:][rng.random((b, n - 1)) < 0.25] = 0  # some images have fewer captions
         words[rng.random(b) < missing] = 0
         packed = rng.standard_normal((int(words.sum()), text_dim), dtype=np.float32)
-        tokens, lengths = torch.from_numpy(packed.astype(np.float16)), torch.from_numpy(words.astype(np.int64))
+        lengths = torch.from_numpy(words.astype(np.int64))
+        if codec == "int8":
+            from embedding_cache.codec import quantize_int8
+
+            channel = rng.uniform(0.5, 2.0, text_dim).astype(np.float32)
+            quantized, per_token = quantize_int8(packed * channel, channel)
+            tokens, scales, channel_scales = map(torch.from_numpy, (quantized, per_token, channel))
+        else:
+            tokens = torch.from_numpy(packed.astype(np.float16))
     return Batch(
         images,
         torch.from_numpy(masks.context),
@@ -145,14 +206,19 @@ def synthetic_batch(
         tokens,
         lengths,
         0,
+        scales=scales,
+        channel_scales=channel_scales,
     )
 
 
 class Rig:
     """Models, optimizer and step for one config on `device` (wrapped for DDP/FSDP when a process group is up)."""
 
-    def __init__(self, cfg: TrainConfig, shapes: Shapes, device: torch.device, count_flops: bool = False) -> None:
+    def __init__(
+        self, cfg: TrainConfig, shapes: Shapes, device: torch.device, count_flops: bool = False, codec: str = "float16"
+    ) -> None:
         torch.manual_seed(cfg.seed)
+        self.codec = codec
         self.cfg = cfg = precision_on(cfg, device)
         self.text_dim = shapes.text_dim if cfg.conditioning != "none" else None
         self.device = device
@@ -169,7 +235,7 @@ class Rig:
 
     def batches(self, steps: range, missing: float = 0.0) -> list[Batch]:
         """The steps' batches on the host, pinned on CUDA as the trainer's loader hands them over."""
-        made = [synthetic_batch(self.cfg, self.grid, s, self.text_dim, missing) for s in steps]
+        made = [synthetic_batch(self.cfg, self.grid, s, self.text_dim, missing, self.codec) for s in steps]
         return [b.pin_memory() for b in made] if self.device.type == "cuda" else made
 
     def _count_flops(self) -> int:
@@ -220,17 +286,51 @@ def host_syncs(rig: Rig, batch: Batch) -> int | None:
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
+def compile_counts() -> tuple[int, int, int]:
+    """(frames Dynamo compiled, graphs it made, graph breaks) since its counters were last cleared."""
+    from torch._dynamo.utils import counters
+
+    return (counters["frames"]["total"], counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+
+
+def useful_share(rig: Rig, batches: list[Batch]) -> float:
+    """FLOPs at each image's real context length and mean caption length over FLOPs at the padded shapes the step
+    computes, both counted analytically (`benchmarks/train_step.py`'s count), over `batches`."""
+    from benchmarks.train_step import Mode, analytic_flops
+
+    cfg = rig.cfg
+    captions = cfg.captions_per_image if rig.text_dim else 0
+    mode = Mode(cfg.conditioning, captions, cfg.pool, cfg.context_equalise)
+    count = partial(analytic_flops, cfg, mode, rig.model.encoder, rig.model.predictor, text_dim=rig.text_dim or 0)
+    useful = computed = 0.0
+    for batch in batches:
+        m, lt = batch.targets.shape[1:]
+        words = np.zeros(len(batch))
+        padded_words = 0
+        if batch.lengths is not None:
+            words = batch.lengths.double().mean(dim=1).numpy()
+            padded_words = rig.step.words or padded_length(int(batch.lengths.max()))
+        computed += count(lc=batch.context.shape[1], lt=lt, m=m, s=padded_words)["step"]
+        real = zip(batch.context_lengths.tolist(), words)
+        useful += float(np.mean([count(lc=int(n), lt=lt, m=m, s=float(w))["step"] for n, w in real]))
+    return useful / computed
+
+
 def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
+    from torch._dynamo.utils import counters
+
     cfg = config(spec, shapes)
-    rig = Rig(cfg, shapes, device, count_flops=True)
+    rig = Rig(cfg, shapes, device, count_flops=True, codec=spec.codec)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     batches = rig.batches(range(shapes.warmup + shapes.timed))
+    counters.clear()
     start = time.perf_counter()
     rig.run(batches[: shapes.warmup], lr=False)
     synchronize(device)
     warmup_s = time.perf_counter() - start
+    frames, graphs, breaks = compile_counts()
     times = []
     for batch in batches[shapes.warmup :]:
         start = time.perf_counter()
@@ -239,23 +339,77 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
+    mfu = rig.flops_per_step / seconds / peak if peak else None
+    useful = useful_share(rig, batches[shapes.warmup :])
+    cuda = device.type == "cuda"
     result = {
         "check": "throughput",
         "config": spec.name,
         "compiled": spec.compiled,
         "batch": shapes.batch,
+        "codec": spec.codec if rig.text_dim else None,
+        "options": dict(spec.options),
         "s_per_step": round(seconds, 5),
         "images_per_s": round(shapes.batch / seconds, 1),
         "gflop_per_step": round(rig.flops_per_step / 1e9, 3),
-        "mfu": round(rig.flops_per_step / seconds / peak, 4) if peak else None,
+        "mfu": round(mfu, 4) if mfu is not None else None,  # on the FLOPs computed, padding included
+        "useful_over_computed_flops": round(useful, 3),
+        "mfu_useful": round(mfu * useful, 4) if mfu is not None else None,
         "warmup_s": round(warmup_s, 1),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "graphs_compiled": graphs,
+        "graph_breaks": breaks,
+        "recompiles_in_timed_steps": compile_counts()[0] - frames,  # fresh masks each step: 0 is the goal
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if cuda else None,
         "host_syncs_per_step": host_syncs(rig, batches[-1]),
     }
     del rig
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profile(shapes: Shapes, device: torch.device, steps: int = 3) -> dict:
+    """A profile of `steps` compiled `cross` steps, split by the parts the trainer labels (PARTS): on CUDA the device
+    time of the kernels each launched, per step, and the kernels no label holds (the backward's among them: autograd
+    runs them on its own thread); on the CPU each part's time (which includes its backward)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    cuda = device.type == "cuda"
+    rig = Rig(config(CROSS, shapes), shapes, device)
+    batches = rig.batches(range(shapes.warmup + steps))
+    rig.run(batches[: shapes.warmup], lr=False)
+    synchronize(device)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    start = time.perf_counter()
+    with profiler(activities=activities) as prof:
+        rig.run(batches[shapes.warmup :], lr=False)
+        synchronize(device)
+    wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    labels = {e.key: e for e in events if e.key in PARTS and e.device_type == DeviceType.CPU}
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", 0)]
+        parts = {k: e.device_time_total / 1e3 / steps for k, e in labels.items()}
+        total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+        parts["unlabelled"] = total - sum(parts.values())
+    else:
+        parts = {k: e.cpu_time_total / 1e3 / steps for k, e in labels.items()}
+        total = None
+    missing = [p for p in PARTS if p not in labels]
+    return {
+        "check": "profile",
+        "config": CROSS.name,
+        "steps": steps,
+        "time": "device" if cuda else "cpu",
+        "ms_per_step": {k: round(v, 3) for k, v in parts.items()},
+        "device_ms_per_step": round(total, 3) if total is not None else None,
+        "wall_ms_per_step": round(wall * 1e3, 3),
+        "ok": not missing,
+        "missing_parts": missing,
+    }
 
 
 def smoke(shapes: Shapes, device: torch.device) -> dict:
@@ -348,13 +502,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, a few steps, gloo")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for gpu_check.jsonl (default: $OUT)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "smoke", "torchrun"])
+    parser.add_argument(
+        "--phase", nargs="+", choices=list(PHASES), default=list(PHASES), help="the phases to run (default: all)"
+    )
+    parser.add_argument("--list", action="store_true", help="print the phases and their expected time, then exit")
     parser.add_argument("--in-torchrun", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+def list_phases() -> None:
+    for name, phase in PHASES.items():
+        print(f"{name:<11} ~{phase.expected_s:>3} s  {phase.about}")
+    print(f"all        ~{sum(p.expected_s for p in PHASES.values()):>3} s  (one H200, cold; ~10 s more per command)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list:
+        list_phases()
+        return 0
     shapes = DRY if args.dry_run else FULL
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
@@ -368,17 +534,20 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out)
     report({"check": "environment", "torch": torch.__version__, "device": gpu_name(device), "dry_run": args.dry_run})
     ok = True
-    if "throughput" not in args.skip:
-        for spec in SPECS:
-            report(throughput(spec, shapes, device))
-    if "smoke" not in args.skip:
-        result = smoke(shapes, device)
-        ok &= result["ok"]
-        report(result)
-    if "torchrun" not in args.skip:
-        result = run_torchrun(args.dry_run)
-        ok &= bool(result.get("ok"))
-        report(result)
+    for name in args.phase:
+        start = time.perf_counter()
+        if name == "smoke":
+            results = [smoke(shapes, device)]
+        elif name == "torchrun":
+            results = [run_torchrun(args.dry_run)]
+        elif name == "profile":
+            results = [profile(shapes, device)]
+        else:
+            results = [throughput(spec, shapes, device) for spec in PHASES[name].specs]
+        for result in results:
+            ok &= bool(result.get("ok", True))
+            report(result)
+        report({"check": "phase", "phase": name, "seconds": round(time.perf_counter() - start, 1)})
     report({"check": "done", "ok": ok})
     return 0 if ok else 1
 

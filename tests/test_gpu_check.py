@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from benchmarks import gpu_check
 from tests.support.repo import REPO
 
 # Installed as sitecustomize in every Python process of the check (the torchrun one too).
@@ -50,16 +51,31 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()]
-    assert [r["check"] for r in records] == ["environment", *["throughput"] * 4, "smoke", "torchrun", "done"]
     assert proc.stdout.splitlines() == [json.dumps(r) for r in records]
-    throughput = {r["config"]: r for r in records if r["check"] == "throughput"}
-    assert [c for c, r in throughput.items() if r["compiled"]] == [
-        "vit_b16_none_compiled",
-        "vit_b16_cross8_before_mlp_compiled",
-    ]
-    for r in throughput.values():
+    phases = [r["phase"] for r in records if r["check"] == "phase"]
+    assert phases == list(gpu_check.PHASES)  # every phase, in order, each closed by its time
+    assert records[0]["check"] == "environment" and records[-1] == {"check": "done", "ok": True}
+    throughput = [r for r in records if r["check"] == "throughput"]
+    assert [r["config"] for r in throughput] == [s.name for p in gpu_check.PHASES.values() for s in p.specs]
+    for r in throughput:
         assert r["images_per_s"] > 0 and r["gflop_per_step"] > 0 and r["mfu"] is None  # no peak FLOPs on a CPU
-    smoke, torchrun, done = records[-3:]
+        assert 0 < r["useful_over_computed_flops"] < 1  # the synthetic batches carry padding
+        assert r["graph_breaks"] == 0 and r["recompiles_in_timed_steps"] == 0  # fresh masks every timed step
+    by_name = {r["config"]: r for r in throughput}
+    assert by_name["vit_b16_cross8_before_mlp_compiled_int8"]["codec"] == "int8"
+    assert by_name["vit_b16_cross8_before_mlp_compiled_accum2"]["options"] == {"accum_steps": 2}
+    (profile,) = [r for r in records if r["check"] == "profile"]
+    assert profile["ok"] and set(profile["ms_per_step"]) == set(gpu_check.PARTS)
+    assert all(v > 0 for v in profile["ms_per_step"].values())  # each label is reached in a step
+    (smoke,) = [r for r in records if r["check"] == "smoke"]
     assert smoke["ok"] and smoke["loss_last"] < smoke["loss_first"] and smoke["steps"] == 30
+    (torchrun,) = [r for r in records if r["check"] == "torchrun"]
     assert torchrun["ok"] and torchrun["backend"] == "gloo" and torchrun["fsdp_checkpoint_roundtrip"]
-    assert done["ok"]
+
+
+def test_the_phases_are_listed_with_times_that_fit_a_device_call(capsys):
+    assert gpu_check.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [*gpu_check.PHASES, "all"]
+    assert all(phase.expected_s <= 240 for phase in gpu_check.PHASES.values())  # ≤ 4 minutes cold each
+    assert gpu_check.parse_args(["--phase", "smoke", "torchrun"]).phase == ["smoke", "torchrun"]

@@ -11,6 +11,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from train.choices import VIT_SIZES
 from train.config import ModelConfig
@@ -36,8 +37,10 @@ class JEPA(nn.Module):
         text: TextBatch | None,
         context_valid: torch.Tensor | None = None,
     ) -> PredictorOutput:
-        context = self.encoder(images, keep=context_idx, keep_valid=context_valid)
-        out = self.predictor(context, context_idx, target_idx, text, context_valid)
+        with record_function("context_encoder"):  # the labels a profile splits the step by (gpu_check's)
+            context = self.encoder(images, keep=context_idx, keep_valid=context_valid)
+        with record_function("predictor"):
+            out = self.predictor(context, context_idx, target_idx, text, context_valid)
         out.context = context
         return out
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from train.config import TrainConfig, resolved_predictor_heads
 from train.losses import prediction_loss, sigreg, target_features, text_regularisers
@@ -63,7 +64,7 @@ def compute_losses(
 
     `context_valid` bool `[B, Lc]` marks real context patches when contexts are padded to one length.
     """
-    with torch.no_grad():
+    with torch.no_grad(), record_function("target_encoder"):
         targets = target_features(target_encoder(images), target_idx)
     out = model(images, context_idx, target_idx, text, context_valid)
     predict = prediction_loss(out.prediction, targets, cfg.loss)
@@ -75,15 +76,16 @@ def compute_losses(
     extra = zero if anti_collapse is None else cfg.sigreg * anti_collapse
     if not out.queries or text is None:
         return StepLosses(predict + extra, predict, zero, zero, None, sigreg=anti_collapse)
-    regs = text_regularisers(
-        out.queries,
-        out.keys,
-        text.word_mask,
-        text.valid,
-        out.token_valid,
-        cosine=cfg.regulariser_cosine,
-        heads=resolved_predictor_heads(cfg),
-    )
+    with record_function("regularisers"):
+        regs = text_regularisers(
+            out.queries,
+            out.keys,
+            text.word_mask,
+            text.valid,
+            out.token_valid,
+            cosine=cfg.regulariser_cosine,
+            heads=resolved_predictor_heads(cfg),
+        )
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency + extra
     return StepLosses(
         total, predict, regs.sparse, regs.consistency, regs.positive_fraction, regs.pairs, out, anti_collapse

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from train.config import TrainConfig
 from train.data import Normalise
@@ -289,16 +290,19 @@ class TrainStep:
             with _reduce_gradients(self.module, now=i == len(micro) - 1):
                 losses = self.losses(self.module, mb, self.text(mb), directions)
                 share = losses.weighted(len(mb) / images, text_share, self.cfg)
-                share.total.backward()
+                with record_function("backward"):  # on CUDA the kernels run on autograd's thread, outside it
+                    share.total.backward()
             sig = share.sigreg if share.sigreg is not None else share.predict.new_zeros(())
             parts += torch.stack([share.total, share.predict, share.sparse, share.consistency, sig]).detach().float()
         if self.cfg.grad_clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
+        with record_function("optimizer"):
+            self.optimizer.step()
         reshard = getattr(self.target, "reshard", None)
         if reshard is not None:  # FSDP: the target's forward left its full parameters; the EMA works on shards
             reshard()
-        ema_update(self.target, self.model.encoder, momentum)
+        with record_function("ema"):
+            ema_update(self.target, self.model.encoder, momentum)
         return parts
 
 
