@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.commands import run_command, tcjepa, torchrun
 from tests.support.processes import finish, start
-from tests.support.training import EXACT_STEPS, assert_close_runs, metrics, train_args
+from tests.support.training import EXACT_CLIP, EXACT_STEPS, assert_close_runs, metrics, train_args
 from train.checkpoint import LATEST, SHARDED, load_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -33,6 +33,11 @@ def test_ddp_on_two_processes_equals_one(tmp_path, synth_dir, annotated_cache, a
     run_command(torchrun(*args), timeout=900)
     assert_close_runs(metrics(exact_run), metrics(run))
     assert (run / "checkpoint.pt").exists() and not (run / SHARDED).exists()
+
+
+def test_the_runs_compared_clip_their_gradients_in_some_steps_and_not_in_others(exact_run):
+    norms = [m["grad_norm"] for m in metrics(exact_run) if "grad_norm" in m]
+    assert max(norms) > EXACT_CLIP > min(norms), norms
 
 
 def _shard_sizes(run: Path) -> list[int]:

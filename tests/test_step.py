@@ -171,3 +171,24 @@ def test_a_layer_norm_with_bf16_parameters_normalises_a_float32_input_in_float32
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.nn.functional.layer_norm(x, (8,), *rounded, eps=norm.eps))
     assert norm(x.bfloat16()).dtype == torch.bfloat16, "a bf16 input stays bf16, as nn.LayerNorm keeps it"
+
+
+def test_the_step_reports_the_gradient_norm_before_clipping_and_clips_to_grad_clip():
+    def gradients(model: torch.nn.Module) -> torch.Tensor:
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    batches = [step_batch(0)]
+    torch.manual_seed(0)
+    model, target = build_models(ModelConfig.of(STEP_CONFIG), STEP_TEXT_DIM)
+    free = copy.deepcopy(model)
+    (parts,) = train_steps(
+        TrainConfig(**{**STEP_CONFIG.__dict__, "grad_clip": 0.0}), free, copy.deepcopy(target), batches
+    )
+    norm = float(parts[5])
+    assert norm == pytest.approx(float(gradients(free).norm()), rel=1e-5)
+    clipped = copy.deepcopy(model)
+    cfg = TrainConfig(**{**STEP_CONFIG.__dict__, "grad_clip": norm / 4})
+    (parts,) = train_steps(cfg, clipped, copy.deepcopy(target), batches)
+    assert float(parts[5]) == pytest.approx(norm, rel=1e-5), "the norm reported is the one before clipping"
+    assert float(gradients(clipped).norm()) == pytest.approx(norm / 4, rel=1e-4)
+    torch.testing.assert_close(gradients(clipped), gradients(free) / 4, rtol=1e-4, atol=1e-9)

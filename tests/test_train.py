@@ -54,7 +54,7 @@ def test_run_writes_config_index_checkpoint_metrics_and_plot(reference_run):
     assert [m["step"] for m in train] == list(range(1, 13))
     assert [m["step"] for m in val] == [4, 8, 12]
     for m in train:
-        assert set(LOSS_KEYS) | {"lr", "wd", "ema", "images_per_s", "images_replaced"} <= set(m)
+        assert set(LOSS_KEYS) | {"grad_norm", "lr", "wd", "ema", "images_per_s", "images_replaced"} <= set(m)
         assert m["images_replaced"] == 0
         assert m["loss_sparse"] > 0 and m["loss_consistency"] > 0
         assert m["loss"] == pytest.approx(

@@ -181,7 +181,7 @@ class Trainer:
         itself queues its work and moves on.
         """
         cfg, rt = self.cfg, self.rt
-        sums = torch.zeros(6, device=rt.device)  # the step's 5 loss parts, summed; the images replaced
+        sums = torch.zeros(7, device=rt.device)  # the step's 5 loss parts and gradient norm, summed; images replaced
         logged_steps = 0
         tick, images_seen = time.perf_counter(), 0
         self.train_module.train()
@@ -189,8 +189,8 @@ class Trainer:
         batches = on_device(loader, rt.device, cfg.accum_steps)
         try:
             for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
-                sums[:5] += self.step(micro, self._set_schedules(step), step)
-                sums[5] += batch.replaced
+                sums[:6] += self.step(micro, self._set_schedules(step), step)
+                sums[6] += batch.replaced
                 done = step + 1
                 logged_steps += 1
                 images_seen += cfg.batch_size
@@ -215,6 +215,7 @@ class Trainer:
                         "loss_sparse": means[2],
                         "loss_consistency": means[3],
                         **({"loss_sigreg": means[4]} if cfg.sigreg > 0 else {}),
+                        "grad_norm": means[5],  # before clipping (`grad_clip`), the mean over the logged steps
                         "lr": self.lr(step),
                         "wd": self.wd(step),
                         "ema": self.ema(step),

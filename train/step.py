@@ -207,7 +207,7 @@ class TrainStep:
     """The trainer's step: `step(micro_batches, momentum)` does forward and backward of every micro-batch, one AdamW
     update and the EMA of the target encoder; it returns the step's loss parts (total, predict, sparse, consistency,
     sigreg)
-    as a tensor on the device, never read here."""
+    and the gradient norm as a tensor on the device, never read here."""
 
     def __init__(
         self,
@@ -277,7 +277,7 @@ class TrainStep:
 
     def __call__(self, micro: list[DeviceBatch], momentum: float, step: int = 0) -> torch.Tensor:
         """One optimiser step (`step`: the run's step, which draws SIGReg's directions); returns the loss parts
-        (total, predict, sparse, consistency, sigreg) on the device."""
+        (total, predict, sparse, consistency, sigreg) and the gradient norm before clipping, on the device."""
         images = sum(len(mb) for mb in micro)
         text_shares = self._text_shares(micro)
         parts = torch.zeros(5, device=self.device)
@@ -294,8 +294,9 @@ class TrainStep:
                     share.total.backward()
             sig = share.sigreg if share.sigreg is not None else share.predict.new_zeros(())
             parts += torch.stack([share.total, share.predict, share.sparse, share.consistency, sig]).detach().float()
+        norm = nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.grad_clip, norm)
         with record_function("optimizer"):
             self.optimizer.step()
         reshard = getattr(self.target, "reshard", None)
@@ -303,7 +304,15 @@ class TrainStep:
             reshard()
         with record_function("ema"):
             ema_update(self.target, self.model.encoder, momentum)
-        return parts
+        return torch.cat([parts, whole(norm).reshape(1).float()])
+
+
+def whole(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor. Under FSDP2 the gradients are shards (DTensors), and the norm they give
+    is a DTensor that clipping takes as it is; made whole, every process holds the global norm, as under DDP."""
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def choose_cuda_kernels() -> None:

@@ -24,8 +24,15 @@ TINY_TRAIN = [
 LOSS_KEYS = ("loss", "loss_predict", "loss_sparse", "loss_consistency")
 # The reference run: 12 steps of `cross`, logging every step, validating and checkpointing every 4.
 REFERENCE_STEPS = ["--steps", "12", *sets("log_every=1", "val_every=4", "checkpoint_every=4")]
-# Runs compared across process counts: float32 (bf16 rounds differently per batch split), a checkpoint every 2 steps.
-EXACT_STEPS = ["--steps", "8", *sets("log_every=1", "val_every=4", "checkpoint_every=2", "bf16=false")]
+# Runs compared across process counts: float32 (bf16 rounds differently per batch split), a checkpoint every 2 steps,
+# gradients clipped to a norm that the first steps exceed (~31 to ~9 over the 8 steps), so that clipping on sharded
+# gradients (FSDP, HSDP) is compared too.
+EXACT_CLIP = 12.0
+EXACT_STEPS = [
+    "--steps",
+    "8",
+    *sets("log_every=1", "val_every=4", "checkpoint_every=2", "bf16=false", f"grad_clip={EXACT_CLIP}"),
+]
 
 
 def train_args(images: Path, cache: Path | str | None, store: Path | str | None, run: Path, *extra: object) -> list:
@@ -43,7 +50,7 @@ def assert_close_runs(a: list[dict], b: list[dict]) -> None:
     """Two runs' metrics agree step by step: losses within float32 reduction-order noise, schedules exactly."""
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for x, y in zip(a, b):
-        for key in (*LOSS_KEYS, "val_loss_predict"):
+        for key in (*LOSS_KEYS, "grad_norm", "val_loss_predict"):
             if key in x:
                 assert y[key] == pytest.approx(x[key], rel=1e-3, abs=1e-5), (x["step"], key)
         if "lr" in x:
