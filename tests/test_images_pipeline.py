@@ -214,3 +214,37 @@ def _png(width: int, height: int) -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (width, height), (10, 20, 30)).save(out, format="PNG")
     return out.getvalue()
+
+
+def test_a_device_decoded_jpeg_with_a_corrupt_body_leaves_its_row_a_duplicate_without_captions():
+    """`--decode gpu` on a batch whose third JPEG has a sound header and no body. Here torchvision has no image
+    extension, so the batched decode fails as nvJPEG does on such a file, and each image is decoded alone as the
+    CPU loader decodes it: the sound ones as `crop_resize` makes them, the corrupt one's row another row's pixels,
+    its captions dropped and the row counted."""
+    sound = [scene_jpeg(40, 30, seed=k) for k in range(2)]
+    corrupt = sound[0][: sound[0].index(b"\xff\xda") + 14]  # the header and the scan's, then nothing
+    assert open_image(corrupt)[0] is not None and load_rgb(open_image(corrupt)[0])[0] is None
+    jpegs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in (*sound, corrupt)]
+    boxes = [(2, 3, 38, 27), (0, 0, 40, 30), (0, 0, 40, 30)]
+    encoded = EncodedImages([0, 1, 2], jpegs, boxes, [False, True, False]).packed()
+    lengths = torch.tensor([[3, 2], [4, 0], [2, 5]])
+    batch = Batch(
+        torch.zeros(3, 3, 16, 16, dtype=torch.uint8),
+        torch.zeros(3, 1, dtype=torch.int64),
+        torch.ones(3, dtype=torch.int64),
+        torch.zeros(3, 1, 1, dtype=torch.int64),
+        torch.randn(int(lengths.sum()), 8).half(),
+        lengths,
+        0,
+        encoded=encoded,
+    )
+    moved = to_device(batch, torch.device("cpu"))
+    for row, data in enumerate(sound):
+        im = open_image(data)[0]
+        assert im is not None
+        want = crop_resize(im, im.size, boxes[row], 16, flip=row == 1)
+        assert want is not None
+        torch.testing.assert_close(moved.images[row].float(), want.float(), rtol=0, atol=2, msg=str(row))
+    assert torch.equal(moved.images[2], moved.images[0]), "the unreadable row repeats another row's pixels"
+    assert moved.replaced == 1 and moved.images_with_text == 2 and batch.images_with_text() == 3
+    assert moved.lengths is not None and moved.lengths.tolist() == [[3, 2], [4, 0], [0, 0]]

@@ -643,7 +643,7 @@ def test_a_step_with_sigreg_reports_it_and_moves_the_context_encoder_towards_it(
         parts.append(torch.stack(train_steps(cfg, model, target, [step_batch(0, cfg)])))
         encoders.append(model.encoder.state_dict())
     assert float(parts[0][0, 4]) == 0.0 and float(parts[1][0, 4]) > 0
-    total, predict, sparse, consistency, anti_collapse = parts[1][0]
+    total, predict, sparse, consistency, anti_collapse, _grad_norm = parts[1][0]
     lam, beta = with_sigreg.lambda_sparse, with_sigreg.beta_consistency
     torch.testing.assert_close(total, predict + lam * sparse + beta * consistency + 1.0 * anti_collapse)
     assert torch.equal(parts[0][0, 1], parts[1][0, 1]), "the same prediction loss before the update"

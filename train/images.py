@@ -14,6 +14,7 @@ are decoded on the CPU as above.
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import dataclass
 
@@ -87,25 +88,65 @@ class EncodedImages:
 _warned = False
 
 
-def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> None:
+def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> list[int]:
     """Fill `images` (uint8 `[b, 3, H, W]` on the device) at `encoded.rows`: one batched decode, then each crop
-    resized there. Should nvJPEG refuse a file (a JPEG variant it lacks), the batch is decoded on the CPU instead,
-    with one line on stderr per process."""
+    resized there. Should the batched decode fail (a JPEG variant nvJPEG lacks, or a sound header over a corrupt
+    body), each image is decoded alone, on the device or else on the CPU as the loader decodes, with one line on
+    stderr per process. Returns the rows no decoder could read: their pixels are another row's, and the caller drops
+    their captions (the loader replaces such an image by the next usable one; here its row stays, as a duplicate
+    without text)."""
     from torchvision.io import ImageReadMode, decode_jpeg
-    from torchvision.transforms.v2.functional import resize
 
     global _warned
+    if images.is_cuda:
+        # torchvision allocates the outputs on this (the copies') stream and decodes on a stream of its own that does
+        # not wait for this one: a block this stream freed while its queued work still reads it must not be written
+        # under it. This stream holds only the batch's copies, so waiting for it costs their transfer time.
+        torch.cuda.current_stream(images.device).synchronize()
     try:
-        decoded = decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=images.device)
+        decoded: list[torch.Tensor | None] = list(
+            decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=images.device)
+        )
     except RuntimeError as exc:
         if not _warned:
             logger.warning(
-                f"--decode gpu: the device decoder failed ({str(exc).splitlines()[0][:80]}); decoding such batches"
-                " on the CPU"
+                f"--decode gpu: the device decoder failed on a batch ({str(exc).splitlines()[0][:80]}); decoding its"
+                " images one by one, on the CPU where the device refuses one"
             )
             _warned = True
-        decoded = [d.to(images.device) for d in decode_jpeg(encoded.data, mode=ImageReadMode.RGB)]
+        decoded = [_decode_one(data, images.device) for data in encoded.data]
     height, width = images.shape[-2:]
-    for row, pixels, (left, top, right, bottom), flip in zip(encoded.rows, decoded, encoded.boxes, encoded.flips):
-        out = resize(pixels[:, top:bottom, left:right], [height, width], antialias=True)
-        images[row] = out.flip(-1) if flip else out
+    unread = []
+    for row, pixels, box, flip in zip(encoded.rows, decoded, encoded.boxes, encoded.flips):
+        if pixels is None:
+            unread.append(row)
+            continue
+        images[row] = _crop_resize_on_device(pixels, box, (height, width), flip)
+    if unread:
+        donor = next((r for r in range(len(images)) if r not in set(unread)), None)
+        if donor is not None:
+            images[unread] = images[donor].clone()
+    return unread
+
+
+def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """One JPEG's pixels (uint8 `[3, h, w]` on `device`): nvJPEG, or else the CPU loader's decoder; None when
+    neither can read it."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        pass
+    decoded, _ = load_rgb(Image.open(io.BytesIO(data.numpy().tobytes())))
+    if decoded is None:
+        return None
+    return torch.from_numpy(np.array(decoded, dtype=np.uint8)).permute(2, 0, 1).to(device)
+
+
+def _crop_resize_on_device(pixels: torch.Tensor, box: Box, size: tuple[int, int], flip: bool) -> torch.Tensor:
+    from torchvision.transforms.v2.functional import resize
+
+    left, top, right, bottom = box
+    out = resize(pixels[:, top:bottom, left:right], list(size), antialias=True)
+    return out.flip(-1) if flip else out

@@ -190,7 +190,7 @@ class Trainer:
         try:
             for step, (batch, micro) in zip(range(self.start_step, cfg.steps), batches):
                 sums[:6] += self.step(micro, self._set_schedules(step), step)
-                sums[6] += batch.replaced
+                sums[6] += batch.replaced + sum(mb.replaced for mb in micro)
                 done = step + 1
                 logged_steps += 1
                 images_seen += cfg.batch_size

@@ -48,6 +48,7 @@ class DeviceBatch:
     tokens: torch.Tensor | None  # float16 [b, N, S, d_text]
     lengths: torch.Tensor | None  # int64 [b, N]
     images_with_text: int  # counted on the host: the regularisers' denominator
+    replaced: int = 0  # rows whose JPEG no decoder could read (`--decode gpu`): another row's pixels, no captions
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -70,10 +71,12 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
         return moved.clone() if moved.data_ptr() == t.data_ptr() and t.is_shared() else moved
 
     images = move(batch.images)
+    unread: list[int] = []
     if batch.encoded is not None:
         from train.images import decode_on_device
 
-        decode_on_device(images, batch.encoded)
+        unread = decode_on_device(images, batch.encoded)
+    images_with_text = batch.images_with_text()
     tokens = lengths = None
     if batch.tokens is not None and batch.lengths is not None:
         longest = padded_length(max(int(batch.lengths.max()) if batch.lengths.numel() else 0, 1))  # on the host
@@ -86,6 +89,10 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
             lengths,
             longest,
         )
+        if unread:  # the row's pixels are another image's: its captions would describe the wrong one
+            images_with_text -= int((batch.lengths[unread].sum(dim=1) > 0).sum())
+            lengths = lengths.clone()  # on the CPU `move` hands back the host batch's own tensor
+            lengths[unread] = 0
     return DeviceBatch(
         images,
         move(batch.context),
@@ -93,7 +100,8 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
         move(batch.targets),
         tokens,
         lengths,
-        batch.images_with_text(),
+        images_with_text,
+        len(unread),
     )
 
 
