@@ -48,3 +48,28 @@ def peak_rss_mb() -> float:
 def print_result(result: dict[str, Any]) -> None:
     """The benchmark's last line: one JSON object."""
     print(json.dumps(result), flush=True)
+
+
+# ImageNet-like shapes: landscape, portrait, and a wider landscape.
+PHOTO_SIZES = ((500, 375), (375, 500), (500, 333))
+
+
+def write_jpegs(
+    folder: Path, n: int, seed: int, sizes: tuple[tuple[int, int], ...] = PHOTO_SIZES, quality: int = 90
+) -> list[Path]:
+    """`n` photo-like JPEGs in `folder` (created): smooth random scenes with texture, taking `sizes` in turn."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True)
+    paths = []
+    for i in range(n):
+        width, height = sizes[i % len(sizes)]
+        coarse = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+        scene = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), np.float32)
+        texture = rng.normal(0, 12, (height, width, 1)) * rng.uniform(0.5, 1.5, (1, 1, 3))
+        path = folder / f"{i:05d}.jpg"
+        Image.fromarray(np.clip(scene + texture, 0, 255).astype(np.uint8)).save(path, quality=quality)
+        paths.append(path)
+    return paths

@@ -12,6 +12,8 @@ GPU, captions N=8 × 128 words of width 1024. One JSON line per figure, on stdou
   real lengths over the padded one); peak allocated and reserved memory; graphs compiled, graph breaks and
   recompiles during the timed steps (fresh masks every step: 0 is the goal); the host syncs of one step (CUDA's sync
   debug mode: 0 is the goal);
+- `input`: the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local disk at start, decoded
+  by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
 - `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
   predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds;
 - `smoke`: 100 compiled training steps over a few fixed batches: the loss must fall;
@@ -41,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT
+from benchmarks.common import PHOTO_SIZES, ROOT, write_jpegs
 from train.config import ModelConfig, TrainConfig
 from train.data import Batch, mask_config
 from train.jepa import build_models
@@ -79,19 +81,19 @@ class Phase:
     """A separate command (`--phase NAME`): one device call runs one or a few, each under 4 minutes cold."""
 
     about: str
-    expected_s: int  # on one H200, cold (compilation included), process start excluded
+    expected_s: int  # on one H200, cold (compilation included), process start excluded: estimated, not yet measured
     specs: tuple[Spec, ...] = ()
 
 
 PHASES = {
     "throughput": Phase(
         "ViT-B/16 none and cross before_mlp compiled; cross with float16 and with int8 captions",
-        150,
+        100,
         (NONE, CROSS, replace(CROSS, name=CROSS.name + "_int8", codec="int8")),
     ),
     "variants": Phase(
         "cross compiled after_mlp, and compiled ViT-L/16",
-        180,
+        120,
         (
             Spec("vit_b16_cross8_after_mlp_compiled", "vit_base", "cross", "after_mlp", True),
             Spec("vit_l16_cross8_before_mlp_compiled", "vit_large", "cross", "before_mlp", True),
@@ -99,7 +101,7 @@ PHASES = {
     ),
     "options": Phase(
         "cross compiled: the default beside activation checkpointing, accumulation 2 and predictor_heads 6",
-        200,
+        130,
         (
             CROSS,
             replace(CROSS, name=CROSS.name + "_checkpointed", options=(("checkpoint_activations", True),)),
@@ -107,9 +109,12 @@ PHASES = {
             replace(CROSS, name=CROSS.name + "_predictor_heads6", options=(("predictor_heads", 6),)),
         ),
     ),
-    "profile": Phase("cross compiled: device time per step by part (encoders, predictor, regularisers, ...)", 60),
-    "smoke": Phase("100 compiled training steps on 4 fixed batches: the loss must fall", 80),
-    "torchrun": Phase("one process under torchrun, NCCL: DDP and FSDP2 steps, a sharded checkpoint round trip", 60),
+    "input": Phase(
+        "ViT-B/16 none: 20 steps of the trainer over JPEGs on local disk, CPU-decoded by its workers, then nvJPEG", 100
+    ),
+    "profile": Phase("cross compiled: device time per step by part (encoders, predictor, regularisers, ...)", 40),
+    "smoke": Phase("100 compiled training steps on 4 fixed batches: the loss must fall", 50),
+    "torchrun": Phase("one process under torchrun, NCCL: DDP and FSDP2 steps, a sharded checkpoint round trip", 40),
 }
 # The step's parts, as train.jepa, train.objective and train.step label them for a profiler.
 PARTS = ("target_encoder", "context_encoder", "predictor", "regularisers", "backward", "optimizer", "ema")
@@ -128,6 +133,10 @@ class Shapes:
     smoke_steps: int
     overrides: dict  # TrainConfig fields that shrink the model (dry run)
     compile_backend: str = "inductor"
+    input_images: int = 512  # JPEGs written for the input phase (its steps cycle over them)
+    input_sizes: tuple[tuple[int, int], ...] = PHOTO_SIZES
+    input_steps: int = 20
+    input_log_every: int = 5  # images/s is logged per window of this many steps; the first window is warm-up
 
 
 # Batch 128 per GPU, as a run would use it: at 64 an H200 waits on the host (docs/development.md, "On a GPU").
@@ -146,6 +155,10 @@ DRY = Shapes(
     # Dynamo's capture (whole graphs, lengths marked dynamic) and AOTAutograd as on the GPU; not inductor, whose CPU
     # code generation (C++, ~75 s cold per graph set here) is nothing the GPU's Triton path runs
     compile_backend="aot_eager",
+    input_images=16,
+    input_sizes=((64, 48), (48, 64)),
+    input_steps=4,
+    input_log_every=1,
 )
 
 
@@ -369,6 +382,57 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     return result
 
 
+def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
+    """The trainer itself (`run_training`, conditioning `none`, no store) for `input_steps` steps over JPEGs written to
+    local disk: its DataLoader workers, pinned copies on a side stream and compiled step, the images decoded by the
+    workers (`decode: cpu`) and then by nvJPEG on the device (`decode: gpu`). images/s of the loop, per log window
+    after the first (compilation, workers starting), beside the synthetic batches of the `throughput` phase."""
+    from train.config import apply, automatic_num_workers
+    from train.loop import run_training
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "images"
+        write_jpegs(folder, shapes.input_images, 0, shapes.input_sizes)
+        for decode in ("cpu", "gpu"):
+            settings = {
+                **shapes.overrides,
+                "images": [str(folder)],
+                "conditioning": "none",
+                "model": "vit_base",
+                "image_size": shapes.image_size,
+                "patch_size": shapes.patch_size,
+                "batch_size": shapes.batch,
+                "steps": shapes.input_steps,
+                "warmup_steps": 2,
+                "log_every": shapes.input_log_every,
+                "val_every": shapes.input_steps,
+                "val_images": 8,
+                "checkpoint_every": shapes.input_steps,
+                "compile": device.type == "cuda",
+                "decode": decode,
+                "device": str(device),
+            }
+            start = time.perf_counter()
+            metrics = run_training(apply(TrainConfig(), settings, "gpu_check"), Path(tmp) / f"run-{decode}", False)
+            windows = [m["images_per_s"] for m in metrics if "images_per_s" in m][1:]
+            out.append(
+                {
+                    "check": "input",
+                    "decode": decode,
+                    "batch": shapes.batch,
+                    "steps": shapes.input_steps,
+                    "images": shapes.input_images,
+                    "loader_workers": automatic_num_workers(len(os.sched_getaffinity(0)), 1),
+                    "images_per_s": round(statistics.median(windows), 1),
+                    "images_per_s_windows": [round(w, 1) for w in windows],
+                    "seconds": round(time.perf_counter() - start, 1),
+                    "ok": len(windows) > 0 and all(w > 0 for w in windows),
+                }
+            )
+    return out
+
+
 def profile(shapes: Shapes, device: torch.device, steps: int = 3) -> dict:
     """A profile of `steps` compiled `cross` steps, split by the parts the trainer labels (PARTS): on CUDA the device
     time of the kernels each launched, per step, and the kernels no label holds (the backward's among them: autograd
@@ -513,7 +577,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def list_phases() -> None:
     for name, phase in PHASES.items():
         print(f"{name:<11} ~{phase.expected_s:>3} s  {phase.about}")
-    print(f"all        ~{sum(p.expected_s for p in PHASES.values()):>3} s  (one H200, cold; ~10 s more per command)")
+    total = sum(p.expected_s for p in PHASES.values())
+    print(f"all        ~{total:>3} s  (one H200, cold, ~10 s more per command; estimates from the first run's 219 s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             results = [run_torchrun(args.dry_run)]
         elif name == "profile":
             results = [profile(shapes, device)]
+        elif name == "input":
+            results = input_path(shapes, device)
         else:
             results = [throughput(spec, shapes, device) for spec in PHASES[name].specs]
         for result in results:

@@ -36,7 +36,7 @@ import torch
 import zarr
 from PIL import Image
 
-from benchmarks.common import print_result  # first: sets the offline environment
+from benchmarks.common import print_result, write_jpegs  # first: sets the offline environment
 from embedding_cache.reader import EmbeddingReader, Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore, TokenLayout
 from embedding_cache.transform import fit_transform
@@ -135,19 +135,7 @@ def caption_reads(args: argparse.Namespace) -> dict[str, Any]:
 
 def jpeg_images(folder: Path, n: int, seed: int) -> list[ImageRef]:
     """`n` ImageNet-like JPEGs (quality 90): smooth random scenes with texture, 500×375, some portrait or 500×333."""
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True)
-    refs = []
-    for i in range(n):
-        width, height = [(500, 375), (375, 500), (500, 333)][i % 3]
-        coarse = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
-        scene = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), np.float32)
-        texture = rng.normal(0, 12, (height, width, 1)) * rng.uniform(0.5, 1.5, (1, 1, 3))
-        pixels = np.clip(scene + texture, 0, 255).astype(np.uint8)
-        path = folder / f"{i:05d}.jpg"
-        Image.fromarray(pixels).save(path, quality=90)
-        refs.append(ImageRef(path.name, "file", str(path)))
-    return refs
+    return [ImageRef(path.name, "file", str(path)) for path in write_jpegs(folder, n, seed)]
 
 
 def text_store(path: Path, codec: str, keys: list[bytes], words: int, d: int, seed: int) -> None:
