@@ -322,7 +322,7 @@ def useful_share(rig: Rig, batches: list[Batch]) -> float:
         padded_words = 0
         if batch.lengths is not None:
             words = batch.lengths.double().mean(dim=1).numpy()
-            padded_words = rig.step.words or padded_length(int(batch.lengths.max()))
+            padded_words = padded_length(int(batch.lengths.max()))
         computed += count(lc=batch.context.shape[1], lt=lt, m=m, s=padded_words)["step"]
         real = zip(batch.context_lengths.tolist(), words)
         useful += float(np.mean([count(lc=int(n), lt=lt, m=m, s=float(w))["step"] for n, w in real]))

@@ -31,7 +31,7 @@ of the context encoder and predictor plus 1× the target encoder; both are
 reported). `useful_over_computed_flops`: the analytic count at each image's
 real context and caption lengths over the count at the padded shapes the step
 computes (contexts padded to the batch's longest rounded up to a multiple of 8;
-captions to `--words`, as the loader pads them under `--compile`).
+captions to `--words`, the longest a batch here holds, rounded alike).
 
 Memory autograd saves for backward: one more untimed step under
 `torch.autograd.graph.saved_tensors_hooks`, each storage counted once (the
@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="untimed steps first, the first one under FlopCounterMode (they count for peak memory)",
     )
     ap.add_argument("--text-dim", type=int, help="caption word-embedding width (T5-large: 1024)")
-    ap.add_argument("--words", type=int, help="caption length every caption is padded to (the loader's max_words)")
+    ap.add_argument("--words", type=int, help="the longest caption of the batch, which every caption is padded to")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="fp32 instead of bf16 autocast")
     ap.add_argument(
         "--mask-step",
@@ -435,7 +435,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     s = 0
     if mode.conditioning != "none":
         lengths = lengths8[:, : mode.captions]
-        s = padded_length(args.words)  # padded to the longest a caption may be, as the trainer does under compile
+        s = padded_length(args.words)  # the batch's longest caption (`--words` long), rounded as the trainer rounds it
         tokens = rng.standard_normal((cfg.batch_size, mode.captions, s, args.text_dim)).astype(np.float16)
         tokens *= (np.arange(s) < lengths[..., None])[..., None]
         text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64))).to(device, dtype=dtype)

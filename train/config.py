@@ -240,8 +240,8 @@ class TrainConfig:
     )
     compile: bool = setting(
         False,
-        "torch.compile each encoder and predictor block (batch and sequence lengths marked dynamic: one graph for "
-        "every step's masks; captions padded to max_words)",
+        "torch.compile each encoder and predictor block (batch, sequence and caption lengths marked dynamic: one "
+        "graph for every step's masks and captions)",
     )
     checkpoint_activations: bool = setting(
         False, "recompute each encoder and predictor block in the backward instead of keeping its activations"

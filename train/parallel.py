@@ -84,8 +84,9 @@ def shard(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torc
 def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     """`compiled` (a block's forward) called with its batch and sequence dims marked dynamic.
 
-    Blocks are called as `block(x [B, L, d], key_mask [B, L] | None, *rest)`; a `TextBatch` in `rest` has a dynamic
-    batch dim only (N is fixed and words are padded to max_words). Duck sizing is off so that two dims that happen to
+    Blocks are called as `block(x [B, L, d], key_mask [B, L] | None, *rest)`; a `TextBatch` in `rest` (tokens
+    `[B, N, S, d]`) has a dynamic batch dim and caption length S (the batch's longest, rounded up to a multiple of 8;
+    N is fixed). Duck sizing is off so that two dims that happen to
     be equal when a graph is traced (B·M = L on some step) are not assumed equal forever, which would recompile.
     """
     from torch._dynamo import maybe_mark_dynamic
@@ -99,6 +100,7 @@ def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
         for arg in rest:
             if isinstance(arg, TextBatch):
                 maybe_mark_dynamic(arg.tokens, 0)
+                maybe_mark_dynamic(arg.tokens, 2)
                 maybe_mark_dynamic(arg.lengths, 0)
         with shape_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set by install_config_module
             return compiled(x, key_mask, *rest)
@@ -111,12 +113,13 @@ def compile_blocks(*stacks: nn.ModuleList, backend: str = "inductor") -> None:
     `backend`: torch.compile's; the GPU check's CPU dry run takes `aot_eager` (Dynamo and AOTAutograd without
     inductor's code generation, which on a CPU writes C++ that no GPU runs).
 
-    Shapes: the batch and sequence lengths are marked dynamic rather than padded to a few bucket sizes. Context and
-    target lengths change every step (block sizes are drawn per step, contexts are padded only to the batch's
-    longest) and the validation batch has its own size: buckets would compile one graph per (context bucket,
-    target size, batch size) and pad every step to its bucket, while marked dims compile one graph per block type and
-    grad mode for the whole run. The price is CUDA graphs, which need static shapes; at ViT-B/16 and batches of 64+
-    per GPU the kernels are long enough that launch overhead is small.
+    Shapes: the batch and sequence lengths (caption lengths too) are marked dynamic rather than padded to a few bucket
+    sizes. Context, target and caption lengths change every step (block sizes are drawn per step; contexts and
+    captions are padded only to the batch's longest, rounded up to a multiple of 8) and the validation batch has its
+    own size: buckets would compile one graph per (context bucket, caption bucket, target size, batch size) and pad
+    every step to its bucket, while marked dims compile one graph per block type and grad mode for the whole run.
+    The price is CUDA graphs, which need static shapes; at ViT-B/16 and batches of 64+ per GPU the kernels are long
+    enough that launch overhead is small.
 
     Only `forward` is compiled: module hooks (DDP, FSDP's all-gathers, activation checkpointing) stay outside the
     graph, and the state-dict keys do not change.

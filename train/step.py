@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
@@ -234,17 +233,14 @@ class TrainStep:
         self.device = device
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         self.normalise = Normalise().to(device)
-        # A compiled predictor sees one caption length: the config's longest, rounded as every padded length is.
-        self.words = padded_length(cfg.max_words) if cfg.compile else None
         self.masked = cfg.context_equalise == "pad"  # cut: rows are never padded, attention needs no mask
 
     def text(self, mb: DeviceBatch) -> TextBatch | None:
-        """The micro-batch's captions in the compute dtype (and, compiled, padded to max_words)."""
+        """The micro-batch's captions in the compute dtype, padded to the batch's longest (rounded up to a multiple of
+        8): compiled blocks take the caption length as a dynamic dim, so it is never padded to max_words."""
         if mb.tokens is None or mb.lengths is None:
             return None
         tokens = mb.tokens.to(self.dtype)
-        if self.words is not None and tokens.shape[2] < self.words:
-            tokens = F.pad(tokens, (0, 0, 0, self.words - tokens.shape[2]))
         # A fresh tensor, not a view of the loader's: a compiled graph guards on whether its inputs are views, and
         # the shuffled and caption-less controls of validation are not.
         return TextBatch(tokens, mb.lengths.clone())
