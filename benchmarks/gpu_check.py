@@ -126,7 +126,7 @@ class Shapes:
     patch_size: int
     batch: int  # images per step on this GPU
     captions: int  # N
-    words: int  # max_words; captions are 1/2 to all of it long
+    words: int  # max_words: a step's longest caption is 1/2 to all of it, each caption 1/2 to all of that
     text_dim: int
     warmup: int  # untimed steps (compilation happens here)
     timed: int
@@ -146,7 +146,7 @@ DRY = Shapes(
     8,
     4,
     2,
-    8,
+    24,
     16,
     warmup=1,
     timed=2,
@@ -198,7 +198,10 @@ def synthetic_batch(
     images = torch.from_numpy(rng.integers(0, 256, (b, 3, cfg.image_size, cfg.image_size), dtype=np.uint8))
     tokens = lengths = scales = channel_scales = None
     if text_dim is not None:
-        words = rng.integers(max(cfg.max_words // 2, 1), cfg.max_words + 1, (b, n))
+        # The step's longest caption is drawn too (half to all of max_words), then each caption half to all of it: the
+        # padded caption length differs from step to step, as in a run.
+        longest = int(rng.integers(max(cfg.max_words // 2, 1), cfg.max_words + 1))
+        words = rng.integers(max(longest // 2, 1), longest + 1, (b, n))
         words[:, 1:][rng.random((b, n - 1)) < 0.25] = 0  # some images have fewer captions
         words[rng.random(b) < missing] = 0
         packed = rng.standard_normal((int(words.sum()), text_dim), dtype=np.float32)
