@@ -14,7 +14,6 @@ are decoded on the CPU as above.
 
 from __future__ import annotations
 
-import io
 import logging
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ import torch
 from PIL import Image
 from torch.nn.functional import interpolate
 
-from pipeline.core.images import exif_orientation, load_rgb
+from pipeline.core.images import exif_orientation, load_rgb, open_image
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> list[int]:
             continue
         images[row] = _crop_resize_on_device(pixels, box, (height, width), flip)
     if unread:
-        donor = next((r for r in range(len(images)) if r not in set(unread)), None)
+        donor = next((r for r in range(len(images)) if r not in unread), None)
         if donor is not None:
             images[unread] = images[donor].clone()
     return unread
@@ -136,12 +135,12 @@ def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None
 
     try:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    except RuntimeError:
-        pass
-    decoded, _ = load_rgb(Image.open(io.BytesIO(data.numpy().tobytes())))
-    if decoded is None:
-        return None
-    return torch.from_numpy(np.array(decoded, dtype=np.uint8)).permute(2, 0, 1).to(device)
+    except RuntimeError:  # nvJPEG refuses this one: the loader's own decoder reads it, or nothing can
+        im, _ = open_image(data.numpy().tobytes())
+        decoded = None if im is None else load_rgb(im)[0]
+        return (
+            None if decoded is None else torch.from_numpy(np.array(decoded, dtype=np.uint8)).permute(2, 0, 1).to(device)
+        )
 
 
 def _crop_resize_on_device(pixels: torch.Tensor, box: Box, size: tuple[int, int], flip: bool) -> torch.Tensor:
