@@ -2,16 +2,16 @@
 
 Needs torch and the project's model and step modules only (no store, no images, no text model: zarr, numcodecs,
 datasets and vllm are never imported), so it runs on a bare CUDA machine. It comes in phases (PHASES; `--list`
-prints them with their expected time, each under 4 minutes cold on one H200), so that a device lent for 15 minutes
-runs them all with time to rerun one; `--phase A B` runs some, by default all. ViT-B/16 at 224, batch 128 per
-GPU, captions N=8 × 128 words of width 1024. One JSON line per figure, on stdout and, when $OUT (or --out) is set, in
+prints them with their expected time, each under 4 minutes cold on one H200, measured where a run has shown it);
+`--phase A B` runs some, by default all. ViT-B/16 at 224, batch 128 per GPU, captions N=8 × 128 words of width
+1024. One JSON line per figure as it is measured, on stdout and, when $OUT (or --out) is set, in
 `$OUT/gpu_check.jsonl`, and a `phase` line with each phase's seconds:
 
-- `throughput` lines (phases `throughput`, `variants`, `options`): images/s; MFU on the FLOPs computed
-  (`FlopCounterMode` on the shapes run, padding included) and on the useful ones (the analytic count at each image's
-  real lengths over the padded one); peak allocated and reserved memory; graphs compiled, graph breaks and
-  recompiles during the timed steps (fresh masks every step: 0 is the goal); the host syncs of one step (CUDA's sync
-  debug mode: 0 is the goal);
+- `throughput` lines (phases `throughput`, `after_mlp`, `vit_large`, `options`, `heads`): images/s; MFU on the
+  FLOPs computed (`FlopCounterMode` on the shapes run, padding included) and on the useful ones (the analytic count
+  at each image's real lengths over the padded one); peak allocated and reserved memory; graphs compiled, graph
+  breaks and recompiles during the timed steps (fresh masks every step: 0 is the goal); the host syncs of one step
+  (CUDA's sync debug mode: 0 is the goal);
 - `input`: the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local disk at start, decoded
   by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
 - `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -81,40 +82,57 @@ class Phase:
     """A separate command (`--phase NAME`): one device call runs one or a few, each under 4 minutes cold."""
 
     about: str
-    expected_s: int  # on one H200, cold (compilation included), process start excluded: estimated, not yet measured
+    expected_s: int  # on one H200, cold (compilation included), process start excluded
+    measured: bool  # expected_s read off a run on an H200 (2026-12-04), else an estimate
     specs: tuple[Spec, ...] = ()
 
 
 PHASES = {
     "throughput": Phase(
         "ViT-B/16 none and cross before_mlp compiled; cross with float16 and with int8 captions",
-        100,
+        160,
+        True,
         (NONE, CROSS, replace(CROSS, name=CROSS.name + "_int8", codec="int8")),
     ),
-    "variants": Phase(
-        "cross compiled after_mlp, and compiled ViT-L/16",
+    "after_mlp": Phase(
+        "cross compiled with pool after_mlp (the paper's literal reading: one MLP per caption)",
         120,
-        (
-            Spec("vit_b16_cross8_after_mlp_compiled", "vit_base", "cross", "after_mlp", True),
-            Spec("vit_l16_cross8_before_mlp_compiled", "vit_large", "cross", "before_mlp", True),
-        ),
+        False,
+        (Spec("vit_b16_cross8_after_mlp_compiled", "vit_base", "cross", "after_mlp", True),),
+    ),
+    "vit_large": Phase(
+        "cross compiled, ViT-L/16",
+        120,
+        False,
+        (Spec("vit_l16_cross8_before_mlp_compiled", "vit_large", "cross", "before_mlp", True),),
     ),
     "options": Phase(
-        "cross compiled: the default beside activation checkpointing, accumulation 2 and predictor_heads 6",
-        130,
+        "cross compiled with activation checkpointing, then with accumulation 2 (the default is `throughput`'s)",
+        150,
+        False,
         (
-            CROSS,
             replace(CROSS, name=CROSS.name + "_checkpointed", options=(("checkpoint_activations", True),)),
             replace(CROSS, name=CROSS.name + "_accum2", options=(("accum_steps", 2),)),
-            replace(CROSS, name=CROSS.name + "_predictor_heads6", options=(("predictor_heads", 6),)),
         ),
     ),
-    "input": Phase(
-        "ViT-B/16 none: 20 steps of the trainer over JPEGs on local disk, CPU-decoded by its workers, then nvJPEG", 100
+    "heads": Phase(
+        "cross compiled with predictor_heads 6 (head dim 64) against `throughput`'s default 12 (32)",
+        90,
+        False,
+        (replace(CROSS, name=CROSS.name + "_predictor_heads6", options=(("predictor_heads", 6),)),),
     ),
-    "profile": Phase("cross compiled: device time per step by part (encoders, predictor, regularisers, ...)", 40),
-    "smoke": Phase("100 compiled training steps on 4 fixed batches: the loss must fall", 50),
-    "torchrun": Phase("one process under torchrun, NCCL: DDP and FSDP2 steps, a sharded checkpoint round trip", 40),
+    "input": Phase(
+        "ViT-B/16 none: 20 steps of the trainer over JPEGs on local disk, CPU-decoded by its workers, then nvJPEG",
+        45,
+        True,
+    ),
+    "profile": Phase("cross compiled: device time per step by part (encoders, predictor, regularisers, ...)", 50, True),
+    "smoke": Phase("100 compiled training steps on 4 fixed batches: the loss must fall", 65, True),
+    "torchrun": Phase(
+        "one process under torchrun, NCCL: compiled DDP and FSDP2 steps, a sharded checkpoint round trip",
+        180,
+        False,
+    ),
 }
 # The step's parts, as train.jepa, train.objective and train.step label them for a profiler.
 PARTS = ("target_encoder", "context_encoder", "predictor", "regularisers", "backward", "optimizer", "ema")
@@ -438,8 +456,8 @@ def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
 
 def profile(shapes: Shapes, device: torch.device, steps: int = 3) -> dict:
     """A profile of `steps` compiled `cross` steps, split by the parts the trainer labels (PARTS): on CUDA the device
-    time of the kernels each launched, per step, and the kernels no label holds (the backward's among them: autograd
-    runs them on its own thread); on the CPU each part's time (which includes its backward)."""
+    time of the kernels each launched, per step (`backward` also holds the kernels of autograd's own thread), and of the
+    kernels no label holds; on the CPU each part's time (which includes its backward)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
@@ -460,6 +478,7 @@ def profile(shapes: Shapes, device: torch.device, steps: int = 3) -> dict:
     if cuda:
         kernels = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", 0)]
         parts = {k: e.device_time_total / 1e3 / steps for k, e in labels.items()}
+        parts["backward"] = parts.get("backward", 0.0) + off_thread_ms(prof.events()) / steps
         total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
         parts["unlabelled"] = total - sum(parts.values())
     else:
@@ -477,6 +496,17 @@ def profile(shapes: Shapes, device: torch.device, steps: int = 3) -> dict:
         "ok": not missing,
         "missing_parts": missing,
     }
+
+
+def off_thread_ms(events: list, device: bool = True) -> float:
+    """Time (device time, or CPU time with `device` False) of the work launched from threads other than the one that
+    ran the labels: on CUDA autograd's engine runs the backward on its own thread, outside the `backward` label
+    (0.001 ms of 257 on an H200)."""
+    from torch.autograd import DeviceType
+
+    main = {e.thread for e in events if e.name in PARTS and e.device_type == DeviceType.CPU}
+    top = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None and e.thread not in main]
+    return sum(e.device_time_total if device else e.cpu_time_total for e in top) / 1e3
 
 
 def smoke(shapes: Shapes, device: torch.device) -> dict:
@@ -579,9 +609,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def list_phases() -> None:
     for name, phase in PHASES.items():
-        print(f"{name:<11} ~{phase.expected_s:>3} s  {phase.about}")
+        print(f"{name:<11} ~{phase.expected_s:>3} s {'measured' if phase.measured else 'estimate'}  {phase.about}")
     total = sum(p.expected_s for p in PHASES.values())
-    print(f"all        ~{total:>3} s  (one H200, cold, ~10 s more per command; estimates from the first run's 219 s)")
+    print(f"{'all':<11} ~{total:>3} s           (one H200, cold, process start excluded; 'measured': on 2026-12-04)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -604,22 +634,27 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for name in args.phase:
         start = time.perf_counter()
-        if name == "smoke":
-            results = [smoke(shapes, device)]
-        elif name == "torchrun":
-            results = [run_torchrun(args.dry_run)]
-        elif name == "profile":
-            results = [profile(shapes, device)]
-        elif name == "input":
-            results = input_path(shapes, device)
-        else:
-            results = [throughput(spec, shapes, device) for spec in PHASES[name].specs]
-        for result in results:
+        for result in phase_results(name, shapes, device, args.dry_run):
             ok &= bool(result.get("ok", True))
-            report(result)
+            report(result)  # as each finishes: a phase cut off by a time limit keeps what it measured
         report({"check": "phase", "phase": name, "seconds": round(time.perf_counter() - start, 1)})
     report({"check": "done", "ok": ok})
     return 0 if ok else 1
+
+
+def phase_results(name: str, shapes: Shapes, device: torch.device, dry_run: bool) -> Iterator[dict]:
+    """The records of one phase, each yielded as soon as it is measured."""
+    if name == "smoke":
+        yield smoke(shapes, device)
+    elif name == "torchrun":
+        yield run_torchrun(dry_run)
+    elif name == "profile":
+        yield profile(shapes, device)
+    elif name == "input":
+        yield from input_path(shapes, device)
+    else:
+        for spec in PHASES[name].specs:
+            yield throughput(spec, shapes, device)
 
 
 def run_torchrun(dry_run: bool) -> dict:
@@ -627,10 +662,11 @@ def run_torchrun(dry_run: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     cmd += ["-m", "benchmarks.gpu_check", "--in-torchrun", *(["--dry-run"] if dry_run else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    # The child's stderr passes through as it comes: a run cut off by a time limit still shows how far it got.
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=600, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"check": "torchrun", "ok": False, "exit": proc.returncode, "stderr": proc.stderr[-2000:]}
+        return {"check": "torchrun", "ok": False, "exit": proc.returncode, "stdout": proc.stdout[-2000:]}
     return json.loads(lines[-1])
 
 

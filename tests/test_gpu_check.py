@@ -81,3 +81,35 @@ def test_the_phases_are_listed_with_times_that_fit_a_device_call(capsys):
     assert [line.split()[0] for line in lines] == [*gpu_check.PHASES, "all"]
     assert all(phase.expected_s <= 240 for phase in gpu_check.PHASES.values())  # ≤ 4 minutes cold each
     assert gpu_check.parse_args(["--phase", "smoke", "torchrun"]).phase == ["smoke", "torchrun"]
+
+
+def test_work_launched_from_another_thread_is_counted_apart_from_the_labels():
+    """On CUDA autograd runs the backward on its own thread: the profile adds what that thread launched to `backward`.
+    Profiler events as torch makes them, one thread holding the labels and another the backward's work."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    label = FunctionEvent(0, "backward", thread=1, start_us=0, end_us=10)
+    own = FunctionEvent(1, "aten::mm", thread=1, start_us=10, end_us=2010)
+    engine = FunctionEvent(2, "autograd::engine::evaluate_function: MmBackward0", thread=7, start_us=10, end_us=4010)
+    inner = FunctionEvent(3, "aten::mm", thread=7, start_us=20, end_us=3020)
+    inner.cpu_parent = engine  # held by its parent: counted once
+    assert gpu_check.off_thread_ms([label, own, engine, inner], device=False) == 4.0
+    assert gpu_check.off_thread_ms([label, own], device=False) == 0.0
+
+
+def test_a_phase_reports_each_measurement_as_it_finishes(tmp_path, monkeypatch):
+    """A phase cut off by a device call's time limit keeps the lines it measured before (the H200's `variants` phase,
+    stopped in its second spec, once left none)."""
+
+    def measured_then_cut_off(spec, shapes, device):
+        if spec.name.endswith("_accum2"):
+            raise TimeoutError("the call's time limit")
+        return {"check": "throughput", "config": spec.name}
+
+    monkeypatch.setattr(gpu_check, "throughput", measured_then_cut_off)
+    with pytest.raises(TimeoutError):
+        gpu_check.main(["--dry-run", "--phase", "options", "--out", str(tmp_path)])
+    records = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    assert [r.get("config") for r in records if r["check"] == "throughput"] == [
+        "vit_b16_cross8_before_mlp_compiled_checkpointed"
+    ]
