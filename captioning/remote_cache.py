@@ -282,7 +282,7 @@ def collect_cache_garbage(url: str, grace_s: float, delete: bool) -> GarbageRepo
 
 
 def open_cache_for_writing(location: str | Path, mirror: Path | None = None) -> CaptionCache:
-    """A local cache directory, or an s3:// cache through a mirror under `mirror`."""
+    """A local cache directory, or an s3:// or az:// cache through a mirror under `mirror`."""
     if is_remote(str(location)):
         return RemoteCaptionCache.open_or_create(str(location), mirror)
     return CaptionCache.open_or_create(Path(location))

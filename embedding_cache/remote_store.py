@@ -412,8 +412,8 @@ def open_store_for_writing(
     mirror: Path | None = None,
     transform: StoreTransform | None = None,
 ) -> EmbeddingStore:
-    """A local store directory (created if missing, with `transform`'s fitted arrays), or an s3:// store through its
-    keys mirror."""
+    """A local store directory (created if missing, with `transform`'s fitted arrays), or an s3:// or az:// store
+    through its keys mirror."""
     if is_remote(str(location)):
         return RemoteEmbeddingStore.open_or_create(str(location), encoder, width, mirror, transform=transform)
     return EmbeddingStore.open_or_create(Path(location), encoder, width, transform=transform)

@@ -102,7 +102,7 @@ def synth(
 @app.command()
 def caption(
     ctx: typer.Context,
-    cache: Annotated[str, typer.Option(help="Caption cache (created if missing): a directory, or an s3:// URL.")],
+    cache: Annotated[str, typer.Option(help="Caption cache (created if missing): a directory, s3:// or az://.")],
     images: Annotated[
         list[Path] | None,
         typer.Argument(
@@ -191,7 +191,9 @@ def caption(
 def embed(
     ctx: typer.Context,
     cache: Annotated[str, typer.Option(help="Caption cache to read: a directory or an fsspec URL (mirrored locally).")],
-    store: Annotated[str, typer.Option(help="Embedding store to add to (created if missing): a directory or s3://.")],
+    store: Annotated[
+        str, typer.Option(help="Embedding store to add to (created if missing): a directory, s3:// or az://.")
+    ],
     model: Annotated[str, typer.Option(help="T5 encoder: a local directory or a hub id (T5EncoderModel + tokenizer).")],
     recipe: Annotated[list[str] | None, typer.Option(help="Caption recipe(s) to encode: hash prefix or name.")] = None,
     token_budget: Annotated[int, typer.Option(help="Max padded tokens per encoder batch.")] = 16384,

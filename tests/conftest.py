@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from pipeline.devkit.tiny_models import T5_STEPS  # noqa: E402
 from tests.support.builds import SYNTH_ARGS, built_once, session_root  # noqa: E402
 from tests.support.captions import TINY_VLLM_ARGS  # noqa: E402
 from tests.support.commands import cli, tcjepa  # noqa: E402
+from tests.support.object_servers import SCHEMES, azurite, bucket_on  # noqa: E402
 from tests.support.processes import kill_tree, start  # noqa: E402
 from tests.support.stores import SMALL_STORE, VECTOR_WIDTH, caption_vector  # noqa: E402
 from tests.support.training import EXACT_STEPS, REFERENCE_STEPS, train_args  # noqa: E402
@@ -47,6 +50,9 @@ from tests.support.training import EXACT_STEPS, REFERENCE_STEPS, train_args  # n
 FIXTURE_MARKERS = {
     "vllm_engine": "vllm",
     "s3_server": "s3",
+    "azure_server": "s3",
+    "object_server": "s3",
+    "object_bucket": "s3",
     "tiny_models": "slow",
     "reference_run": "slow",
     "exact_run": "slow",
@@ -267,3 +273,31 @@ def s3_env(s3_server, monkeypatch) -> dict[str, str]:
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
     return {**os.environ}
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """Azure Blob storage (Azurite) on loopback for the session: the environment variables that reach it."""
+    if shutil.which("node") is None:
+        pytest.skip("no Node.js here: Azurite, the Azure Blob emulator, cannot run")
+    with azurite(tmp_path_factory.mktemp("azurite")) as env:
+        yield env
+
+
+@pytest.fixture(params=SCHEMES)
+def object_server(request, monkeypatch) -> tuple[str, dict[str, str], dict[str, str]]:
+    """Each object storage back-end in turn (s3: moto, az: Azurite), reachable from this test's process: its scheme,
+    its server's variables (for `bucket_on`) and the environment for the test's subprocesses."""
+    server = request.getfixturevalue("s3_server" if request.param == "s3" else "azure_server")
+    for key, value in server.items():
+        monkeypatch.setenv(key, value)
+    return request.param, server, {**os.environ}
+
+
+@pytest.fixture
+def object_bucket(object_server) -> tuple[Any, str, str, dict[str, str]]:
+    """A bucket (Azure: container) of its own on each back-end in turn: (fsspec file system, URL prefix
+    `scheme://name`, name, the environment of subprocesses that reach it)."""
+    scheme, server, env = object_server
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    return bucket_on(server, scheme, name), f"{scheme}://{name}", name, env

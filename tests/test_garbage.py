@@ -1,11 +1,11 @@
-"""`tcjepa cache gc` and `tcjepa store gc` on an S3 server (moto): uploads no log entry names are found, spared while
-younger than the grace, deleted only with --delete and only after a claim in the log; a writer paused between its
-upload and its log entry, with gc run at grace 0 meanwhile, loses nothing (it reads the claim and uploads again)."""
+"""`tcjepa cache gc` and `tcjepa store gc` on each object storage back-end (S3 on moto, Azure on Azurite): uploads
+no log entry names are found, spared while younger than the grace, deleted only with --delete and only after a claim
+in the log; a writer paused between its upload and its log entry, with gc run at grace 0 meanwhile, loses nothing (it
+reads the claim and uploads again)."""
 
 from __future__ import annotations
 
 import json
-import uuid
 
 import numpy as np
 import pytest
@@ -13,16 +13,8 @@ import pytest
 from pipeline.core.errors import UserError
 from pipeline.core.garbage import CLAIM, parse_grace
 from tests.support.commands import tcjepa
-from tests.support.s3 import s3_bucket
 
 pytestmark = pytest.mark.s3
-
-
-@pytest.fixture
-def bucket(s3_server, s3_env):
-    """A bucket of its own on the session's S3 server, and the environment of subprocesses that reach it."""
-    name = f"gc-{uuid.uuid4().hex[:12]}"
-    return s3_bucket(s3_server, name), name, s3_env
 
 
 def _rows(digest: str, count: int, start: int = 0) -> list[dict]:
@@ -85,11 +77,11 @@ def test_gc_spares_what_a_tree_upload_named_between_its_look_and_its_claim(tmp_p
     ]
 
 
-def test_cache_gc_reports_spares_the_young_and_deletes_only_when_told(tmp_path, bucket):
+def test_cache_gc_reports_spares_the_young_and_deletes_only_when_told(tmp_path, object_bucket):
     from captioning.remote_cache import RemoteCaptionCache
 
-    fs, name, env = bucket
-    url = f"s3://{name}/cache"
+    fs, root, name, env = object_bucket
+    url = f"{root}/cache"
     cache = RemoteCaptionCache.open_or_create(url, tmp_path / "writer")
     digest = cache.add_recipe({"kind": "annotations", "test": "gc"})
     assert cache.commit(_rows(digest, 40)).captions_added == 40
@@ -115,15 +107,17 @@ def test_cache_gc_reports_spares_the_young_and_deletes_only_when_told(tmp_path, 
     assert "0 unpublished objects" in tcjepa("cache", "gc", url, "--grace", "0", env=env).stdout
 
 
-def test_a_writer_paused_between_upload_and_publish_loses_nothing_to_gc_at_grace_zero(tmp_path, bucket, monkeypatch):
+def test_a_writer_paused_between_upload_and_publish_loses_nothing_to_gc_at_grace_zero(
+    tmp_path, object_bucket, monkeypatch
+):
     """gc runs (grace 0, --delete) while the writer's shard is uploaded and its entry not yet created: gc claims the
     next log number and deletes the upload, slowly (after the writer went on); the writer's entry loses that number,
     it reads the claim, and uploads its rows again under a new name. Every row is published once; the cache
     verifies."""
     from captioning.remote_cache import RemoteCaptionCache, collect_cache_garbage
 
-    fs, name, env = bucket
-    url = f"s3://{name}/cache"
+    fs, root, name, env = object_bucket
+    url = f"{root}/cache"
     writer = RemoteCaptionCache.open_or_create(url, tmp_path / "writer")
     digest = writer.add_recipe({"kind": "annotations", "test": "paused"})
     assert writer.commit(_rows(digest, 20)).captions_added == 20
@@ -145,7 +139,7 @@ def test_a_writer_paused_between_upload_and_publish_loses_nothing_to_gc_at_grace
     assert "0 unpublished objects" in collect_cache_garbage(url, 0.0, delete=False).summary()
 
 
-def test_store_gc_and_a_paused_store_writer(tmp_path, bucket, monkeypatch):
+def test_store_gc_and_a_paused_store_writer(tmp_path, object_bucket, monkeypatch):
     """The store's uploads: a dead writer's segment is found and deleted; a paused writer's segment, claimed by gc at
     grace 0 and deleted after the writer went on, is uploaded again under a new id (the same id would be deleted
     under it), and every caption reads back."""
@@ -153,8 +147,8 @@ def test_store_gc_and_a_paused_store_writer(tmp_path, bucket, monkeypatch):
     from embedding_cache.remote_store import RemoteEmbeddingStore, collect_store_garbage, mirror_store
     from embedding_cache.store import TokenLayout
 
-    fs, name, env = bucket
-    url = f"s3://{name}/store"
+    fs, root, name, env = object_bucket
+    url = f"{root}/store"
     store = RemoteEmbeddingStore.open_or_create(url, {"kind": "test-encoder"}, 4, tmp_path / "writer")
     rng = np.random.default_rng(0)
     keys = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(20)]

@@ -4,7 +4,7 @@ error's type alone, listings that start after the entries held, condensed blocks
 compare-and-swap.
 
 obstore's in-memory store has the conditional puts S3, GCS and Azure have (create if absent, replace if the ETag
-still matches), so the protocol runs in process; one test runs it against an S3 server.
+still matches), so the protocol runs in process; one test runs it against an S3 server (moto) and Azure Blob (Azurite).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json
 from pipeline.core.remote import CONDENSED, LOG, PublishLog
+from tests.support.object_servers import bucket_on
 
 
 @pytest.fixture
@@ -201,13 +202,13 @@ def test_replace_is_a_compare_and_swap(objects):
 
 
 @pytest.mark.s3
-def test_the_log_and_compare_and_swap_on_an_s3_server(tmp_path, s3_env):
-    """The same protocol against S3's own conditional puts (moto), through `ObjectRoot.of` and the environment."""
-    import boto3
-
+def test_the_log_and_compare_and_swap_on_each_object_store_server(tmp_path, object_server):
+    """The same protocol against each back-end's own conditional puts (S3 on moto, Azure Blob on Azurite), through
+    `ObjectRoot.of` and the environment, as a writer meets them."""
+    scheme, server, _ = object_server
     bucket = f"log-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3").create_bucket(Bucket=bucket)
-    url = f"s3://{bucket}/x"
+    fs = bucket_on(server, scheme, bucket)
+    url = f"{scheme}://{bucket}/x"
     a, b = PublishLog(ObjectRoot.of(url), tmp_path / "a"), PublishLog(ObjectRoot.of(url), tmp_path / "b")
     assert a.append({"writer": "a"}) == 0
     assert b.append({"writer": "b"}) is None
@@ -215,17 +216,15 @@ def test_the_log_and_compare_and_swap_on_an_s3_server(tmp_path, s3_env):
     for seq, raw in b.unseen():
         b.keep(seq, raw)
     assert b.append({"writer": "b"}) == 1
-    assert boto3.client("s3").get_object(Bucket=bucket, Key="x/log/000000000000.json")["Body"].read() == (
-        canonical_json({"writer": "a"})
-    )
+    assert fs.cat_file(f"{bucket}/x/log/000000000000.json") == canonical_json({"writer": "a"})
     assert [seq for seq, _ in a.unseen()] == [0, 1]
     objects = ObjectRoot.of(url)
     assert objects.create_or_read("zarr.json", b"v1") == b"v1"
     first = objects.read("zarr.json")
     assert first is not None and objects.replace("zarr.json", b"v2", first.etag)
     assert not objects.replace("zarr.json", b"v3", first.etag)
-    with pytest.raises(UserError, match=r"^s3://no-such-bucket-here/x: "):
-        ObjectRoot.of("s3://no-such-bucket-here/x").create("a", b"1")
+    with pytest.raises(UserError, match=rf"^{scheme}://no-such-bucket-here/x: "):
+        ObjectRoot.of(f"{scheme}://no-such-bucket-here/x").create("a", b"1")
 
 
 def test_a_missing_block_does_not_hide_the_entries_before_the_next_one(objects, tmp_path):

@@ -1,4 +1,5 @@
-"""Caches and stores on object storage: an S3-compatible server (moto) on loopback, started by the tests themselves."""
+"""Caches and stores on object storage: an S3-compatible server (moto) and Azure Blob storage (Azurite) on loopback,
+started by the tests themselves; the tests that write run on both."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from embedding_cache.remote_store import mirror_store
 from pipeline.core.errors import DataProblem
 from pipeline.core.remote import mirror_path
 from tests.support.commands import start_tcjepa, tcjepa, torchrun, two_nodes
+from tests.support.object_servers import s3_bucket
 from tests.support.processes import finish, kill_when, start
 from tests.support.repo import REPO
-from tests.support.s3 import s3_bucket
 from tests.support.stores import assert_same_embeddings
 from tests.support.training import EXACT_STEPS, TINY_TRAIN, assert_close_runs, metrics
 
@@ -250,13 +251,15 @@ def test_damaged_remote_files_are_never_used(tmp_path, s3):
         fs.pipe_file(parquet, good)
 
 
-def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_new(tmp_path, s3, synth_dir):
-    """Two hosts (two mirrors) on one s3:// cache: B publishes first, A's entry number is taken, A looks again."""
+def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_new(tmp_path, object_bucket):
+    """Two hosts (two mirrors) on one remote cache (s3://, az://): B publishes first, A's entry number is taken, A
+    looks again."""
     from captioning.annotations import PROMPT_ID
     from captioning.cache import caption_row
     from captioning.remote_cache import RemoteCaptionCache
 
-    url = f"s3://{BUCKET}/raced-cache"
+    fs, root, bucket, env = object_bucket
+    url = f"{root}/raced-cache"
     a = RemoteCaptionCache.open_or_create(url, tmp_path / "host-a")
     b = RemoteCaptionCache.open_or_create(url, tmp_path / "host-b")
     recipe = {"kind": "annotations", "test": "race"}
@@ -270,15 +273,14 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     result = a.commit(rows[100:])
     assert (result.captions_added, result.captions_duplicate) == (120, 100)
     assert a.commit(rows).captions_added == 0, "the mirror now holds everything"
-    fs, _ = s3
-    assert len(fs.ls(f"{BUCKET}/raced-cache/log")) == 2
-    assert len(fs.ls(f"{BUCKET}/raced-cache/captions")) == 2, "the losing upload was withdrawn"
-    report = tcjepa("cache", "verify", url, "--no-progress", env=s3[1])
+    assert len(fs.ls(f"{bucket}/raced-cache/log")) == 2
+    assert len(fs.ls(f"{bucket}/raced-cache/captions")) == 2, "the losing upload was withdrawn"
+    report = tcjepa("cache", "verify", url, "--no-progress", env=env)
     assert report.stdout.startswith("ok: 1 recipes, 2 shards, 320 captions"), report.stdout
     assert a.recipes()[digest].name == b.recipes()[digest].name == "first", "the first writer's recipe name wins"
 
     # the cache deleted and made anew under the same URL: the old mirror is emptied, not taken for the new cache
-    fs.rm(f"{BUCKET}/raced-cache", recursive=True)
+    fs.rm(f"{bucket}/raced-cache", recursive=True)
     fresh = RemoteCaptionCache.open_or_create(url, tmp_path / "host-a")
     assert fresh.info().captions == 0 and not fresh.recipes()
     digest = fresh.add_recipe(recipe)
@@ -286,10 +288,10 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
 
 
 @pytest.mark.distributed
-def test_four_processes_write_one_remote_cache_at_once(tmp_path, s3, synth_dir, annotated_cache):
-    """Two hosts sharing a mirror directory and two with their own, all importing the same captions."""
-    env = s3[1]
-    url = f"s3://{BUCKET}/shared-cache"
+def test_four_processes_write_one_remote_cache_at_once(tmp_path, object_bucket, synth_dir, annotated_cache):
+    """Two hosts sharing a mirror directory and two with their own, all importing the same captions (s3://, az://)."""
+    _, root, _, env = object_bucket
+    url = f"{root}/shared-cache"
     mirrors = [tmp_path / "m1", tmp_path / "m1", tmp_path / "m2", tmp_path / "m3"]
     procs = [
         start_tcjepa("caption", "--cache", url, "--annotations", synth_dir / "captions.jsonl", "--mirror", m, env=env)
@@ -306,15 +308,16 @@ def test_four_processes_write_one_remote_cache_at_once(tmp_path, s3, synth_dir, 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, annotated_store, tiny_models):
-    """A lost race at the store level (in process), then two `tcjepa embed` processes at once on one s3:// store."""
+def test_two_hosts_append_to_one_remote_store(tmp_path, object_bucket, annotated_cache, annotated_store, tiny_models):
+    """A lost race at the store level (in process), then two `tcjepa embed` processes at once on one remote store
+    (s3://, az://)."""
     from embedding_cache.reader import EmbeddingReader
     from embedding_cache.remote_store import RemoteEmbeddingStore
     from embedding_cache.store import TokenLayout
 
-    env = s3[1]
+    fs, prefix, bucket, env = object_bucket
     encoder = {"kind": "test-encoder"}
-    url = f"s3://{BUCKET}/raced-store"
+    url = f"{prefix}/raced-store"
     a = RemoteEmbeddingStore.open_or_create(url, encoder, 4, tmp_path / "host-a")
     b = RemoteEmbeddingStore.open_or_create(url, encoder, 4, tmp_path / "host-b")
     rng = np.random.default_rng(0)
@@ -332,20 +335,19 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, ann
     reader = EmbeddingReader(mirror)
     for key, vector in zip(keys, vectors):
         np.testing.assert_array_equal(reader.get_key(key), vector)
-    fs, _ = s3
-    root = json.loads(fs.cat_file(f"{BUCKET}/raced-store/zarr.json"))
+    root = json.loads(fs.cat_file(f"{bucket}/raced-store/zarr.json"))
     assert len(root["attributes"]["tcjepa"]["segments"]) == 2, "plain zarr readers see the root list"
     assert not (tmp_path / "host-a" / "segments").exists() or not any((tmp_path / "host-a").rglob("tokens")), (
         "writers keep keys only"
     )
 
-    url = f"s3://{BUCKET}/embedded-store"
+    url = f"{prefix}/embedded-store"
     args = ["embed", "--cache", annotated_cache, "--store", url, "--model", tiny_models / "t5", "--no-progress"]
     args += ["--chunk-tokens", "256", "--shard-chunks", "4", "--window", "32", "--segment-mb", "0.1"]
 
     def published() -> bool:
         fs.invalidate_cache()
-        return fs.exists(f"{BUCKET}/embedded-store/log")
+        return fs.exists(f"{bucket}/embedded-store/log")
 
     procs = [start_tcjepa(*args, "--mirror", tmp_path / f"embed-{k}", env=env) for k in range(2)]
     kill_when(procs[0], published)  # a host dies once a segment is published; its rerun resumes beside the other
@@ -357,7 +359,7 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, s3, annotated_cache, ann
     assert_same_embeddings(mirror_store(url, tmp_path / "reader"), annotated_store)
 
 
-def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, s3):
+def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, object_bucket):
     """The root's segment list is replaced only in the version it was read from: when another writer replaces the
     root between this writer's read and its write (here with a stale list, as a blind writer would), the swap is
     refused, the root read again, and the list written holds every published segment."""
@@ -365,7 +367,8 @@ def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, s3
     from embedding_cache.store import TokenLayout
     from pipeline.core.objects import ObjectRoot
 
-    url = f"s3://{BUCKET}/swapped-store"
+    fs, root_url, bucket, _ = object_bucket
+    url = f"{root_url}/swapped-store"
     store = RemoteEmbeddingStore.open_or_create(url, {"kind": "test-encoder"}, 4, tmp_path / "host")
     objects, swaps = store._objects, []
 
@@ -384,7 +387,7 @@ def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, s3
     writer.finish()
     result = store.publish(writer)
     assert swaps == ["zarr.json", "zarr.json"], "refused once, then written on the version read again"
-    root = json.loads(s3[0].cat_file(f"{BUCKET}/swapped-store/zarr.json"))
+    root = json.loads(fs.cat_file(f"{bucket}/swapped-store/zarr.json"))
     assert root["attributes"]["tcjepa"]["segments"] == [result.segment]
 
 
@@ -399,7 +402,8 @@ def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir)
         check=False,
         env=env,
     )
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "only through S3's conditional put" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "only where its conditional put is tested (s3://, az://)" in proc.stderr
     fs, _ = s3
     fs.pipe_file(f"{BUCKET}/not-a-cache/readme.txt", b"hello")
     proc = tcjepa(
@@ -415,20 +419,22 @@ def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir)
     assert not (REPO / "s3:").exists() and not (REPO / "memory:").exists()
 
 
-def test_a_missing_bucket_is_named_in_one_line_by_readers_and_writers(tmp_path, s3, synth_dir):
-    """Not "no CACHE.json" for a reader nor the server's 404 on a writer's first put: the bucket, and what to do."""
-    _, env = s3
-    url = "s3://no-such-bucket/cache"
+def test_a_missing_bucket_is_named_in_one_line_by_readers_and_writers(tmp_path, object_bucket, synth_dir):
+    """Not "no CACHE.json" for a reader nor the server's 404 on a writer's first put: the bucket (Azure: container),
+    and what to do."""
+    _, root, _, env = object_bucket
+    scheme = root.split("://")[0]
+    url = f"{scheme}://no-such-bucket/cache"
     for args in (
         ("cache", "info", url),
-        ("store", "verify", "s3://no-such-bucket/store"),
+        ("store", "verify", f"{scheme}://no-such-bucket/store"),
         ("caption", "--cache", url, "--annotations", synth_dir / "captions.jsonl", "--mirror", tmp_path / "m"),
         ("cache", "gc", url),
     ):
         proc = tcjepa(*args, check=False, env=env)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
         assert "the bucket 'no-such-bucket' does not exist (or these credentials cannot see it)" in proc.stderr
-    proc = tcjepa("cache", "info", f"s3://{BUCKET}/absent-cache", check=False, env=env)
+    proc = tcjepa("cache", "info", f"{root}/absent-cache", check=False, env=env)
     assert proc.returncode == 2 and "is not a caption cache (no CACHE.json)" in proc.stderr, "the bucket is there"
 
 

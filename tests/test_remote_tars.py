@@ -16,8 +16,8 @@ from pipeline.core.refs import ImageRef
 from pipeline.core.remote_tars import ShardMembers, fetch_shards, shard_mirror
 from pipeline.core.sources import list_images, read_images
 from tests.support.commands import cli, torchrun, two_nodes
+from tests.support.object_servers import s3_bucket
 from tests.support.processes import finish, start
-from tests.support.s3 import s3_bucket
 from tests.support.training import TINY_TRAIN, assert_close_runs, metrics, sets
 
 pytestmark = pytest.mark.s3

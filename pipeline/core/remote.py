@@ -1,5 +1,5 @@
-"""Caches and stores on object storage (fsspec URLs: s3://, gs://, ...): local mirrors for reading, a publication log
-for writing.
+"""Caches and stores on object storage (fsspec URLs: s3://, az://, gs://, ...): local mirrors for reading, a publication
+log for writing (s3:// and az://).
 
 Reading. The trainer memory-maps store shards and re-reads cache shards; both are immutable
 once published, so a remote cache or store is copied once, file by file, into a local
@@ -17,9 +17,13 @@ published, drops its rows that are now there and tries the next entry. A shard o
 exists for readers once a log entry (or, for trees uploaded whole, a manifest or the store
 root's list) names it; an upload whose writer died before its entry is never read.
 
-Credentials and endpoints come from each cloud's usual configuration (for S3: the AWS
-environment variables, e.g. ``AWS_ENDPOINT_URL`` for an S3-compatible server), read by
-fsspec for mirrors and by obstore for the log.
+Credentials and endpoints come from each cloud's usual configuration, read by fsspec (s3fs,
+adlfs) for files and by obstore for the log: for S3 the AWS environment variables (e.g.
+``AWS_ENDPOINT_URL`` for an S3-compatible server); for Azure ``AZURE_STORAGE_ACCOUNT_NAME``
+with ``AZURE_STORAGE_ACCOUNT_KEY`` (or ``AZURE_STORAGE_SAS_TOKEN``; for the Azurite emulator
+``AZURE_STORAGE_CONNECTION_STRING`` for fsspec and ``AZURE_STORAGE_USE_EMULATOR=true`` with
+``AZURITE_BLOB_STORAGE_URL`` for obstore). gs:// is read; writing it is not tested (no GCS
+emulator here that obstore can be pointed at), so writers refuse it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,10 @@ from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json, sha256_file
 
 logger = logging.getLogger(__name__)
-WRITABLE_PROTOCOLS = ("s3", "s3a")
+# The schemes writers publish to: a conditional put through obstore, files through fsspec, each tested on a server
+# on loopback (moto, Azurite).
+WRITABLE_PROTOCOLS = ("s3", "s3a", "az")
+INSTALL_HINT = {"s3": "s3fs", "s3a": "s3fs", "az": "adlfs", "abfs": "adlfs", "gs": "gcsfs", "gcs": "gcsfs"}
 LOG = "log"
 CONDENSED = "log-condensed"
 CONDENSE_EVERY = 1000  # entries per condensed block: a new mirror of a 10^6-entry log reads 1,000 blocks
@@ -85,8 +92,10 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as exc:
+        scheme = url.split("://", 1)[0].lower()
+        package = INSTALL_HINT.get(scheme, "the fsspec back-end of this scheme")
         raise UserError(
-            f"{url}: cannot open ({str(exc).splitlines()[0]}); for s3:// install s3fs (`pip install tcjepa[remote]`)"
+            f"{url}: cannot open ({str(exc).splitlines()[0]}); install {package} (`pip install tcjepa[remote]`)"
         ) from None
     return fs, root.rstrip("/")
 
@@ -96,8 +105,8 @@ def writable_filesystem(url: str, option: str) -> tuple[Any, str]:
     protocol = url.split("://", 1)[0].lower()
     if protocol not in WRITABLE_PROTOCOLS:
         raise UserError(
-            f"{option} {url}: tcjepa writes to object storage only through S3's conditional put (s3://); "
-            f"give a local directory and upload the finished tree, or use an s3:// URL"
+            f"{option} {url}: tcjepa writes to object storage only where its conditional put is tested (s3://, "
+            f"az://); give a local directory and upload the finished tree, or use an s3:// or az:// URL"
         )
     fs, root = filesystem(url)
     require_bucket(fs, url, root)
