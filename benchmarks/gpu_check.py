@@ -126,7 +126,12 @@ PHASES = {
         45,
         True,
     ),
-    "profile": Phase("cross compiled: device time per step by part (encoders, predictor, regularisers, ...)", 50, True),
+    "profile": Phase(
+        "none, then cross, compiled: device time per step by part (encoders, predictor, regularisers, ...) and the top"
+        " kernels",
+        90,
+        False,
+    ),
     "smoke": Phase("100 compiled training steps on 4 fixed batches: the loss must fall", 65, True),
     "torchrun": Phase(
         "one process under torchrun, NCCL: compiled DDP and FSDP2 steps, a sharded checkpoint round trip",
@@ -454,16 +459,17 @@ def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
     return out
 
 
-def profile(shapes: Shapes, device: torch.device, steps: int = 3) -> dict:
-    """A profile of `steps` compiled `cross` steps, split by the parts the trainer labels (PARTS): on CUDA the device
+def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, top: int = 15) -> dict:
+    """A profile of `steps` compiled steps of `spec`, split by the parts the trainer labels (PARTS): on CUDA the device
     time of the kernels each launched, per step (`backward` also holds the kernels of autograd's own thread), and of the
-    kernels no label holds; on the CPU each part's time (which includes its backward)."""
+    kernels no label holds; on the CPU each part's time (which includes its backward). Then the `top` kernels (CPU:
+    operators) by their own time per step, which say where a part's time goes inside compiled code."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     cuda = device.type == "cuda"
-    rig = Rig(config(CROSS, shapes), shapes, device)
+    rig = Rig(config(spec, shapes), shapes, device)
     batches = rig.batches(range(shapes.warmup + steps))
     rig.run(batches[: shapes.warmup], lr=False)
     synchronize(device)
@@ -481,18 +487,24 @@ def profile(shapes: Shapes, device: torch.device, steps: int = 3) -> dict:
         parts["backward"] = parts.get("backward", 0.0) + off_thread_ms(prof.events()) / steps
         total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
         parts["unlabelled"] = total - sum(parts.values())
+        ranked = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
+        heaviest = {e.key[:100]: e.self_device_time_total / 1e3 / steps for e in ranked[:top]}
     else:
         parts = {k: e.cpu_time_total / 1e3 / steps for k, e in labels.items()}
         total = None
-    missing = [p for p in PARTS if p not in labels]
+        operators = [e for e in events if e.device_type == DeviceType.CPU and e.key not in PARTS]
+        ranked = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)
+        heaviest = {e.key[:100]: e.self_cpu_time_total / 1e3 / steps for e in ranked[:top]}
+    missing = [p for p in PARTS if p not in labels and (p != "regularisers" or rig.text_dim)]
     return {
         "check": "profile",
-        "config": CROSS.name,
+        "config": spec.name,
         "steps": steps,
         "time": "device" if cuda else "cpu",
         "ms_per_step": {k: round(v, 3) for k, v in parts.items()},
         "device_ms_per_step": round(total, 3) if total is not None else None,
         "wall_ms_per_step": round(wall * 1e3, 3),
+        "top_ms_per_step": {k: round(v, 3) for k, v in heaviest.items()},
         "ok": not missing,
         "missing_parts": missing,
     }
@@ -611,7 +623,7 @@ def list_phases() -> None:
     for name, phase in PHASES.items():
         print(f"{name:<11} ~{phase.expected_s:>3} s {'measured' if phase.measured else 'estimate'}  {phase.about}")
     total = sum(p.expected_s for p in PHASES.values())
-    print(f"{'all':<11} ~{total:>3} s           (one H200, cold, process start excluded; 'measured': on 2026-12-04)")
+    print(f"{'all':<11} ~{total:>4} s          (one H200, cold, process start excluded; 'measured': on 2026-12-04)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -649,7 +661,8 @@ def phase_results(name: str, shapes: Shapes, device: torch.device, dry_run: bool
     elif name == "torchrun":
         yield run_torchrun(dry_run)
     elif name == "profile":
-        yield profile(shapes, device)
+        for spec in (NONE, CROSS):  # side by side: where cross's extra time goes
+            yield profile(spec, shapes, device)
     elif name == "input":
         yield from input_path(shapes, device)
     else:

@@ -66,9 +66,13 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     assert by_name["vit_b16_cross8_before_mlp_compiled_accum2"]["options"] == {"accum_steps": 2}
     inputs = [r for r in records if r["check"] == "input"]
     assert [r["decode"] for r in inputs] == ["cpu", "gpu"] and all(r["ok"] and r["images_per_s"] > 0 for r in inputs)
-    (profile,) = [r for r in records if r["check"] == "profile"]
-    assert profile["ok"] and set(profile["ms_per_step"]) == set(gpu_check.PARTS)
-    assert all(v > 0 for v in profile["ms_per_step"].values())  # each label is reached in a step
+    none, cross = [r for r in records if r["check"] == "profile"]
+    assert (none["config"], cross["config"]) == (gpu_check.NONE.name, gpu_check.CROSS.name)
+    assert cross["ok"] and set(cross["ms_per_step"]) == set(gpu_check.PARTS)
+    assert none["ok"] and set(none["ms_per_step"]) == set(gpu_check.PARTS) - {"regularisers"}
+    for profile in (none, cross):
+        assert all(v > 0 for v in profile["ms_per_step"].values())  # each label is reached in a step
+        assert len(profile["top_ms_per_step"]) == 15 and all(v > 0 for v in profile["top_ms_per_step"].values())
     (smoke,) = [r for r in records if r["check"] == "smoke"]
     assert smoke["ok"] and smoke["loss_last"] < smoke["loss_first"] and smoke["steps"] == 30
     (torchrun,) = [r for r in records if r["check"] == "torchrun"]
