@@ -95,3 +95,53 @@ def test_encoders_are_safetensors_with_their_step(tmp_path):
         "context_encoder.safetensors",
         "target_encoder.safetensors",
     ]
+
+
+class _Model(torch.nn.Module):
+    """An encoder and a predictor, as the trainer's model holds them (the encoders go to safetensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 4)
+        self.predictor = torch.nn.Linear(4, 4)
+
+
+def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_written(tmp_path):
+    """Under FSDP the shards are written by a thread while training goes on: nothing points at them until `wait`
+    (the next save, the end of the run) finds them written, and what they hold is the state at the save, not the
+    parameters changed after it. One process in a gloo group of its own, as a rank of a run is."""
+    import torch.distributed as dist
+
+    from train.checkpoint import Checkpointer, sharded_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        run = tmp_path / "run"
+        run.mkdir()
+        model, target = _Model(), torch.nn.Linear(4, 4)
+        saver = Checkpointer(run, model, target, torch.optim.AdamW(model.parameters()), main=True)
+
+        def resumed_weight() -> torch.Tensor:
+            fresh = _Model()
+            reader = Checkpointer(run, fresh, torch.nn.Linear(4, 4), torch.optim.AdamW(fresh.parameters()), True)
+            reader.resume()
+            return fresh.encoder.weight.detach()
+
+        saved = model.encoder.weight.detach().clone()
+        saver.save(1, {"lr": 0.1}, sharded=True, keep=2, every_keep=0)
+        assert saver._pending is not None and saver._pending.written is not None, "a background write's future"
+        with torch.no_grad():
+            model.encoder.weight.add_(1.0)  # the step after the save, while its shards may still be written
+        assert sharded_checkpoint(run) is None, "not published before it is known to be written"
+        saver.wait()
+        assert sharded_checkpoint(run) == (run / "sharded_checkpoint" / "step-00000001", 1)
+        torch.testing.assert_close(resumed_weight(), saved)
+        saver.save(2, {"lr": 0.1}, sharded=True, keep=2, every_keep=0)
+        saver.save(3, {"lr": 0.1}, sharded=True, keep=2, every_keep=0)  # publishes step 2 first
+        assert sharded_checkpoint(run)[1] == 2
+        saver.wait()
+        assert sharded_checkpoint(run)[1] == 3
+        assert sorted(p.name for p in (run / "sharded_checkpoint").glob("step-*")) == ["step-00000002", "step-00000003"]
+        torch.testing.assert_close(resumed_weight(), saved + 1.0)
+    finally:
+        dist.destroy_process_group()

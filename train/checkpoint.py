@@ -25,7 +25,9 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -213,15 +215,43 @@ def _one_process_meant() -> Iterator[None]:
         yield
 
 
-def save_sharded_checkpoint(
-    run: Path, state: dict[str, Any], step: int, config: dict[str, Any], keep: int = 2, every_keep: int = 0
-) -> Path:
-    """Every process writes its shards of `state` (DTensor or plain state dicts) to `sharded_checkpoint/step-N/`;
-    then rank 0 points `latest.json` at it and removes the older ones `kept_steps` does not keep. A collective:
-    every rank calls it.
+@dataclass
+class ShardedSave:
+    """A sharded checkpoint being written: `publish` waits for its shards (a background write's future, or none) and
+    then, on rank 0, points `latest.json` at it and prunes the history."""
 
-    A run killed while saving leaves `latest.json` on the previous, complete checkpoint.
-    """
+    root: Path
+    name: str
+    step: int
+    config: dict[str, Any]
+    keep: int
+    every_keep: int
+    written: Future | None = None
+
+    def publish(self, main: bool) -> None:
+        if self.written is not None:
+            self.written.result()  # rank 0's future ends after DCP's metadata, which every rank's shards precede
+        if main:
+            atomic_write_bytes(
+                self.root / LATEST, json.dumps({"step": self.step, "dir": self.name, "config": self.config}).encode()
+            )
+            prune_history(self.root, self.keep, self.every_keep)
+
+
+def start_sharded_checkpoint(
+    run: Path,
+    state: dict[str, Any],
+    step: int,
+    config: dict[str, Any],
+    keep: int = 2,
+    every_keep: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> ShardedSave:
+    """Every process writes its shards of `state` (DTensor or plain state dicts) to `sharded_checkpoint/step-N/`: in
+    a background thread when `group` (a gloo group of all ranks, for DCP's collectives off the training thread) is
+    given, once the state is copied to host memory; else before returning. A collective: every rank calls it.
+    Nothing points at the new checkpoint until its `publish`, so a run killed before leaves `latest.json` on the
+    previous, complete one."""
     import torch.distributed.checkpoint as dcp
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -234,12 +264,24 @@ def save_sharded_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
     if distributed:
         dist.barrier()
+    pending = ShardedSave(root, name, step, config, keep, every_keep)
     with _one_process_meant():
-        dcp.save(state, checkpoint_id=target, no_dist=not distributed)
-    if main:  # dcp.save returns once the metadata, written after every rank's shards, is on disk
-        atomic_write_bytes(root / LATEST, json.dumps({"step": step, "dir": name, "config": config}).encode())
-        prune_history(root, keep, every_keep)
-    return target
+        if group is not None:
+            written = dcp.async_save(state, checkpoint_id=target, process_group=group, no_dist=not distributed)
+            pending.written = cast(Future, written)
+        else:
+            dcp.save(state, checkpoint_id=target, no_dist=not distributed)
+    return pending
+
+
+def save_sharded_checkpoint(
+    run: Path, state: dict[str, Any], step: int, config: dict[str, Any], keep: int = 2, every_keep: int = 0
+) -> Path:
+    """`start_sharded_checkpoint` written in the foreground, then published: every rank's shards, then `latest.json`
+    (rank 0) and the history pruned. A collective."""
+    pending = start_sharded_checkpoint(run, state, step, config, keep, every_keep)
+    pending.publish(not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0)
+    return pending.root / pending.name
 
 
 def load_sharded_into(run: Path, state: dict[str, Any]) -> int:
@@ -286,8 +328,10 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
 class Checkpointer:
     """Saves and resumes one run's context encoder and predictor, target encoder and optimizer, whole or sharded.
 
-    Under FSDP every process writes its own shards (no gather); otherwise rank 0 writes full state dicts. Either way
-    rank 0 also writes the two encoders as safetensors (under FSDP gathered to it, on CPU: the encoders only).
+    Under FSDP every process writes its own shards (no gather), in a background thread once they are copied to host
+    memory: the training goes on, and the checkpoint is published (`latest.json`) when the next save or the end of
+    the run (`wait`) finds it written. Otherwise rank 0 writes full state dicts. Either way rank 0 also writes the two
+    encoders as safetensors (under FSDP gathered to it, on CPU).
     Resuming takes the newer of the two formats, into whatever this process holds (whole or sharded).
 
     DCP's state-dict functions are imported by the methods that use them: evaluation and export read checkpoints
@@ -302,6 +346,8 @@ class Checkpointer:
         self.target = target
         self.optimizer = optimizer
         self.main = main
+        self._pending: ShardedSave | None = None  # the sharded checkpoint being written in the background
+        self._save_group: dist.ProcessGroup | None = None
 
     def resume(self) -> int:
         """Load the run's newest checkpoint, of either format, into this process's models and optimizer; its step,
@@ -339,6 +385,7 @@ class Checkpointer:
             get_optimizer_state_dict,
         )
 
+        self.wait()
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=full))
         target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
@@ -346,7 +393,8 @@ class Checkpointer:
             context = {k.removeprefix("encoder."): v for k, v in model.items() if k.startswith("encoder.")}
             save_encoders(self.run, {"target_encoder": target, "context_encoder": context}, step, config)
         if sharded:
-            save_sharded_checkpoint(self.run, self._sharded_state(), step, config, keep, every_keep)
+            state = self._sharded_state()
+            self._pending = start_sharded_checkpoint(self.run, state, step, config, keep, every_keep, self._group())
         elif self.main:
             state = {
                 "model": model,
@@ -358,6 +406,21 @@ class Checkpointer:
             save_checkpoint(self.run, state, keep, every_keep)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+    def wait(self) -> None:
+        """Finish the sharded checkpoint being written in the background, if any, and publish it (a collective: the
+        next `save` and the end of the run call it on every rank)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.publish(self.main)
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """A gloo group of every rank for DCP's collectives in the background (made once, by every rank at its first
+        sharded save): collectives on the training group from another thread could interleave with the step's. None
+        without a process group: the checkpoint is then written in the foreground."""
+        if self._save_group is None and dist.is_available() and dist.is_initialized():
+            self._save_group = dist.new_group(backend="gloo")
+        return self._save_group
 
     def _sharded_state(self) -> dict[str, Any]:
         """This process's shards (plain tensors on one process) of model, target and optimizer, keyed by name."""

@@ -264,8 +264,9 @@ class Trainer:
         self.checkpoints.save(step, to_dict(cfg), cfg.fsdp, cfg.checkpoint_keep, cfg.checkpoint_every_keep)
 
     def _finish(self, progress: Progress | None) -> None:
-        """Close the progress display and loggers, wait for the curves being drawn, unlock RUN, leave the process
-        group."""
+        """Publish the checkpoint being written, close the progress display and loggers, wait for the curves being
+        drawn, unlock RUN, leave the process group."""
+        self.checkpoints.wait()  # the last sharded checkpoint, written in the background, is published
         self.plots.close()
         if progress is not None:
             progress.close()
@@ -275,6 +276,7 @@ class Trainer:
             dist.destroy_process_group()
 
     def _stop_non_finite(self, step: int) -> None:
+        self.checkpoints.wait()  # a sharded one being written was finite when saved: it is the last good one
         last = checkpoint_step(self.run_dir)
         kept = (
             f"the last good checkpoint (step {last}) is kept" if last is not None else "no checkpoint was written yet"
