@@ -387,10 +387,16 @@ class Checkpointer:
 
         self.wait()
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=full))
+        # Sharded, only what the safetensors hold is gathered (the encoders, not the predictor); else all of it.
+        whole = cast(nn.Module, self.model.encoder) if sharded else self.model
+        model = cast(dict[str, torch.Tensor], get_model_state_dict(whole, options=full))
         target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
         if self.main:
-            context = {k.removeprefix("encoder."): v for k, v in model.items() if k.startswith("encoder.")}
+            context = (
+                model
+                if sharded
+                else {k.removeprefix("encoder."): v for k, v in model.items() if k.startswith("encoder.")}
+            )
             save_encoders(self.run, {"target_encoder": target, "context_encoder": context}, step, config)
         if sharded:
             state = self._sharded_state()
