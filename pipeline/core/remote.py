@@ -22,8 +22,9 @@ adlfs) for files and by obstore for the log: for S3 the AWS environment variable
 ``AWS_ENDPOINT_URL`` for an S3-compatible server); for Azure ``AZURE_STORAGE_ACCOUNT_NAME``
 with ``AZURE_STORAGE_ACCOUNT_KEY`` (or ``AZURE_STORAGE_SAS_TOKEN``; for the Azurite emulator
 ``AZURE_STORAGE_CONNECTION_STRING`` for fsspec and ``AZURE_STORAGE_USE_EMULATOR=true`` with
-``AZURITE_BLOB_STORAGE_URL`` for obstore). gs:// is read; writing it is not tested (no GCS
-emulator here that obstore can be pointed at), so writers refuse it.
+``AZURITE_BLOB_STORAGE_URL`` for obstore). gs:// is read; writing it is not tested, so writers refuse it: the GCS
+emulator on PyPI (gcp-storage-emulator) serves only the JSON API, while obstore speaks the XML
+API (it answered 501), and fake-gcs-server is on neither PyPI nor npm.
 """
 
 from __future__ import annotations
