@@ -488,13 +488,13 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
         parts["unlabelled"] = total - sum(parts.values())
         ranked = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
-        heaviest = {e.key[:100]: e.self_device_time_total / 1e3 / steps for e in ranked[:top]}
+        heaviest = {e.key: e.self_device_time_total / 1e3 / steps for e in ranked[:top]}
     else:
         parts = {k: e.cpu_time_total / 1e3 / steps for k, e in labels.items()}
         total = None
         operators = [e for e in events if e.device_type == DeviceType.CPU and e.key not in PARTS]
         ranked = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)
-        heaviest = {e.key[:100]: e.self_cpu_time_total / 1e3 / steps for e in ranked[:top]}
+        heaviest = {e.key: e.self_cpu_time_total / 1e3 / steps for e in ranked[:top]}
     missing = [p for p in PARTS if p not in labels and (p != "regularisers" or rig.text_dim)]
     return {
         "check": "profile",

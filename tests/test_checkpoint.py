@@ -133,8 +133,10 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
         with torch.no_grad():
             model.encoder.weight.add_(1.0)  # the step after the save, while its shards may still be written
         assert sharded_checkpoint(run) is None, "not published before it is known to be written"
-        saver.wait()
+        saver._pending.written.result()
+        saver.publish_if_written()  # where the loop logs: rank 0 publishes what is written, without waiting
         assert sharded_checkpoint(run) == (run / "sharded_checkpoint" / "step-00000001", 1)
+        saver.wait()
         torch.testing.assert_close(resumed_weight(), saved)
         saver.save(2, {"lr": 0.1}, sharded=True, keep=2, every_keep=0)
         saver.save(3, {"lr": 0.1}, sharded=True, keep=2, every_keep=0)  # publishes step 2 first
@@ -142,6 +144,10 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
         saver.wait()
         assert sharded_checkpoint(run)[1] == 3
         assert sorted(p.name for p in (run / "sharded_checkpoint").glob("step-*")) == ["step-00000002", "step-00000003"]
+        assert (
+            sorted(p.name.split(".")[0] for p in (run / "checkpoints").iterdir())
+            == ["step-00000002"] * 2 + ["step-00000003"] * 2
+        ), "the encoders' history is pruned with the shards"
         torch.testing.assert_close(resumed_weight(), saved + 1.0)
     finally:
         dist.destroy_process_group()

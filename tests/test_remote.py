@@ -404,6 +404,8 @@ def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir)
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "only where its conditional put is tested (s3://, az://)" in proc.stderr
+    proc = tcjepa("cache", "gc", "az://cache@account.blob.core.windows.net/x", check=False, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not CONTAINER@HOST" in proc.stderr
     fs, _ = s3
     fs.pipe_file(f"{BUCKET}/not-a-cache/readme.txt", b"hello")
     proc = tcjepa(

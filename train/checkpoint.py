@@ -236,6 +236,7 @@ class ShardedSave:
                 self.root / LATEST, json.dumps({"step": self.step, "dir": self.name, "config": self.config}).encode()
             )
             prune_history(self.root, self.keep, self.every_keep)
+            prune_history(self.root.parent / HISTORY, self.keep, self.every_keep)  # the encoders' safetensors
 
 
 def start_sharded_checkpoint(
@@ -267,7 +268,7 @@ def start_sharded_checkpoint(
     pending = ShardedSave(root, name, step, config, keep, every_keep)
     with _one_process_meant():
         if group is not None:
-            written = dcp.async_save(state, checkpoint_id=target, process_group=group, no_dist=not distributed)
+            written = dcp.async_save(state, checkpoint_id=target, process_group=group)  # a group: distributed
             pending.written = cast(Future, written)
         else:
             dcp.save(state, checkpoint_id=target, no_dist=not distributed)
@@ -415,9 +416,21 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Finish the sharded checkpoint being written in the background, if any, and publish it (a collective: the
-        next `save` and the end of the run call it on every rank)."""
+        next `save`, a non-finite stop and the end of the run call it on every rank; after it, every rank reads the
+        same `latest.json`)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            pending.publish(self.main)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def publish_if_written(self) -> None:
+        """On rank 0, publish the sharded checkpoint being written if it is written by now (no waiting, no
+        collective: rank 0's write ends after every rank's). The loop calls it where it logs, so a run killed
+        before its next save loses only the steps since the last one written."""
+        pending = self._pending
+        if self.main and pending is not None and pending.written is not None and pending.written.done():
+            self._pending = None
             pending.publish(self.main)
 
     def _group(self) -> dist.ProcessGroup | None:

@@ -171,8 +171,12 @@ class Trainer:
             if self.rt.main
             else None
         )
-        with self.stops.listening():
-            self._train(progress)
+        try:
+            with self.stops.listening():
+                self._train(progress)
+        except BaseException:
+            self.checkpoints.publish_if_written()  # what is written already counts, whatever ended the run
+            raise
         self._finish(progress)
         return self.metrics.read() if self.rt.main else []
 
@@ -227,6 +231,7 @@ class Trainer:
                         progress.logged(record)
                     sums.zero_()
                     logged_steps, images_seen, tick = 0, 0, time.perf_counter()
+                    self.checkpoints.publish_if_written()
                 if done % cfg.val_every == 0 or done == cfg.steps:
                     # Every rank validates (FSDP's forward is collective); rank 0 writes.
                     record = {"step": done, **self.validate()}
@@ -266,14 +271,16 @@ class Trainer:
     def _finish(self, progress: Progress | None) -> None:
         """Publish the checkpoint being written, close the progress display and loggers, wait for the curves being
         drawn, unlock RUN, leave the process group."""
-        self.checkpoints.wait()  # the last sharded checkpoint, written in the background, is published
-        self.plots.close()
-        if progress is not None:
-            progress.close()
-        if self.run_lock is not None:
-            self.run_lock.release()
-        if self.rt.world > 1:
-            dist.destroy_process_group()
+        try:
+            self.checkpoints.wait()  # the last sharded checkpoint, written in the background, is published
+        finally:
+            self.plots.close()
+            if progress is not None:
+                progress.close()
+            if self.run_lock is not None:
+                self.run_lock.release()
+            if self.rt.world > 1:
+                dist.destroy_process_group()
 
     def _stop_non_finite(self, step: int) -> None:
         self.checkpoints.wait()  # a sharded one being written was finite when saved: it is the last good one

@@ -10,7 +10,7 @@ through fsspec, which `datasets` needs too.
 Credentials and endpoints come from each cloud's environment variables (obstore's `from_url`): for S3 the AWS ones,
 e.g. `AWS_ENDPOINT_URL` for an S3-compatible server (an http:// endpoint is allowed); for GCS
 `GOOGLE_SERVICE_ACCOUNT` (or `GOOGLE_APPLICATION_CREDENTIALS`); for Azure `AZURE_STORAGE_ACCOUNT_NAME` with
-`AZURE_STORAGE_ACCOUNT_KEY` (or `AZURE_STORAGE_SAS_KEY`).
+`AZURE_STORAGE_ACCOUNT_KEY` (or `AZURE_STORAGE_SAS_TOKEN`, which adlfs reads too).
 """
 
 from __future__ import annotations

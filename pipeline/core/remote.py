@@ -90,6 +90,14 @@ def remote_error(url: str, exc: Exception) -> UserError:
 def filesystem(url: str) -> tuple[Any, str]:
     import fsspec
 
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() == "az" and "@" in rest.split("/", 1)[0]:
+        # adlfs reads az://CONTAINER@ACCOUNT.../PATH as that container, obstore as a container named by the host:
+        # the files and the log would part ways
+        raise UserError(
+            f"{url}: give az://CONTAINER/PATH and the account in AZURE_STORAGE_ACCOUNT_NAME, not CONTAINER@HOST"
+        )
+
     try:
         fs, root = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as exc:
