@@ -105,17 +105,25 @@ def padded_on_host(batch: Batch) -> torch.Tensor:
 
 
 def test_on_the_cpu_batches_reach_the_step_unchanged_and_one_ahead():
+    """While the step holds batch i, a thread of on_device's own takes batch i + 1 from the loader and copies it:
+    the step's thread never waits for the loader while there is a batch ahead."""
+    import threading
+    import time
+
     batches = [step_batch(s) for s in range(3)]
-    pulled = []
+    pulled, threads = [], set()
 
     def source():
         for i, b in enumerate(batches):
             pulled.append(i)
+            threads.add(threading.current_thread().name)
             yield b
 
     seen = []
     for i, (batch, micro) in enumerate(on_device(source(), torch.device("cpu"), 2)):
-        # The next batch's copies are queued before this one is handed over (the overlap on CUDA).
+        deadline = time.monotonic() + 10
+        while len(pulled) < min(i + 2, len(batches)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # this step "runs": the next batch is fetched meanwhile
         assert pulled == list(range(min(i + 2, len(batches))))
         assert batch is batches[i]
         for mb, host in zip(micro, micro_batches(batch, 2)):
@@ -124,6 +132,7 @@ def test_on_the_cpu_batches_reach_the_step_unchanged_and_one_ahead():
             assert mb.images_with_text == host.images_with_text()
         seen.append(i)
     assert seen == [0, 1, 2]
+    assert threading.current_thread().name not in threads and all(t.startswith("tcjepa-batches") for t in threads)
 
 
 def _block_input_dtypes(cfg: TrainConfig, model: torch.nn.Module, target: torch.nn.Module) -> set[torch.dtype]:

@@ -14,6 +14,7 @@ ahead of the compute that needs them.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -137,17 +138,27 @@ def micro_batches(batch: Batch, k: int) -> list[Batch]:
 def on_device(
     batches: Iterable[Batch], device: torch.device, k: int
 ) -> Generator[tuple[Batch, list[DeviceBatch]], None, None]:
-    """Each batch with its `k` micro-batches on `device`; on CUDA, the copies of step s + 1 are queued on a side stream
-    before step s's compute, so they overlap it. On CPU the same iteration with plain copies (no streams)."""
+    """Each batch with its `k` micro-batches on `device`. While step s runs, a thread of its own takes batch s + 1
+    from `batches` (the DataLoader), queues its copies (on CUDA on a side stream, so they overlap the step's
+    compute) and decodes its JPEGs (`--decode gpu`, which waits on the host for those copies): the trainer's thread
+    never waits for the loader, a copy or nvJPEG while the device has work. On CPU the same with plain copies."""
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    pending: tuple[Batch, list[DeviceBatch], torch.cuda.Event | None] | None = None
-    for batch in batches:
-        queued = _copy(batch, device, k, stream)
-        if pending is not None:
+    source = iter(batches)
+
+    def fetch() -> tuple[Batch, list[DeviceBatch], torch.cuda.Event | None] | None:
+        batch = next(source, None)
+        return None if batch is None else _copy(batch, device, k, stream)
+
+    fetcher = ThreadPoolExecutor(1, thread_name_prefix="tcjepa-batches")
+    upcoming = fetcher.submit(fetch)
+    try:
+        while (pending := upcoming.result()) is not None:
+            upcoming = fetcher.submit(fetch)
             yield _ready(pending, device)
-        pending = queued
-    if pending is not None:
-        yield _ready(pending, device)
+    finally:
+        # Not waited for: closed early (a stop, an error), the fetch under way may be waiting on the loader, which
+        # ends when its owner ends the workers, after this.
+        fetcher.shutdown(wait=False, cancel_futures=True)
 
 
 def _copy(
