@@ -146,6 +146,8 @@ def on_device(
     source = iter(batches)
 
     def fetch() -> tuple[Batch, list[DeviceBatch], torch.cuda.Event | None] | None:
+        if stream is not None:
+            torch.cuda.set_device(device)  # per thread: this one's would otherwise be GPU 0 on every rank
         batch = next(source, None)
         return None if batch is None else _copy(batch, device, k, stream)
 
