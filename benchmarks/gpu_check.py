@@ -17,8 +17,8 @@ prints them with their expected time, each under 4 minutes cold on one H200, mea
 - `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
   predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds;
 - `smoke`: 100 compiled training steps over a few fixed batches: the loss must fall;
-- `torchrun`: one process under `torchrun` with NCCL, two steps with DDP and two with FSDP2, and a sharded
-  checkpoint written and read back.
+- `torchrun`: one process under `torchrun` with NCCL, two steps with DDP and two with FSDP2, and the trainer's
+  sharded checkpoint (written in the background on a gloo group beside NCCL) published and resumed.
 
 `--dry-run` does all of it on the CPU with tiny shapes, a few steps, gloo, and torch.compile's `aot_eager` backend
 (a test runs it). Exit status 1 when a check fails.
@@ -539,15 +539,17 @@ def smoke(shapes: Shapes, device: torch.device) -> dict:
 
 
 def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
-    """Inside torchrun: two steps under DDP and two under FSDP2 with this backend, and a sharded checkpoint of the
-    FSDP model written and read back into a fresh one (the equal losses of the next step say it loaded)."""
+    """Inside torchrun: two steps under DDP and two under FSDP2 with this backend, and the FSDP model checkpointed
+    as the trainer does (`Checkpointer`: shards written in the background on a gloo group of their own, published
+    once written) and resumed into a fresh one (the equal losses of the next step say it loaded)."""
     import torch.distributed as dist
 
-    from train.checkpoint import load_sharded_into, save_sharded_checkpoint
+    from train.checkpoint import Checkpointer, sharded_checkpoint
 
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
     )
+    main = dist.get_rank() == 0
     out: dict = {"check": "torchrun", "backend": dist.get_backend(), "world": dist.get_world_size()}
     try:
         base = config(
@@ -559,32 +561,20 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
             out[f"{name}_losses"] = [round(v, 4) for v in losses]
             if cfg.fsdp:
                 with tempfile.TemporaryDirectory() as tmp:
-                    save_sharded_checkpoint(Path(tmp), _sharded(rig), 2, {})
+                    saver = Checkpointer(Path(tmp), rig.model, rig.target, rig.optimizer, main)
+                    saver.save(2, {}, sharded=True, keep=2, every_keep=0)
+                    saver.wait()
+                    out["fsdp_checkpoint_published"] = sharded_checkpoint(Path(tmp)) is not None
                     again = Rig(cfg, shapes, device)
-                    restored = _sharded(again)
-                    load_sharded_into(Path(tmp), restored)
-                    _restore(again, restored)
+                    resumed = Checkpointer(Path(tmp), again.model, again.target, again.optimizer, main).resume()
+                    out["fsdp_checkpoint_resumed_step"] = resumed
                 probe = rig.batches(range(2, 3))
                 a, b = rig.run(probe)[0][0].item(), again.run(probe)[0][0].item()
-                out["fsdp_checkpoint_roundtrip"] = abs(a - b) <= 1e-3 * abs(a)
+                out["fsdp_checkpoint_roundtrip"] = abs(a - b) <= 1e-3 * abs(a) and resumed == 2
         out["ok"] = all(np.isfinite(out["ddp_losses"] + out["fsdp_losses"])) and out["fsdp_checkpoint_roundtrip"]
     finally:
         dist.destroy_process_group()
     return out
-
-
-def _sharded(rig: Rig) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    model, optimizer = get_state_dict(rig.model, rig.optimizer)
-    return {"model": model, "target": get_model_state_dict(rig.target), "optimizer": optimizer}
-
-
-def _restore(rig: Rig, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    set_state_dict(rig.model, rig.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    set_model_state_dict(rig.target, state["target"])
 
 
 def gpu_name(device: torch.device) -> str:
