@@ -13,13 +13,12 @@ UNIT_TIER := not (slow or vllm or ray or distributed or s3)
 venv: $(STAMP)
 
 # Azurite, the Azure Blob emulator that the remote tests start on loopback (as moto for S3), from the npm registry
-# into the venv; without npm the Azure tests are skipped, saying so.
+# into the venv; a failed install stops the build; without Node.js the Azure tests are skipped, saying so.
 AZURITE_VERSION := 3.35.0
 AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
 azurite: $(STAMP)
 	@if [ -x $(AZURITE) ]; then :; elif command -v npm >/dev/null; then \
-		npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION) \
-			|| echo "npm could not install Azurite: the Azure tests will be skipped"; \
+		npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION); \
 	else echo "no npm here: the Azure tests (Azurite) will be skipped"; fi
 
 # CPU environment (see README, "Install"): the CPU torch wheel first, then the

@@ -69,7 +69,7 @@ def azurite(folder: Path, timeout: float = 60) -> Iterator[dict[str, str]]:
     reach it. Ended by its process id."""
     binary = AZURITE if AZURITE.exists() else shutil.which("azurite-blob")
     if binary is None:
-        raise RuntimeError(f"Azurite is not installed ({AZURITE}): run `make venv`, which installs it with npm")
+        raise RuntimeError(f"Azurite is not installed ({AZURITE}): run `make azurite`, which installs it with npm")
     port = _free_port()
     proc = start(
         [str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(folder)]
