@@ -192,3 +192,14 @@ def test_text_experiment_runs_end_to_end_writes_the_readme_tables_and_resumes(tm
     again = _ablations("--experiment", "text", "--work", work, *TINY, "--masks", "hard")
     assert json.loads(again.stdout.strip().splitlines()[-1]) == result
     assert "trained in" not in again.stderr, "finished runs were trained or probed again"
+
+
+def test_protocol_v2_runs_the_factor_sweeps_chosen_configuration_with_text_on_free_scenes():
+    """docs/experiments.md's protocol v2 amendment: `ema_0.996` at 400 steps, both variants, both mask settings, the
+    paper's regulariser weights; captions read from free scenes."""
+    v2 = ablations.EXPERIMENTS["text_v2"]
+    assert v2.layout == "free" and v2.text and v2.section == "text-experiment-v2"
+    assert set(v2.variants) == {"none", "cross"} and set(v2.masks) == {"ijepa", "hard"}
+    chosen = {**ablations.FREE_TRAINING, **ablations.FACTORS["ema_0.996"], "steps": 400}
+    assert {k: v2.training[k] for k in chosen} == chosen
+    assert (v2.training["lambda_sparse"], v2.training["beta_consistency"]) == (0.1, 0.5)
