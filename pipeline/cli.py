@@ -20,7 +20,7 @@ from pipeline.cli_cache_store import cache_app, store_app
 from pipeline.cli_options import Executor, Mirror, Progress, RayActors, RayAddress
 from pipeline.core import logs
 from pipeline.core.errors import STOPPED_STATUS, DataProblem, Stopped, UserError, os_error_line
-from pipeline.devkit.scenes import SCENE_IMAGES, SCENE_TRAINING
+from pipeline.devkit.scenes import LEARNING_TRAINING, SCENE_IMAGES
 from pipeline.devkit.tiny_models import T5_STEPS
 
 app = typer.Typer(
@@ -420,7 +420,7 @@ def demo(
     t5_steps: Annotated[int, typer.Option(help="Training steps for the tiny T5.")] = T5_STEPS,
     train_steps: Annotated[
         int, typer.Option(help="Training steps of each of the two runs (none, cross).")
-    ] = SCENE_TRAINING["steps"],
+    ] = LEARNING_TRAINING["steps"],
     seed: Annotated[int, typer.Option(help="Seed for data, models, training and probes.")] = 0,
 ) -> None:
     """Run the whole pipeline on built-in synthetic data on the CPU: caption, embed, train none and cross, eval,

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from pipeline.demo import margins_table
 from tests.support.commands import tcjepa
 
 
@@ -32,6 +33,10 @@ def test_demo_runs_every_stage_and_summarises_both_runs(tmp_path):
     table = (out / "summary.md").read_text()
     assert table.startswith("| mode | encoder | linear |") and "| none | target |" in table
     assert "| cross | context |" in table and "| true/shuffled |" in table.splitlines()[0] + "|"
+    assert summary["train_config"]["patch_size"] == 8 and summary["train_config"]["ema"] == [0.996, 1.0]
+    assert json.loads((out / "data" / "classes.json").read_text())["layout"] == "free", "the scenes that learn"
+    margins = table.split("\n\n")[1].splitlines()
+    assert margins[0].startswith("| mode | encoder | shape mIoU − random init |") and len(margins) == 2 + 4
     floors = ["floor: random init", "floor: patch colours", "floor: patch pixels"]
     assert [r["mode"] for r in summary["floors"]] == floors
     assert all(f"| {floor} | " in table for floor in floors)
@@ -60,3 +65,21 @@ def test_demo_refuses_an_out_dir_made_with_other_sizes(tmp_path, synth_dir):
     shutil.copytree(synth_dir, out / "data")  # 40 scenes
     done = tcjepa("demo", "--out", out, "--n-images", 50, check=False)
     assert done.returncode == 2 and "holds a demo of 40 scenes, not 50" in done.stderr
+
+
+def test_the_margins_are_each_encoder_minus_each_floor_beside_true_over_shuffled():
+    rows = [
+        {"mode": "none", "encoder": "target", "dense_shape_miou": 0.25, "multilabel": 0.30},
+        {"mode": "cross", "encoder": "context", "dense_shape_miou": 0.20, "multilabel": 0.31, "ratio": 0.9871},
+    ]
+    floors = [
+        {"mode": "floor: random init", "dense_shape_miou": 0.21, "multilabel": 0.26},
+        {"mode": "floor: patch colours", "multilabel": 0.25},  # a floor without the dense probe
+    ]
+    lines = margins_table(rows, floors).splitlines()
+    assert lines[0] == (
+        "| mode | encoder | shape mIoU − random init | shape mIoU − patch colours | multi-label mAP − random init "
+        "| multi-label mAP − patch colours | true/shuffled |"
+    )
+    assert lines[2] == "| none | target | +0.040 | – | +0.040 | +0.050 | – |"
+    assert lines[3] == "| cross | context | -0.010 | – | +0.050 | +0.060 | 0.987 |"

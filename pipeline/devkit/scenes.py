@@ -1,7 +1,7 @@
 """Synthetic scenes made ready to train on: scenes, tiny models, their captions imported and embedded.
 
 The demo and `benchmarks.ablations` start from the same data and the same training
-configuration, sized for a 2-core CPU (it departs from the paper's on purpose).
+configurations, sized for a 2-core CPU (they depart from the paper's on purpose).
 """
 
 from __future__ import annotations
@@ -41,6 +41,25 @@ SCENE_TRAINING: dict[str, Any] = {
     "log_every": 25,
     "val_every": 50,
     "checkpoint_every": 100,
+}
+# The configuration that learns (docs/experiments.md, section 5; the demo's): on free scenes (objects at any place
+# and angle, so position does not answer), patch 8 so that a patch sees a fragment of an object, 400 steps, EMA
+# 0.996 → 1, the paper's loss. There `none`'s encoders beat a random-init encoder and the patch pixels on dense shape
+# mIoU and multi-label mAP by more than twice the 3-seed spread, in 7–12 minutes of training on 2 cores.
+LEARNING_LAYOUT = "free"
+LEARNING_TRAINING: dict[str, Any] = {
+    **SCENE_TRAINING,
+    "patch_size": 8,
+    "steps": 400,
+    "warmup_steps": 40,
+    "lr": 0.001,
+    "ema": [0.996, 1.0],
+    "loss": "norm",
+    "min_context": 0,
+    "text_lr_scale": 1.0,
+    "val_every": 100,
+    "checkpoint_every": 100,
+    "checkpoint_every_keep": 200,
 }
 
 
