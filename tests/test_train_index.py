@@ -17,7 +17,7 @@ from pipeline.core.sources import ImageReader, list_images
 from tests.support.images import png
 from tests.support.repo import REPO
 from tests.support.stores import store_keys
-from train.data_index import HexDigests, TrainIndex, build_index, first_of_each_pair
+from train.data_index import NEIGHBOURS_COMPARED, HexDigests, TrainIndex, build_index, first_of_each_pair
 
 N = 40  # images in the session's synth_dir, 8 captions each
 EXTRA = 10  # images that get one extra caption (and one repeated text) in a second recipe
@@ -339,13 +339,19 @@ def test_a_cache_key_that_is_not_a_hex_digest_is_refused_in_one_line(tmp_path, s
         build_index([synth_dir / "images"], tmp_path / "cache", None, [], 0, verify_sample=0, progress=False)
 
 
+@pytest.mark.parametrize("grouped", ["no", "yes", "yes, one image too large to compare pairwise"])
 @pytest.mark.parametrize("shared_prefix", [False, True])
-def test_first_of_each_pair_keeps_the_first_row_of_every_image_and_key(shared_prefix):
+def test_first_of_each_pair_keeps_the_first_row_of_every_image_and_key(shared_prefix, grouped):
     """Against a set walked in row order; with `shared_prefix`, keys of an image share their first 8 bytes and differ
-    in the next 8, interleaved, so sorting by the first 8 alone would miss repeats."""
+    in the next 8, interleaved, so sorting by the first 8 alone would miss repeats. Grouped rows (images
+    non-decreasing, as the index has them) take the pairwise comparison, unless an image has too many rows."""
     rng = np.random.default_rng(1)
     n = 2000
-    image = rng.integers(0, 50, n)
+    image = rng.integers(0, 50 if grouped == "no" else 600, n)
+    if grouped != "no":
+        image.sort()
+    if grouped.startswith("yes,"):
+        image[: NEIGHBOURS_COMPARED + 1] = image[0]
     texts = rng.integers(0, 6, n)  # few texts per image: many repeats
     head = np.zeros((n, 16), dtype=np.uint8)
     head[:, 8 if shared_prefix else 0] = texts

@@ -54,7 +54,11 @@ class _Run:
 
     @classmethod
     def of(cls, prefix: np.ndarray, digests: np.ndarray, values: np.ndarray) -> _Run:
-        order = np.argsort(prefix, kind="stable")
+        # Unstable first (numpy's SIMD quicksort, ~1.7x timsort on random keys): with no prefix twice, the order is
+        # the same; with ties, sorted again stably, so that equal prefixes keep their insertion order.
+        order = np.argsort(prefix)
+        if len(prefix) > 1 and ((ordered := prefix[order])[1:] == ordered[:-1]).any():
+            order = np.argsort(prefix, kind="stable")
         prefix, digests, values = prefix[order], digests[order], values[order]
         streak = 1
         if len(prefix) > 1 and (same := prefix[1:] == prefix[:-1]).any():
@@ -98,7 +102,7 @@ class DigestIndex:
         # Keys searched in sorted order: each run is then walked front to back (cache-friendly), not at random.
         unsorted = as_digests(keys)
         unsorted_prefix = _prefix(unsorted)
-        order = np.argsort(unsorted_prefix, kind="stable")
+        order = np.argsort(unsorted_prefix)  # any order of equal keys: each is looked up on its own
         digests, prefix = unsorted[order], unsorted_prefix[order]
         found = np.full(len(digests), -1, dtype=np.int64)
         for run in self._runs:
