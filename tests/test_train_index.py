@@ -289,8 +289,9 @@ def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, see
                 text = vocabulary[int(rng.integers(len(vocabulary)))]
                 prompt = f"p{int(rng.integers(3))}"
                 rows.append(_row(sha, source_id, recipe, prompt, sample, text))
-        if rng.random() < 0.15:  # another sha256 for the id, first and least: ambiguous, so hashed
-            rows.insert(first, _row("0" * 64, source_id, recipes[0], "p9", 0, "a caption of a different image"))
+        if rng.random() < 0.15:  # another sha256 for the id, least, before or after its own rows: ambiguous, so hashed
+            at = first if rng.random() < 0.5 else len(rows)
+            rows.insert(at, _row("0" * 64, source_id, recipes[0], "p9", 0, "a caption of a different image"))
     cache.commit(rows, failures)
     store = EmbeddingStore.open_or_create(tmp_path / "store", {"kind": "test"}, 4)
     writer = store.new_segment()
