@@ -250,20 +250,24 @@ class StoreKeys:
     def spans_of_rows(self, rows: np.ndarray) -> tuple[list[str], Spans]:
         """`spans` of the keys at global `rows` (`locate`'s, none of them -1), without looking them up again.
 
-        The held segments' offsets are laid end to end by global row, so each key's span is two gathers: no sort
-        and no pass per segment over the keys (3.5 s → 0.8 s at 10⁷ keys in 4,000 segments)."""
+        The held segments' offsets are laid end to end (memory for those segments' rows only, so a lookup of one
+        row reads one segment's), and each key's span is two gathers: no sort and no pass per segment over the keys
+        (3.5 s → 0.8 s at 10⁷ keys in 4,000 segments)."""
         segs = np.searchsorted(self.starts, rows, side="right") - 1
         held = np.flatnonzero(np.bincount(segs, minlength=len(self.segment_ids)))
-        first = np.zeros(len(self), dtype=np.int64)  # each held row's first token, by global row
-        lengths = np.zeros(len(self), dtype=np.int32)
-        for seg in held.tolist():
+        sizes = self.starts[held + 1] - self.starts[held]
+        base = np.zeros(len(self.segment_ids), dtype=np.int64)  # each held segment's first row in `first`, `lengths`
+        base[held] = np.cumsum(sizes) - sizes
+        first = np.empty(int(sizes.sum()), dtype=np.int64)
+        lengths = np.empty(len(first), dtype=np.int32)
+        for seg, lo, n in zip(held.tolist(), base[held].tolist(), sizes.tolist()):
             offsets = self.store.read_offsets(self.segment_ids[seg]).astype(np.int64)
-            lo, hi = self.starts[seg], self.starts[seg + 1]
-            first[lo:hi] = offsets[:-1]
-            lengths[lo:hi] = np.diff(offsets)
+            first[lo : lo + n] = offsets[:-1]
+            lengths[lo : lo + n] = np.diff(offsets)
+        at = base[segs] + rows - self.starts[segs]
         position = np.zeros(len(self.segment_ids), dtype=np.int32)
         position[held] = np.arange(len(held), dtype=np.int32)
-        spans = Spans(position[segs], first[rows], lengths[rows])
+        spans = Spans(position[segs], first[at], lengths[at])
         return [self.segment_ids[i] for i in held.tolist()], spans
 
 
