@@ -50,7 +50,7 @@ from train.data import Batch, mask_config
 from train.jepa import build_models
 from train.masks import padded_length, sample_masks
 from train.optim import make_optimizer
-from train.parallel import wrap_models
+from train.parallel import regulariser_passes, wrap_models
 from train.runtime import precision_on
 from train.schedules import WarmupCosine
 from train.step import TrainStep, choose_cuda_kernels, on_device
@@ -140,7 +140,17 @@ PHASES = {
     ),
 }
 # The step's parts, as train.jepa, train.objective and train.step label them for a profiler.
-PARTS = ("target_encoder", "context_encoder", "predictor", "regularisers", "backward", "optimizer", "ema")
+PARTS = (
+    "target_encoder",
+    "context_encoder",
+    "predictor",
+    "regularisers",
+    "regularisers_backward",
+    "backward",
+    "optimizer",
+    "ema",
+)
+TEXT_PARTS = ("regularisers", "regularisers_backward")  # labelled only where a step has captions
 
 
 @dataclass(frozen=True)
@@ -269,7 +279,15 @@ class Rig:
         self.flops_per_step = self._count_flops() if count_flops else 0
         self.module = wrap_models(self.model, self.target, cfg, device, shapes.compile_backend)
         self.optimizer = make_optimizer(self.model, cfg, device)
-        self.step = TrainStep(self.model, self.module, self.target, self.optimizer, cfg, device)
+        self.step = TrainStep(
+            self.model,
+            self.module,
+            self.target,
+            self.optimizer,
+            cfg,
+            device,
+            regulariser_passes(cfg, shapes.compile_backend),
+        )
         self.lr = WarmupCosine(cfg.start_lr, cfg.lr, cfg.final_lr, cfg.warmup_steps, cfg.steps)
 
     def batches(self, steps: range, missing: float = 0.0) -> list[Batch]:
@@ -461,9 +479,10 @@ def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
 
 def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, top: int = 15) -> dict:
     """A profile of `steps` compiled steps of `spec`, split by the parts the trainer labels (PARTS): on CUDA the device
-    time of the kernels each launched, per step (`backward` also holds the kernels of autograd's own thread), and of the
-    kernels no label holds; on the CPU each part's time (which includes its backward). Then the `top` kernels (CPU:
-    operators) by their own time per step, which say where a part's time goes inside compiled code."""
+    time of the kernels each launched, per step (`backward` also holds the kernels of autograd's own thread, less the
+    regularisers' backward, labelled apart), and of the kernels no label holds; on the CPU each part's time (which
+    includes its backward). Then the `top` kernels (CPU: operators) by their own time per step, which say where a
+    part's time goes inside compiled code."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
@@ -485,17 +504,19 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         kernels = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", 0)]
         parts = {k: e.device_time_total / 1e3 / steps for k, e in labels.items()}
         parts["backward"] = parts.get("backward", 0.0) + off_thread_ms(prof.events()) / steps
+        parts["backward"] -= parts.get("regularisers_backward", 0.0)  # ran on autograd's thread, inside the above
         total = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
         parts["unlabelled"] = total - sum(parts.values())
         ranked = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
         heaviest = {e.key: e.self_device_time_total / 1e3 / steps for e in ranked[:top]}
     else:
         parts = {k: e.cpu_time_total / 1e3 / steps for k, e in labels.items()}
+        parts["backward"] -= parts.get("regularisers_backward", 0.0)  # ran inside the `backward` label
         total = None
         operators = [e for e in events if e.device_type == DeviceType.CPU and e.key not in PARTS]
         ranked = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)
         heaviest = {e.key: e.self_cpu_time_total / 1e3 / steps for e in ranked[:top]}
-    missing = [p for p in PARTS if p not in labels and (p != "regularisers" or rig.text_dim)]
+    missing = [p for p in PARTS if p not in labels and (p not in TEXT_PARTS or rig.text_dim)]
     return {
         "check": "profile",
         "config": spec.name,

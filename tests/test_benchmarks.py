@@ -60,6 +60,19 @@ def test_the_checkpoint_save_benchmark_times_both_ways_of_saving():
     assert result["foreground_held_s"] > 0 and 0 < result["background_held_s"] <= result["background_written_s"]
 
 
+@pytest.mark.slow
+def test_the_regularisers_benchmark_counts_both_functions_eager_and_compiled():
+    result = _result("benchmarks.regularisers", *("--images", 2, "--tokens", 24, "--words", 16, "--repeats", 1))
+    variants = {"reference_eager", "today_eager", "reference_compiled", "today_compiled"}
+    assert set(result["mib_per_image"]) == set(result["s_per_image"]) == variants
+    assert (
+        all(v > 0 for v in result["mib_per_image"].values())
+        and result["bytes_over_reference_eager"]["reference_eager"] == 1
+    )
+    assert abs(result["loss"]["today"] - result["loss"]["reference"]) <= 1e-2 * result["loss"]["reference"]
+    assert result["mib_per_image"]["today_compiled"] < result["mib_per_image"]["today_eager"]
+
+
 @pytest.mark.s3
 @pytest.mark.distributed
 def test_writers_killed_at_random_into_one_s3_cache_and_store_lose_and_repeat_nothing_and_gc_frees_their_leftovers():

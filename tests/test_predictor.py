@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -240,6 +241,84 @@ def test_a_shift_shared_by_a_captions_words_cannot_silence_the_head_centred_regu
     after = text_regularisers(queries, shifted, word_mask, valid, cosine="head_centred", heads=2)
     torch.testing.assert_close(after.sparse, before.sparse)
     assert float(after.positive_fraction.min()) > 0.2 and float(after.sparse) > 0
+
+
+def _regulariser_operands(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple]:
+    """Three layers' queries and keys (leaves) of three images: padded tokens, padded words, a missing caption, an
+    image without text, a zero query and a zero word."""
+    g = torch.Generator().manual_seed(7)
+    b, i, n, s, d, depth = 3, 5, 2, 4, 6, 3
+    queries = [torch.randn(b, i, d, generator=g) for _ in range(depth)]
+    keys = [torch.randn(b, n, s, d, generator=g) for _ in range(depth)]
+    queries[1][0, 2] = 0
+    keys[2][2, 0, 1] = 0
+    lengths = torch.tensor([[4, 0], [0, 0], [2, 3]])
+    word_mask = torch.arange(s) < lengths[..., None]
+    token_valid = torch.arange(i) < torch.tensor([5, 3, 4])[:, None]
+    leaves = [x.to(dtype).requires_grad_() for x in queries + keys]
+    return leaves[:depth], leaves[depth:], (word_mask, lengths > 0, token_valid)
+
+
+def _regulariser_results(regularisers, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Sparse, consistency and positive share, and the float32 gradients of 3·sparse + 5·consistency."""
+    queries, keys, masks = _regulariser_operands(dtype)
+    regs = regularisers(queries, keys, *masks)
+    (3 * regs.sparse + 5 * regs.consistency).backward()
+    terms = [regs.sparse.detach(), regs.consistency.detach(), regs.positive_fraction]
+    return terms, [x.grad.float() for x in queries + keys]
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one chunk", "an image a chunk"])
+def test_regularisers_from_all_layers_at_once_equal_the_per_layer_recomputation(monkeypatch, chunk_bytes):
+    """Today's Function (one batched GEMM for every layer's map, one pass each way, images in chunks when eager)
+    against the one it replaced (`benchmarks/reference_regularisers.py`): terms, positive share and every gradient
+    in float32; under bf16 both within rounding of the float32 result, the new never much further from it."""
+    from benchmarks.reference_regularisers import regularisers as per_layer_regularisers
+    from train import losses
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(losses, "MAP_CHUNK_BYTES", chunk_bytes)
+    exact_terms, exact_grads = _regulariser_results(per_layer_regularisers, torch.float32)
+    got_terms, got_grads = _regulariser_results(text_regularisers, torch.float32)
+    for got, want in zip(got_terms, exact_terms):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    for got, want in zip(got_grads, exact_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(exact_grads[1][0, 2].abs().sum()) == 0, "a zero query gets no gradient"
+
+    old_terms, old_grads = _regulariser_results(per_layer_regularisers, torch.bfloat16)
+    new_terms, new_grads = _regulariser_results(text_regularisers, torch.bfloat16)
+    for new, old, exact in zip(new_terms[:2], old_terms[:2], exact_terms[:2]):
+        assert abs(float(new - exact)) <= 3e-3 * float(exact), (float(new), float(old), float(exact))
+    torch.testing.assert_close(new_terms[2], old_terms[2], rtol=0, atol=0.03)
+    for new, old, exact in zip(new_grads, old_grads, exact_grads):
+        assert _relative_error(new, exact) < 1.25 * _relative_error(old, exact) + 1e-2
+
+
+@pytest.mark.slow
+def test_the_compiled_regulariser_passes_equal_the_eager_ones():
+    """`--compile` runs the passes through inductor (C++ kernels on the CPU): the same terms and gradients, twice over
+    operands of other lengths, one graph per pass (dynamic shapes: no recompile)."""
+    import torch._dynamo.utils
+
+    from train.losses import compiled_regulariser_passes
+
+    torch._dynamo.reset()  # graphs compiled earlier in this process would not be counted
+    torch._dynamo.utils.counters.clear()
+    compiled = compiled_regulariser_passes("inductor")
+    for tokens in (5, 7):
+        results = []
+        for passes in (None, compiled):
+            regularisers = text_regularisers if passes is None else functools.partial(text_regularisers, passes=passes)
+            queries, keys, masks = _regulariser_operands(torch.float32)
+            queries = [torch.cat([q, q[:, : tokens - 5]], dim=1).detach().requires_grad_() for q in queries]
+            masks = (*masks[:2], torch.cat([masks[2], masks[2][:, : tokens - 5]], dim=1))
+            regs = regularisers(queries, keys, *masks)
+            (3 * regs.sparse + 5 * regs.consistency).backward()
+            results.append([regs.sparse, regs.consistency, regs.positive_fraction, *(x.grad for x in queries + keys)])
+        for got, want in zip(*reversed(results)):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, dict(torch._dynamo.utils.counters["stats"])
 
 
 def test_regulariser_gradients_reach_the_conditioner():

@@ -241,7 +241,7 @@ class TrainConfig:
     compile: bool = setting(
         False,
         "torch.compile each encoder and predictor block (batch, sequence and caption lengths marked dynamic: one "
-        "graph for every step's masks and captions)",
+        "graph for every step's masks and captions), and the text regularisers' two passes over the cosine maps",
     )
     checkpoint_activations: bool = setting(
         False, "recompute each encoder and predictor block in the backward instead of keeping its activations"

@@ -48,7 +48,7 @@ from train.inputs import (
 from train.jepa import build_models
 from train.metrics import CurvePlotter, MetricsLog
 from train.optim import apply_schedules, make_optimizer
-from train.parallel import wrap_models
+from train.parallel import regulariser_passes, wrap_models
 from train.reporting import Progress, check_loggers
 from train.run_dir import prepare_run, save_config
 from train.runtime import STOP_SIGNALS, StopRequests, precision_on, processes_per_node, start_runtime
@@ -122,7 +122,9 @@ class Trainer:
         # The optimizer is made after FSDP has replaced the parameters by their shards.
         self.train_module = wrap_models(self.model, self.target, cfg, self.rt.device)
         self.optimizer = make_optimizer(self.model, cfg, self.rt.device)
-        self.step = TrainStep(self.model, self.train_module, self.target, self.optimizer, cfg, self.rt.device)
+        self.step = TrainStep(
+            self.model, self.train_module, self.target, self.optimizer, cfg, self.rt.device, regulariser_passes(cfg)
+        )
         self.stops = StopRequests(self.rt)
         self.checkpoints = Checkpointer(run, self.model, self.target, self.optimizer, self.rt.main)
         self.start_step = self.checkpoints.resume()

@@ -10,11 +10,14 @@ predictor sequence). The average over n runs over the captions an image has
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from train.choices import LOSSES, REGULARISER_COSINES
 
@@ -72,72 +75,15 @@ class _Rows(NamedTuple):
             scale = scale * mask
         return cls(scale, scale.square() * (norms > UNIT_EPS))
 
-
-class _Layer(NamedTuple):
-    """One layer's operands: unit queries `[B, I, d]` (zero on padding), the keys as contiguous words `[B, J, d]`."""
-
-    queries: torch.Tensor
-    query_rows: _Rows
-    words: torch.Tensor
-    word_rows: _Rows
-
-    @classmethod
-    def of(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        token_mask: torch.Tensor | None = None,
-        word_mask: torch.Tensor | None = None,
-    ) -> _Layer:
-        """From queries `[B, I, d]` and keys `[B, N, S, d]`; the float masks `[B, I]` and `[B, N·S]` zero padding."""
-        words = k.flatten(1, 2).contiguous()  # once here, not inside every GEMM that reads it
-        query_rows = _Rows.of(q, token_mask)
-        units = (q.float() * query_rows.scale[..., None]).to(q.dtype)
-        return cls(units, query_rows, words, _Rows.of(words, word_mask))
-
-
-class _Maps:
-    """Buffers for one layer's cosine map at a time, reused by every layer and pass (a fresh map-sized tensor
-    costs more than the arithmetic on it on a CPU): the GEMM's output and its float32 copy."""
-
-    def __init__(self, layer: _Layer) -> None:
-        b, i = layer.queries.shape[:2]
-        shape = (b, i, layer.words.shape[1])
-        self.scores = torch.empty(shape, dtype=layer.queries.dtype, device=layer.queries.device)
-        self.cosine_map = (
-            self.scores if self.scores.dtype == torch.float32 else torch.empty_like(self.scores, dtype=torch.float32)
-        )
-
-    def cosines(self, layer: _Layer) -> torch.Tensor:
-        """float32 cosines `[B, I, J]`, zero on padding (in the shared buffer: use them before the next call).
-
-        One GEMM of the unit queries with the words, in their dtype (bf16 under autocast, like the attention scores
-        the cosines once came from), whose columns are then divided by the words' norms in float32.
-        """
-        torch.bmm(layer.queries, layer.words.transpose(1, 2), out=self.scores)
-        if self.cosine_map is not self.scores:
-            self.cosine_map.copy_(self.scores)
-        return self.cosine_map.mul_(layer.word_rows.scale[:, None, :])
-
-    def rectified(self, layer: _Layer) -> torch.Tensor:
-        """float32 max(cosine, 0) `[B, I, J]`, zero on padding (in the shared buffer)."""
-        return self.cosines(layer).clamp_min_(0)
+    def units(self, x: torch.Tensor) -> torch.Tensor:
+        """û in x's dtype (zero on padding)."""
+        return (x.float() * self.scale[..., None]).to(x.dtype)
 
 
 def patch_word_cosine(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """float32 cosines `[B, I, N·S]` of queries `[B, I, d]` and caption word keys `[B, N, S, d]`, full vectors."""
-    layer = _Layer.of(queries, keys)
-    return torch.bmm(layer.queries, layer.words.transpose(1, 2)).float() * layer.word_rows.scale[:, None, :]
-
-
-def _layers(queries_keys: tuple[torch.Tensor, ...], token_mask: torch.Tensor, word_mask: torch.Tensor) -> list[_Layer]:
-    depth = len(queries_keys) // 2
-    return [_Layer.of(q, k, token_mask, word_mask) for q, k in zip(queries_keys[:depth], queries_keys[depth:])]
-
-
-def _bilinear(maps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Σ_b rows_bᵀ · maps_b · cols_b for `maps` `[B, I, J]`, `rows` `[B, I]`, `cols` `[B, J]` (one GEMV per image)."""
-    return torch.bmm(maps, cols.unsqueeze(-1)).squeeze(-1).mul_(rows).sum()
+    words = keys.flatten(1, 2)
+    return torch.bmm(_Rows.of(queries).units(queries), _Rows.of(words).units(words).transpose(1, 2)).float()
 
 
 def _unit_backward(grad: torch.Tensor, x: torch.Tensor, rows: _Rows, weight: torch.Tensor) -> torch.Tensor:
@@ -151,80 +97,185 @@ def _unit_backward(grad: torch.Tensor, x: torch.Tensor, rows: _Rows, weight: tor
     return torch.addcmul(grad * along, x, back)
 
 
+class _UnitLayer(NamedTuple):
+    """One layer's operands: queries `[B, I, d]` and the keys as words `[B, J, d]`, their row factors and unit
+    vectors (zero on padding)."""
+
+    queries: torch.Tensor
+    query_rows: _Rows
+    unit_queries: torch.Tensor
+    words: torch.Tensor
+    word_rows: _Rows
+    unit_words: torch.Tensor
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor, word_mask: torch.Tensor) -> _UnitLayer:
+        words = k.flatten(1, 2)
+        query_rows, word_rows = _Rows.of(q, token_mask), _Rows.of(words, word_mask)
+        return cls(q, query_rows, query_rows.units(q), words, word_rows, word_rows.units(words))
+
+
+def _unit_layers(
+    queries_keys: tuple[torch.Tensor, ...], token_mask: torch.Tensor, word_mask: torch.Tensor
+) -> list[_UnitLayer]:
+    depth = len(queries_keys) // 2
+    return [_UnitLayer.of(q, k, token_mask, word_mask) for q, k in zip(queries_keys[:depth], queries_keys[depth:])]
+
+
+def _rectified_maps(unit_queries: list[torch.Tensor], unit_words: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer, float32 max(cos, 0) `[b, I, J]` from one GEMM of the unit vectors in their dtype (bf16 under
+    autocast, like the attention scores the cosines once came from); zero on padding."""
+    return [torch.bmm(q, w.transpose(1, 2)).float().relu_() for q, w in zip(unit_queries, unit_words)]
+
+
+def _bilinear(maps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Σ_b rows_bᵀ · maps_b · cols_b for `maps` `[B, I, J]`, `rows` `[B, I]`, `cols` `[B, J]` (one GEMV per image)."""
+    return torch.bmm(maps, cols.unsqueeze(-1)).squeeze(-1).mul_(rows).sum()
+
+
+def _forward_pass(
+    unit_queries: list[torch.Tensor],
+    unit_words: list[torch.Tensor],
+    token_weight: torch.Tensor,
+    word_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Σ w·Σ_l R^l, Σ w·Σ_l |R^l − R̄| and each layer's count of positive cosines, for a chunk of images: every
+    layer's map is read together, so compiled it is one kernel that reads each map once."""
+    maps = _rectified_maps(unit_queries, unit_words)
+    counts = torch.stack([torch.count_nonzero(m) for m in maps])
+    total = maps[0].clone()
+    for m in maps[1:]:
+        total.add_(m)
+    sparse = _bilinear(total, token_weight, word_weight)
+    mean = total.div_(len(maps))
+    spread = maps[0].sub_(mean).abs_()
+    for m in maps[1:]:
+        spread.add_(m.sub_(mean).abs_())
+    return sparse, _bilinear(spread, token_weight, word_weight), counts
+
+
+def _backward_pass(
+    unit_queries: list[torch.Tensor],
+    unit_words: list[torch.Tensor],
+    token_weight: torch.Tensor,
+    word_weight: torch.Tensor,
+    grad_sparse: torch.Tensor,
+    grad_consistency: torch.Tensor,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients at each layer's unit queries and unit words, for a chunk of images, from the maps remade:
+        H^l = [cos^l > 0]·(g_sparse + g_consistency·(sgn(R^l − R̄) − 1/L Σ_l' sgn(R^l' − R̄))),
+    ∂/∂q̂_i = u_i Σ_j H_ij v_j k̂_j / L and ∂/∂k̂_j = v_j Σ_i H_ij u_i q̂_i / L (the weights go into the GEMMs'
+    operands). Compiled, every H^l comes from one kernel that reads each map once."""
+    maps = _rectified_maps(unit_queries, unit_words)
+    depth, dtype = len(maps), unit_queries[0].dtype
+    mean = maps[0].clone()
+    for m in maps[1:]:
+        mean.add_(m)
+    mean.div_(depth)
+    positive = [m > 0 for m in maps]
+    signs = [m.sub_(mean).sign_() for m in maps]  # in place: the maps are not needed past their signs
+    base = signs[0].clone()
+    for sign in signs[1:]:
+        base.add_(sign)
+    base.mul_(-grad_consistency / depth).add_(grad_sparse)
+    grads_q, grads_k = [], []
+    for sign, above, q, w in zip(signs, positive, unit_queries, unit_words):
+        slope = sign.mul_(grad_consistency).add_(base).mul_(above).to(dtype)
+        grads_q.append(torch.bmm(slope, (w * (word_weight / depth)[..., None]).to(dtype)))
+        grads_k.append(torch.bmm(slope.transpose(1, 2), (q * (token_weight / depth)[..., None]).to(dtype)))
+    return grads_q, grads_k
+
+
+class RegulariserPasses(NamedTuple):
+    """The two passes over the cosine maps, eager (`EAGER_PASSES`) or compiled (`compiled_regulariser_passes`)."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+EAGER_PASSES = RegulariserPasses(_forward_pass, _backward_pass)
+
+
+@functools.cache
+def compiled_regulariser_passes(backend: str = "inductor") -> RegulariserPasses:
+    """The passes compiled by `backend`, which fuses each into a kernel that reads every layer's map once (bytes:
+    `benchmarks/regularisers.py`). Shapes are dynamic: one graph per pass for every step's context and caption
+    lengths. One pair per process and backend."""
+    return RegulariserPasses(
+        torch.compile(_forward_pass, backend=backend, dynamic=True, fullgraph=True),
+        torch.compile(_backward_pass, backend=backend, dynamic=True, fullgraph=True),
+    )
+
+
+MAP_CHUNK_BYTES = 2**30  # one chunk of images' maps, all layers at once, and their temporaries (eager: float32)
+
+
+def _chunks(layers: list[_UnitLayer]) -> list[slice]:
+    """Slices of images whose maps are made together: as many as keep every layer's float32 map and two temporaries
+    of its size under MAP_CHUNK_BYTES."""
+    b, i = layers[0].queries.shape[:2]
+    per_image = len(layers) * i * layers[0].words.shape[1] * 12
+    step = max(1, MAP_CHUNK_BYTES // max(per_image, 1))
+    return [slice(lo, lo + step) for lo in range(0, b, step)]
+
+
 class _RectifiedCosineTerms(torch.autograd.Function):
     """Both regularisers of L layers' rectified cosines R^l = max(cos(q^l, K^l), 0), keeping no map for backward.
 
     With weights w = token_weight ⊗ word_weight (zero on padding, missing captions and images without text):
         sparse = 1/L Σ_l Σ w·R^l,   consistency = 1/L Σ_l Σ w·|R^l − R̄|,   R̄ = 1/L Σ_l R^l.
-    Only the queries and keys are saved (the cross-attention keeps them anyway). Each layer's map is made by one
-    GEMM whenever a pass needs it, into buffers every layer reuses (two passes forward, three backward: a GEMM
-    costs about what one elementwise pass over the map does, and L maps at once would be L times the memory).
-    Backward forms, per layer,
-        H^l = [cos^l > 0]·(g_sparse + g_consistency·(sgn(R^l − R̄) − 1/L Σ_l' sgn(R^l' − R̄))),
-    so that ∂/∂cos^l = w·H^l / L, and takes it to the unit queries and keys by two GEMMs (the weights folded into
-    their operands and row scales), then through the normalisation. The third output, the count of valid positive
-    cosines per layer, has no gradient.
+    Only the queries and keys are saved (the cross-attention keeps them anyway). Each pass (`_forward_pass`,
+    `_backward_pass`) makes every layer's map of a chunk of images by one GEMM and reads them together; backward
+    takes the gradients at the unit vectors through the normalisation. The third output, the count of valid
+    positive cosines per layer, has no gradient.
     """
 
     @staticmethod
-    def forward(ctx, token_weight, word_weight, token_mask, word_mask, *queries_keys):
+    def forward(ctx, passes, token_weight, word_weight, token_mask, word_mask, *queries_keys):
         depth = len(queries_keys) // 2
         with torch.autocast(queries_keys[0].device.type, enabled=False):
-            layers = _layers(queries_keys, token_mask, word_mask)
-            maps = _Maps(layers[0])
-            total = torch.zeros_like(maps.cosine_map)
-            spread = torch.empty_like(total)
-            counts = []
-            for layer in layers:
-                rectified = maps.rectified(layer)
-                # Zero on padding, so the positive entries are the valid positive cosines.
-                counts.append(torch.sign(rectified, out=spread).sum(dtype=torch.float64))
-                total.add_(rectified)
-            sparse = _bilinear(total, token_weight, word_weight) / depth
-            mean = total.div_(depth)
-            spread.zero_()
-            for layer in layers:
-                spread.add_(maps.rectified(layer).sub_(mean).abs_())
-            consistency = _bilinear(spread, token_weight, word_weight) / depth
-        positive = torch.stack(counts).float()
+            layers = _unit_layers(queries_keys, token_mask, word_mask)
+            per_chunk = [
+                passes.forward(
+                    [layer.unit_queries[images] for layer in layers],
+                    [layer.unit_words[images] for layer in layers],
+                    token_weight[images],
+                    word_weight[images],
+                )
+                for images in _chunks(layers)
+            ]
+            sparse, consistency, counts = (torch.stack(parts).sum(dim=0) for parts in zip(*per_chunk))
         ctx.save_for_backward(token_weight, word_weight, token_mask, word_mask, *queries_keys)
+        ctx.passes = passes
+        positive = counts.float()
         ctx.mark_non_differentiable(positive)
-        return sparse, consistency, positive
+        return sparse / depth, consistency / depth, positive
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_sparse, grad_consistency, _grad_positive):
         token_weight, word_weight, token_mask, word_mask, *queries_keys = ctx.saved_tensors
-        depth = len(queries_keys) // 2
-        with torch.autocast(queries_keys[0].device.type, enabled=False):
-            layers = _layers(queries_keys, token_mask, word_mask)
-            maps = _Maps(layers[0])
-            mean = torch.zeros_like(maps.cosine_map)
-            for layer in layers:
-                mean.add_(maps.rectified(layer))
-            mean.div_(depth)
-            base = torch.zeros_like(mean)
-            for layer in layers:
-                base.add_(maps.rectified(layer).sub_(mean).sign_())
-            base.mul_(-grad_consistency / depth).add_(grad_sparse)  # g_s − g_c · (mean of the signs)
-            positive = torch.empty_like(mean)
-            slope = maps.scores  # H^l in the GEMM's dtype (its buffer is free once the map is made)
-            token_scale, word_scale = token_weight / depth, word_weight / depth
+        autocast_off = torch.autocast(queries_keys[0].device.type, enabled=False)
+        with autocast_off, record_function("regularisers_backward"):  # a profile's label (gpu_check's)
+            layers = _unit_layers(queries_keys, token_mask, word_mask)
+            per_chunk = [
+                ctx.passes.backward(
+                    [layer.unit_queries[images] for layer in layers],
+                    [layer.unit_words[images] for layer in layers],
+                    token_weight[images],
+                    word_weight[images],
+                    grad_sparse,
+                    grad_consistency,
+                )
+                for images in _chunks(layers)
+            ]
             grads_q, grads_k = [], []
-            for layer, q, k in zip(layers, queries_keys[:depth], queries_keys[depth:]):
-                rectified = maps.rectified(layer)
-                torch.sign(rectified, out=positive)  # 1 where the cosine is positive (and not padding), else 0
-                rectified.sub_(mean).sign_().mul_(grad_consistency).add_(base).mul_(positive)
-                if slope is not rectified:
-                    slope.copy_(rectified)
-                # ∂/∂q̂_i = u_i Σ_j H_ij v_j k̂_j / L and ∂/∂k̂_j = v_j Σ_i H_ij u_i q̂_i / L, with k̂_j = k_j·scale_j.
-                scaled_words = layer.words * (word_scale * layer.word_rows.scale).to(layer.words.dtype)[..., None]
-                scaled_queries = layer.queries * token_scale.to(layer.queries.dtype)[..., None]
-                grad_q_unit = torch.bmm(slope, scaled_words)
-                grad_k_unit = torch.bmm(slope.transpose(1, 2), scaled_queries)
-                grads_q.append(_unit_backward(grad_q_unit, q, layer.query_rows, token_weight))
+            for n, (layer, k) in enumerate(zip(layers, queries_keys[len(layers) :])):
+                grad_q_unit = torch.cat([chunk_q[n] for chunk_q, _ in per_chunk])
+                grad_k_unit = torch.cat([chunk_k[n] for _, chunk_k in per_chunk])
+                grads_q.append(_unit_backward(grad_q_unit, layer.queries, layer.query_rows, token_weight))
                 grads_k.append(_unit_backward(grad_k_unit, layer.words, layer.word_rows, word_weight).view(k.shape))
-        return None, None, None, None, *grads_q, *grads_k
+        return None, None, None, None, None, *grads_q, *grads_k
 
 
 def centred_heads(
@@ -296,6 +347,7 @@ def text_regularisers(
     token_valid: torch.Tensor | None = None,
     cosine: str = "full",
     heads: int = 1,
+    passes: RegulariserPasses = EAGER_PASSES,
 ) -> TextRegularisers:
     """Sparsity and cross-layer consistency of rectified patch–word cosines.
 
@@ -305,7 +357,8 @@ def text_regularisers(
 
     `cosine` ``full``: the cosine of the full projected vectors (the formula as the seeds write it);
     ``head_centred``: per attention head (of `heads`), with the keys centred over each caption's valid words
-    (`centred_heads`), the terms averaged over heads.
+    (`centred_heads`), the terms averaged over heads. `passes`: eager, or compiled where the blocks are
+    (`compiled_regulariser_passes`).
     """
     if cosine not in REGULARISER_COSINES:
         raise ValueError(f"cosine must be one of {', '.join(REGULARISER_COSINES)}, got {cosine!r}")
@@ -315,26 +368,46 @@ def text_regularisers(
         token_valid = None if token_valid is None else token_valid.repeat_interleave(heads, 0)
         # Each image's heads are `heads` images of the flat call, each weighted alike: the mean over heads, then
         # over the images with captions, as before.
-        return text_regularisers(queries, keys, word_mask, valid, token_valid)
-    b, i = queries[0].shape[:2]
-    if token_valid is None:
-        token_mask = torch.ones(b, i, dtype=torch.float32, device=word_mask.device)
-    else:
-        token_mask = token_valid.to(torch.float32)
-    token_weight = token_mask / token_mask.sum(dim=1, keepdim=True).clamp_min(1)  # mean over an image's real tokens
-    captions = valid.to(torch.float32)
-    per_image = captions.sum(dim=1)
-    with_text = (per_image > 0).to(torch.float32)
-    # Mean over the captions an image has, then over the images that have any.
-    caption_weight = captions / per_image.clamp_min(1)[:, None] * (with_text / with_text.sum().clamp_min(1))[:, None]
-    words = word_mask.to(torch.float32)
-    word_weight = (words * caption_weight[..., None]).flatten(1)
-    words = words.flatten(1)
-    sparse, consistency, positive = _RectifiedCosineTerms.apply(
-        token_weight, word_weight, token_mask, words, *queries, *keys
-    )
-    counted = (words.sum(dim=1) * token_mask.sum(dim=1)).sum()  # valid words × real tokens, the same every layer
-    return TextRegularisers(sparse, consistency, positive / counted.clamp_min(1), counted)
+        return text_regularisers(queries, keys, word_mask, valid, token_valid, passes=passes)
+    weights = RegulariserWeights.of(word_mask, valid, token_valid, queries[0].shape[1])
+    sparse, consistency, positive = _RectifiedCosineTerms.apply(passes, *weights.arguments(), *queries, *keys)
+    return TextRegularisers(sparse, consistency, positive / weights.pairs.clamp_min(1), weights.pairs)
+
+
+class RegulariserWeights(NamedTuple):
+    """What each patch–word pair of the flat (full-cosine) call weighs: w = token_weight ⊗ word_weight."""
+
+    token_weight: torch.Tensor  # [B, I]: 1 / (the image's real tokens) on real tokens, else 0
+    word_weight: torch.Tensor  # [B, N·S]: 1 / (its image's captions × images with text) on valid words, else 0
+    token_mask: torch.Tensor  # [B, I] float: real tokens
+    word_mask: torch.Tensor  # [B, N·S] float: valid words
+    pairs: torch.Tensor  # scalar: valid words × real tokens, the same every layer
+
+    @classmethod
+    def of(
+        cls, word_mask: torch.Tensor, valid: torch.Tensor, token_valid: torch.Tensor | None, tokens: int
+    ) -> RegulariserWeights:
+        if token_valid is None:
+            token_mask = torch.ones(word_mask.shape[0], tokens, dtype=torch.float32, device=word_mask.device)
+        else:
+            token_mask = token_valid.to(torch.float32)
+        token_weight = token_mask / token_mask.sum(dim=1, keepdim=True).clamp_min(1)  # mean over an image's tokens
+        captions = valid.to(torch.float32)
+        per_image = captions.sum(dim=1)
+        with_text = (per_image > 0).to(torch.float32)
+        # Mean over the captions an image has, then over the images that have any.
+        caption_weight = (
+            captions / per_image.clamp_min(1)[:, None] * (with_text / with_text.sum().clamp_min(1))[:, None]
+        )
+        words = word_mask.to(torch.float32)
+        word_weight = (words * caption_weight[..., None]).flatten(1)
+        words = words.flatten(1)
+        pairs = (words.sum(dim=1) * token_mask.sum(dim=1)).sum()
+        return cls(token_weight, word_weight, token_mask, words, pairs)
+
+    def arguments(self) -> tuple[torch.Tensor, ...]:
+        """The leading arguments of the regularisers' autograd Function."""
+        return self.token_weight, self.word_weight, self.token_mask, self.word_mask
 
 
 SIGREG_KNOTS = 17  # quadrature points of the Epps–Pulley integral over t in [0, SIGREG_T]

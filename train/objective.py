@@ -14,7 +14,14 @@ from torch import nn
 from torch.profiler import record_function
 
 from train.config import TrainConfig, resolved_predictor_heads
-from train.losses import prediction_loss, sigreg, target_features, text_regularisers
+from train.losses import (
+    EAGER_PASSES,
+    RegulariserPasses,
+    prediction_loss,
+    sigreg,
+    target_features,
+    text_regularisers,
+)
 from train.predictor import PredictorOutput, TextBatch
 from train.vit import VisionTransformer
 
@@ -58,6 +65,7 @@ def compute_losses(
     cfg: TrainConfig,
     context_valid: torch.Tensor | None = None,
     sigreg_directions: torch.Tensor | None = None,
+    regulariser_passes: RegulariserPasses = EAGER_PASSES,
 ) -> StepLosses:
     """L = L_predict + λ·L_sparse + β·L_consistency for one batch (regularisers only in cross mode with text), plus
     `cfg.sigreg` × SIGReg of the context encoder's real tokens when `sigreg_directions` `[D, K]` are given.
@@ -85,6 +93,7 @@ def compute_losses(
             out.token_valid,
             cosine=cfg.regulariser_cosine,
             heads=resolved_predictor_heads(cfg),
+            passes=regulariser_passes,
         )
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency + extra
     return StepLosses(

@@ -15,6 +15,7 @@ from torch import nn
 from pipeline.core.errors import UserError
 from train.config import TrainConfig
 from train.jepa import JEPA
+from train.losses import EAGER_PASSES, RegulariserPasses, compiled_regulariser_passes
 from train.predictor import TextBatch
 from train.runtime import processes_per_node
 from train.vit import VisionTransformer
@@ -127,6 +128,12 @@ def compile_blocks(*stacks: nn.ModuleList, backend: str = "inductor") -> None:
     for blocks in stacks:
         for block in blocks:
             block.forward = _mark_lengths_dynamic(torch.compile(block.forward, fullgraph=True, backend=backend))
+
+
+def regulariser_passes(cfg: TrainConfig, backend: str = "inductor") -> RegulariserPasses:
+    """The text regularisers' passes over the cosine maps: compiled (by `backend`) where the blocks are, else eager.
+    They run outside the blocks, on every layer's queries and keys at once, so they are compiled on their own."""
+    return compiled_regulariser_passes(backend) if cfg.compile else EAGER_PASSES
 
 
 def checkpoint_blocks(*stacks: nn.ModuleList) -> None:

@@ -27,7 +27,7 @@ from torch.profiler import record_function
 from train.config import TrainConfig
 from train.data import Normalise
 from train.jepa import JEPA, ema_update
-from train.losses import sigreg_directions
+from train.losses import EAGER_PASSES, RegulariserPasses, sigreg_directions
 from train.masks import padded_length
 from train.objective import StepLosses, compute_losses
 from train.predictor import TextBatch
@@ -237,6 +237,7 @@ class TrainStep:
         optimizer: torch.optim.Optimizer,
         cfg: TrainConfig,
         device: torch.device,
+        regulariser_passes: RegulariserPasses = EAGER_PASSES,
     ) -> None:
         self.model = model  # the JEPA itself: its parameters and encoder (EMA source)
         self.module = module  # what runs forward and backward: the model, or its DDP wrapper
@@ -247,6 +248,7 @@ class TrainStep:
         self.dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         self.normalise = Normalise().to(device)
         self.masked = cfg.context_equalise == "pad"  # cut: rows are never padded, attention needs no mask
+        self.regulariser_passes = regulariser_passes  # compiled where the blocks are (`train.parallel`)
 
     def text(self, mb: DeviceBatch) -> TextBatch | None:
         """The micro-batch's captions in the compute dtype, padded to the batch's longest (rounded up to a multiple of
@@ -277,6 +279,7 @@ class TrainStep:
                 self.cfg,
                 valid,
                 directions,
+                self.regulariser_passes,
             )
 
     def _text_shares(self, micro: list[DeviceBatch]) -> list[torch.Tensor | float]:

@@ -1,0 +1,170 @@
+"""The text regularisers alone, today's autograd Function beside the one it replaced: bytes moved and time.
+
+Today (`train.losses`): every layer's cosine map from one batched GEMM, read once forward and once backward after
+recomputing it, in the GEMM's dtype. Reference (`benchmarks/reference_regularisers.py`, issue 32's "today"): each
+layer's map remade as float32 for every pass (two forward, three backward), ~10 elementwise passes over each.
+
+Shapes: issue 32's ViT-B/16 `before_mlp` step per image (predictor 384 wide, depth 6; 648 conditioned tokens, the
+last ~10% padding; N = 8 captions × 128 words, most 64–128 words long and one in six 16–63), for `--images` images
+(`--tokens` and `--words` shrink it for tests);
+queries and keys in bf16, as autocast hands them over. Forward and backward of 3·sparse + 5·consistency.
+
+Bytes, per image:
+  compiled  inductor's own count, for the compiled forward and backward graphs, of what each kernel reads and
+            writes after fusion, the GEMMs included (`GraphLowering.count_bytes`, what the `inductor_metrics` log
+            reports): the figure a GPU's memory traffic follows. Goal of issue 32 point 1: ≤ 1/4 of the reference's.
+  eager     every aten op's inputs plus outputs (a `TorchDispatchMode`): the traffic if no operand stays in cache.
+Time: the median of interleaved calls, eager and compiled, on one CPU thread (2-core machine shared with other
+jobs: ratios, measured side by side, are the figures to read).
+
+  python -m benchmarks.regularisers [--images 2] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+from benchmarks.common import print_result  # first: sets the offline environment
+from benchmarks.reference_regularisers import regularisers as reference_regularisers  # noqa: E402
+from train.losses import TextRegularisers, compiled_regulariser_passes, text_regularisers  # noqa: E402
+
+CAPTIONS, WIDTH, DEPTH = 8, 384, 6
+Regularisers = Callable[..., TextRegularisers]
+
+
+@dataclass(frozen=True)
+class Shape:
+    images: int
+    tokens: int = 648
+    words: int = 128
+
+
+def operands(shape: Shape, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """Queries `[B, I, d]` and keys `[B, N, S, d]` per layer (bf16 leaves), word mask, valid captions, real tokens."""
+    images, tokens, words = shape.images, shape.tokens, shape.words
+    g = torch.Generator().manual_seed(seed)
+    short = torch.rand(images, CAPTIONS, generator=g) < 1 / 6
+    lengths = torch.where(
+        short,
+        torch.randint(words // 8, words // 2, (images, CAPTIONS), generator=g),
+        torch.randint(words // 2, words + 1, (images, CAPTIONS), generator=g),
+    )
+    word_mask = torch.arange(words) < lengths[..., None]
+    token_valid = torch.arange(tokens) < int(0.9 * tokens)
+    queries = [torch.randn(images, tokens, WIDTH, generator=g) for _ in range(DEPTH)]
+    keys = [torch.randn(images, CAPTIONS, words, WIDTH, generator=g) * word_mask[..., None] for _ in range(DEPTH)]
+    leaves = [x.to(torch.bfloat16).requires_grad_() for x in queries + keys]
+    return leaves[:DEPTH], leaves[DEPTH:], (word_mask, lengths > 0, token_valid.expand(images, -1))
+
+
+def forward_backward(regularisers: Regularisers, queries, keys, masks) -> torch.Tensor:
+    """3·sparse + 5·consistency, and its gradients into the leaves."""
+    regs = regularisers(queries, keys, *masks)
+    loss = 3 * regs.sparse + 5 * regs.consistency
+    loss.backward()
+    return loss.detach()
+
+
+class OpBytes(TorchDispatchMode):
+    """Bytes of every aten op's tensor inputs and outputs (in-place ops: read and written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.bytes += sum(t.nbytes for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+        return out
+
+
+def eager_bytes(regularisers: Regularisers, shape: Shape) -> int:
+    inputs = operands(shape)
+    with OpBytes() as counter:
+        forward_backward(regularisers, *inputs)
+    return counter.bytes
+
+
+def compiled(name: str, shape: Shape) -> tuple[Callable[..., torch.Tensor], int]:
+    """The reference compiled whole (the trainer never did), or today's with its passes compiled as under
+    `--compile`, and inductor's count of the bytes of the graphs compiled by the first call."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import metrics
+
+    metrics.reset()
+    if name == "reference":
+        fn = torch.compile(reference_regularisers, fullgraph=True, dynamic=True)
+    else:
+        fn = partial(text_regularisers, passes=compiled_regulariser_passes())
+
+    def run(queries, keys, masks) -> torch.Tensor:
+        return forward_backward(fn, queries, keys, masks)
+
+    with inductor_config.patch(fx_graph_cache=False):
+        run(*operands(shape))
+    if not metrics.num_bytes_accessed:
+        raise SystemExit("inductor counted no bytes: its inductor_metrics log is off, or the graphs came from a cache")
+    return run, metrics.num_bytes_accessed
+
+
+def median_seconds(runs: dict[str, Callable[..., torch.Tensor]], shape: Shape, repeats: int) -> dict[str, float]:
+    """Median seconds of each run's forward + backward, the runs interleaved in rotating order."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            inputs = operands(shape, seed=r)
+            start = time.perf_counter()
+            runs[name](*inputs)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=Shape.tokens, help="conditioned tokens per image")
+    parser.add_argument("--words", type=int, default=Shape.words, help="words per caption, padding included")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    shape = Shape(args.images, args.tokens, args.words)
+    torch.set_num_threads(1)
+    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
+    logging.getLogger("torch._inductor").setLevel(logging.WARNING)
+
+    eager = {"reference": reference_regularisers, "today": text_regularisers}
+    loss = {name: float(forward_backward(fn, *operands(shape))) for name, fn in eager.items()}
+    runs = {f"{name}_eager": partial(forward_backward, fn) for name, fn in eager.items()}
+    nbytes = {f"{name}_eager": eager_bytes(fn, shape) for name, fn in eager.items()}
+    for name in eager:
+        runs[f"{name}_compiled"], nbytes[f"{name}_compiled"] = compiled(name, shape)
+        print(f"{name} compiled: {nbytes[f'{name}_compiled'] / 2**20:.1f} MiB", file=sys.stderr)
+    seconds = median_seconds(runs, shape, args.repeats)
+    baseline = "reference_eager"  # what the trainer ran before issue 32 point 1, compiled blocks or not
+    print_result(
+        {
+            "benchmark": "regularisers",
+            "shape": {**asdict(shape), "captions": CAPTIONS, "width": WIDTH, "depth": DEPTH},
+            "loss": loss,
+            "mib_per_image": {k: round(v / args.images / 2**20, 1) for k, v in nbytes.items()},
+            "s_per_image": {k: round(v / args.images, 4) for k, v in seconds.items()},
+            "bytes_over_reference_eager": {k: round(v / nbytes[baseline], 3) for k, v in nbytes.items()},
+            "time_over_reference_eager": {k: round(v / seconds[baseline], 3) for k, v in seconds.items()},
+            "goal_met": nbytes["today_compiled"] <= nbytes[baseline] / 4,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
