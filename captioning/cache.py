@@ -34,10 +34,11 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -276,12 +277,14 @@ class CaptionCache:
         wanted = (
             None if columns is None else list(dict.fromkeys([*columns, *(["recipe"] if recipes is not None else [])]))
         )
-        tables = []
-        for path in self.caption_files():
+
+        def read(path: str) -> pa.Table:
             table = pq.read_table(path, columns=wanted)
             if recipes is not None:
                 table = table.filter(pc.is_in(table.column("recipe"), value_set=pa.array(recipes, pa.string())))
-            tables.append(table if columns is None else table.select(columns))
+            return table if columns is None else table.select(columns)
+
+        tables = read_each(self.caption_files(), read)
         if not tables:
             schema = CAPTION_SCHEMA if columns is None else pa.schema([CAPTION_SCHEMA.field(c) for c in columns])
             return schema.empty_table()
@@ -302,7 +305,7 @@ class CaptionCache:
         def read() -> pa.Table:
             published = set(self.shard_ids())
             paths = sorted(p for p in (self.root / "failures").glob("*.parquet") if p.stem in published)
-            tables = [pq.read_table(p) for p in paths]
+            tables = read_each(paths, pq.read_table)
             return pa.concat_tables(tables) if tables else FAILURE_SCHEMA.empty_table()
 
         return _retry_if_compacted(read)
@@ -479,6 +482,19 @@ def is_compacted(shard: str) -> bool:
 
 
 COMPACTION_PATIENCE_S = 300.0  # how long a read keeps re-listing while a compaction deletes the shards it listed
+
+
+P = TypeVar("P", str, Path)
+READ_THREADS = min(16, os.cpu_count() or 1)  # shards read at once (a cache of 10⁷ captions has thousands)
+
+
+def read_each(paths: Sequence[P], read: Callable[[P], pa.Table]) -> list[pa.Table]:
+    """`read` of each path, in the paths' order, READ_THREADS at a time: Parquet decoding releases the GIL, and at
+    start-up rank 0 reads every shard while the other ranks wait."""
+    if len(paths) < 2:
+        return [read(path) for path in paths]
+    with ThreadPoolExecutor(min(READ_THREADS, len(paths)), thread_name_prefix="tcjepa-read") as pool:
+        return list(pool.map(read, paths))
 
 
 def _retry_if_compacted(read: Callable[[], pa.Table], patience_s: float = COMPACTION_PATIENCE_S) -> pa.Table:

@@ -182,3 +182,22 @@ def test_cache_info_cli(annotated_cache):
     assert "40 images, 320 captions" in table and recipe["hash"][:12] in table
     bad = refused("cache", "info", annotated_cache / "nope")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
+
+
+def test_shards_read_at_once_come_back_in_shard_order(tmp_path, monkeypatch):
+    """`read_captions` reads its shards on a thread pool; the table is the one a shard-by-shard read gives."""
+    import captioning.cache as cache_module
+
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    recipe = cache.add_recipe(RECIPE, "mine")
+    for start in range(0, 40, 5):  # 8 shards, each with later rows than the one before, and a failure
+        fail = {"image_sha256": None, "source_id": f"bad{start}.png", "recipe": recipe, "reason": "truncated file"}
+        cache.commit(_rows(recipe, range(start, start + 5), samples=1), [fail])
+    assert len(cache.shard_ids()) == 8
+    monkeypatch.setattr(cache_module, "READ_THREADS", 1)
+    one_at_a_time = cache.read_captions(), cache.read_failures()
+    monkeypatch.setattr(cache_module, "READ_THREADS", 8)
+    at_once = cache.read_captions(), cache.read_failures()
+    assert at_once[0].equals(one_at_a_time[0]) and at_once[1].equals(one_at_a_time[1])
+    assert at_once[0].column("source_id").to_pylist() == [f"img{i}.png" for i in range(40)]
+    assert at_once[1].column("source_id").to_pylist() == [f"bad{i}.png" for i in range(0, 40, 5)]
