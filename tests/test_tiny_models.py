@@ -118,6 +118,8 @@ def test_trained_t5_ties_colours_to_positions(trained_t5, tiny_models):
     assert 0 < binding_score(tiny_models / "t5") < 0.2, "a random T5: a colour word hardly changes with its cell"
     assert random_probe["colour_from_where"] < 0.4 and random_probe["cell_from_colour"] < 0.15, random_probe
     assert trained_probe["colour_from_where"] > 0.9 and trained_probe["cell_from_colour"] > 0.5, trained_probe
+    # Reported, not required: on phrasings synth never writes the tiny T5 binds far less (0.11-0.19 here).
+    assert 0 <= trained_probe["cell_from_colour_other_phrasings"] <= 1, trained_probe
 
 
 @pytest.mark.vllm
