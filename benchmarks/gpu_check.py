@@ -132,6 +132,12 @@ PHASES = {
         90,
         False,
     ),
+    "regularisers": Phase(
+        "the text regularisers alone, 32 images of ViT-B/16 cross shapes: the Function before issue 32 point 1 and"
+        " today's, eager and compiled: ms and inductor's bytes per image",
+        120,
+        False,
+    ),
     "smoke": Phase("100 compiled training steps on 4 fixed batches: the loss must fall", 65, True),
     "torchrun": Phase(
         "one process under torchrun, NCCL: compiled DDP and FSDP2 steps, a sharded checkpoint round trip",
@@ -676,9 +682,21 @@ def phase_results(name: str, shapes: Shapes, device: torch.device, dry_run: bool
             yield profile(spec, shapes, device)
     elif name == "input":
         yield from input_path(shapes, device)
+    elif name == "regularisers":
+        yield regularisers(shapes, device)
     else:
         for spec in PHASES[name].specs:
             yield throughput(spec, shapes, device)
+
+
+def regularisers(shapes: Shapes, device: torch.device) -> dict:
+    """`benchmarks/regularisers.py` on the device: 32 images at the full shapes (tiny ones in a dry run)."""
+    from benchmarks.regularisers import Shape, measure
+
+    full = shapes.batch >= 32
+    shape = Shape(32, 648, shapes.words) if full else Shape(shapes.batch, 24, shapes.words)
+    result = measure(shape, repeats=5 if full else 1, device=device, backend=shapes.compile_backend)
+    return {"check": "regularisers", **result, "ok": result["loss"]["today"] > 0}
 
 
 def run_torchrun(dry_run: bool) -> dict:

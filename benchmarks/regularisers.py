@@ -40,6 +40,7 @@ from benchmarks.reference_regularisers import regularisers as reference_regulari
 from train.losses import TextRegularisers, compiled_regulariser_passes, text_regularisers  # noqa: E402
 
 CAPTIONS, WIDTH, DEPTH = 8, 384, 6
+CPU = torch.device("cpu")
 Regularisers = Callable[..., TextRegularisers]
 
 
@@ -50,8 +51,11 @@ class Shape:
     words: int = 128
 
 
-def operands(shape: Shape, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """Queries `[B, I, d]` and keys `[B, N, S, d]` per layer (bf16 leaves), word mask, valid captions, real tokens."""
+def operands(
+    shape: Shape, seed: int = 0, device: torch.device = CPU
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """Queries `[B, I, d]` and keys `[B, N, S, d]` per layer (bf16 leaves on `device`), word mask, valid captions,
+    real tokens."""
     images, tokens, words = shape.images, shape.tokens, shape.words
     g = torch.Generator().manual_seed(seed)
     short = torch.rand(images, CAPTIONS, generator=g) < 1 / 6
@@ -64,8 +68,9 @@ def operands(shape: Shape, seed: int = 0) -> tuple[list[torch.Tensor], list[torc
     token_valid = torch.arange(tokens) < int(0.9 * tokens)
     queries = [torch.randn(images, tokens, WIDTH, generator=g) for _ in range(DEPTH)]
     keys = [torch.randn(images, CAPTIONS, words, WIDTH, generator=g) * word_mask[..., None] for _ in range(DEPTH)]
-    leaves = [x.to(torch.bfloat16).requires_grad_() for x in queries + keys]
-    return leaves[:DEPTH], leaves[DEPTH:], (word_mask, lengths > 0, token_valid.expand(images, -1))
+    leaves = [x.to(device, torch.bfloat16).requires_grad_() for x in queries + keys]
+    masks = (word_mask, lengths > 0, token_valid.expand(images, -1).contiguous())
+    return leaves[:DEPTH], leaves[DEPTH:], tuple(m.to(device) for m in masks)
 
 
 def forward_backward(regularisers: Regularisers, queries, keys, masks) -> torch.Tensor:
@@ -89,46 +94,80 @@ class OpBytes(TorchDispatchMode):
         return out
 
 
-def eager_bytes(regularisers: Regularisers, shape: Shape) -> int:
-    inputs = operands(shape)
+def eager_bytes(regularisers: Regularisers, shape: Shape, device: torch.device) -> int:
+    inputs = operands(shape, device=device)
     with OpBytes() as counter:
         forward_backward(regularisers, *inputs)
     return counter.bytes
 
 
-def compiled(name: str, shape: Shape) -> tuple[Callable[..., torch.Tensor], int]:
+def compiled(name: str, shape: Shape, device: torch.device, backend: str) -> tuple[Callable[..., torch.Tensor], int]:
     """The reference compiled whole (the trainer never did), or today's with its passes compiled as under
-    `--compile`, and inductor's count of the bytes of the graphs compiled by the first call."""
+    `--compile`, and inductor's count of the bytes of the graphs compiled by the first call (0 for another backend)."""
     import torch._inductor.config as inductor_config
     from torch._inductor import metrics
 
     metrics.reset()
     if name == "reference":
-        fn = torch.compile(reference_regularisers, fullgraph=True, dynamic=True)
+        fn = torch.compile(reference_regularisers, fullgraph=True, dynamic=True, backend=backend)
     else:
-        fn = partial(text_regularisers, passes=compiled_regulariser_passes())
+        fn = partial(text_regularisers, passes=compiled_regulariser_passes(backend))
 
     def run(queries, keys, masks) -> torch.Tensor:
         return forward_backward(fn, queries, keys, masks)
 
     with inductor_config.patch(fx_graph_cache=False):
-        run(*operands(shape))
-    if not metrics.num_bytes_accessed:
+        run(*operands(shape, device=device))
+    if backend == "inductor" and not metrics.num_bytes_accessed:
         raise SystemExit("inductor counted no bytes: its inductor_metrics log is off, or the graphs came from a cache")
     return run, metrics.num_bytes_accessed
 
 
-def median_seconds(runs: dict[str, Callable[..., torch.Tensor]], shape: Shape, repeats: int) -> dict[str, float]:
-    """Median seconds of each run's forward + backward, the runs interleaved in rotating order."""
+def median_seconds(
+    runs: dict[str, Callable[..., torch.Tensor]], shape: Shape, repeats: int, device: torch.device
+) -> dict[str, float]:
+    """Median seconds of each run's forward + backward (the device synchronised), the runs interleaved in rotating
+    order."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            inputs = operands(shape, seed=r)
+            inputs = operands(shape, seed=r, device=device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             runs[name](*inputs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure(shape: Shape, repeats: int, device: torch.device = CPU, backend: str = "inductor") -> dict:
+    """Both Functions, eager and compiled (by `backend`), side by side: bytes and time per image, and the ratios to
+    the reference run eagerly (what the trainer ran before issue 32 point 1, compiled blocks or not)."""
+    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
+    logging.getLogger("torch._inductor").setLevel(logging.WARNING)
+    eager = {"reference": reference_regularisers, "today": text_regularisers}
+    loss = {name: float(forward_backward(fn, *operands(shape, device=device))) for name, fn in eager.items()}
+    runs = {f"{name}_eager": partial(forward_backward, fn) for name, fn in eager.items()}
+    nbytes = {f"{name}_eager": eager_bytes(fn, shape, device) for name, fn in eager.items()}
+    for name in eager:
+        runs[f"{name}_compiled"], nbytes[f"{name}_compiled"] = compiled(name, shape, device, backend)
+        print(f"{name} compiled: {nbytes[f'{name}_compiled'] / 2**20:.1f} MiB", file=sys.stderr)
+    seconds = median_seconds(runs, shape, repeats, device)
+    baseline = "reference_eager"
+    return {
+        "shape": {**asdict(shape), "captions": CAPTIONS, "width": WIDTH, "depth": DEPTH},
+        "device": device.type,
+        "backend": backend,
+        "loss": loss,
+        "mib_per_image": {k: round(v / shape.images / 2**20, 1) for k, v in nbytes.items() if v},
+        "ms_per_image": {k: round(v / shape.images * 1e3, 3) for k, v in seconds.items()},
+        "bytes_over_reference_eager": {k: round(v / nbytes[baseline], 3) for k, v in nbytes.items() if v},
+        "time_over_reference_eager": {k: round(v / seconds[baseline], 3) for k, v in seconds.items()},
+        "goal_met": 0 < nbytes["today_compiled"] <= nbytes[baseline] / 4 if backend == "inductor" else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,32 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--words", type=int, default=Shape.words, help="words per caption, padding included")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    shape = Shape(args.images, args.tokens, args.words)
     torch.set_num_threads(1)
-    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
-    logging.getLogger("torch._inductor").setLevel(logging.WARNING)
-
-    eager = {"reference": reference_regularisers, "today": text_regularisers}
-    loss = {name: float(forward_backward(fn, *operands(shape))) for name, fn in eager.items()}
-    runs = {f"{name}_eager": partial(forward_backward, fn) for name, fn in eager.items()}
-    nbytes = {f"{name}_eager": eager_bytes(fn, shape) for name, fn in eager.items()}
-    for name in eager:
-        runs[f"{name}_compiled"], nbytes[f"{name}_compiled"] = compiled(name, shape)
-        print(f"{name} compiled: {nbytes[f'{name}_compiled'] / 2**20:.1f} MiB", file=sys.stderr)
-    seconds = median_seconds(runs, shape, args.repeats)
-    baseline = "reference_eager"  # what the trainer ran before issue 32 point 1, compiled blocks or not
-    print_result(
-        {
-            "benchmark": "regularisers",
-            "shape": {**asdict(shape), "captions": CAPTIONS, "width": WIDTH, "depth": DEPTH},
-            "loss": loss,
-            "mib_per_image": {k: round(v / args.images / 2**20, 1) for k, v in nbytes.items()},
-            "s_per_image": {k: round(v / args.images, 4) for k, v in seconds.items()},
-            "bytes_over_reference_eager": {k: round(v / nbytes[baseline], 3) for k, v in nbytes.items()},
-            "time_over_reference_eager": {k: round(v / seconds[baseline], 3) for k, v in seconds.items()},
-            "goal_met": nbytes["today_compiled"] <= nbytes[baseline] / 4,
-        }
-    )
+    print_result({"benchmark": "regularisers", **measure(Shape(args.images, args.tokens, args.words), args.repeats)})
 
 
 if __name__ == "__main__":

@@ -73,6 +73,18 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     for profile in (none, cross):
         assert all(v > 0 for v in profile["ms_per_step"].values())  # each label is reached in a step
         assert len(profile["top_ms_per_step"]) == 15 and all(v > 0 for v in profile["top_ms_per_step"].values())
+    (regs,) = [r for r in records if r["check"] == "regularisers"]
+    assert (
+        regs["ok"]
+        and regs["backend"] == "aot_eager"
+        and set(regs["ms_per_image"])
+        == {
+            "reference_eager",
+            "today_eager",
+            "reference_compiled",
+            "today_compiled",
+        }
+    )
     (smoke,) = [r for r in records if r["check"] == "smoke"]
     assert smoke["ok"] and smoke["loss_last"] < smoke["loss_first"] and smoke["steps"] == 30
     (torchrun,) = [r for r in records if r["check"] == "torchrun"]
