@@ -157,6 +157,7 @@ PARTS = (
     "ema",
 )
 TEXT_PARTS = ("regularisers", "regularisers_backward")  # labelled only where a step has captions
+ON_AUTOGRAD_THREAD = ("regularisers_backward",)  # labels inside a backward: on CUDA on autograd's own thread
 
 
 @dataclass(frozen=True)
@@ -543,7 +544,11 @@ def off_thread_ms(events: list, device: bool = True) -> float:
     (0.001 ms of 257 on an H200)."""
     from torch.autograd import DeviceType
 
-    main = {e.thread for e in events if e.name in PARTS and e.device_type == DeviceType.CPU}
+    main = {
+        e.thread
+        for e in events
+        if e.name in PARTS and e.name not in ON_AUTOGRAD_THREAD and e.device_type == DeviceType.CPU
+    }
     top = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None and e.thread not in main]
     return sum(e.device_time_total if device else e.cpu_time_total for e in top) / 1e3
 

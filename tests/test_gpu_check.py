@@ -112,6 +112,10 @@ def test_work_launched_from_another_thread_is_counted_apart_from_the_labels():
     inner.cpu_parent = engine  # held by its parent: counted once
     assert gpu_check.off_thread_ms([label, own, engine, inner], device=False) == 4.0
     assert gpu_check.off_thread_ms([label, own], device=False) == 0.0
+    # A label inside the backward (the regularisers') runs on the engine's thread: it does not make it the labels'.
+    regularisers = FunctionEvent(4, "regularisers_backward", thread=7, start_us=30, end_us=1030)
+    regularisers.cpu_parent = engine
+    assert gpu_check.off_thread_ms([label, own, engine, inner, regularisers], device=False) == 4.0
 
 
 def test_a_phase_reports_each_measurement_as_it_finishes(tmp_path, monkeypatch):

@@ -295,6 +295,13 @@ def test_regularisers_from_all_layers_at_once_equal_the_per_layer_recomputation(
         assert _relative_error(new, exact) < 1.25 * _relative_error(old, exact) + 1e-2
 
 
+def test_the_regularisers_of_a_batch_of_no_images_are_zero():
+    queries, keys = [torch.zeros(0, 5, 6, requires_grad=True)], [torch.zeros(0, 2, 4, 6, requires_grad=True)]
+    regs = text_regularisers(queries, keys, torch.zeros(0, 2, 4, dtype=torch.bool), torch.zeros(0, 2, dtype=torch.bool))
+    (regs.sparse + regs.consistency).backward()
+    assert float(regs.sparse) == float(regs.consistency) == 0 and queries[0].grad.shape == (0, 5, 6)
+
+
 @pytest.mark.slow
 def test_the_compiled_regulariser_passes_equal_the_eager_ones():
     """`--compile` runs the passes through inductor (C++ kernels on the CPU): the same terms and gradients, twice over

@@ -27,6 +27,7 @@ import json
 import logging
 import random
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -480,15 +481,20 @@ def build_index(
         raise UserError("--store needs --cache: the captions whose embeddings to look up")
     caption_cache = CaptionCache(cache) if cache is not None else None
     chosen = caption_cache.resolve_recipes(recipes) if caption_cache is not None else []
-    embeddings = StoreKeys(EmbeddingStore(store)) if store is not None else None
-    refs = list_images(inputs, image_column, split)
+    opened = EmbeddingStore(store) if store is not None else None  # a store that is not one fails here, at once
+    # The store's keys, the listing of the images and the cache's rows are read at once (each mostly file reading
+    # and Arrow or numpy work that releases the GIL), their errors reported in this order.
+    with ThreadPoolExecutor(3, thread_name_prefix="tcjepa-index") as pool:
+        store_keys = pool.submit(lambda: StoreKeys(opened) if opened is not None else None)
+        listing = pool.submit(list_images, inputs, image_column, split)
+        cache_read = pool.submit(lambda: _CacheRows.read(caption_cache) if caption_cache is not None else None)
+        embeddings, refs, cache_rows = store_keys.result(), listing.result(), cache_read.result()
     if not refs:
         raise UserError(f"no images found in {', '.join(map(str, inputs))}")
     listed = ImageRefs.of(refs)
     recorded = pa.nulls(len(refs), pa.string())
     captions = rejected = None
-    if caption_cache is not None:
-        cache_rows = _CacheRows.read(caption_cache)
+    if caption_cache is not None and cache_rows is not None:
         recorded = _recorded_sha256(cache_rows, listed.table.column("source_id").combine_chunks())
         captions = _CaptionRows.of(cache_rows, chosen)
         rejected = _rejected(cache_rows.failures, captions.images)

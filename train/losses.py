@@ -11,6 +11,7 @@ predictor sequence). The average over n runs over the captions an image has
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -98,8 +99,8 @@ def _unit_backward(grad: torch.Tensor, x: torch.Tensor, rows: _Rows, weight: tor
 
 
 class _UnitLayer(NamedTuple):
-    """One layer's operands: queries `[B, I, d]` and the keys as words `[B, J, d]`, their row factors and unit
-    vectors (zero on padding)."""
+    """One layer's operands: queries `[b, I, d]` and words `[b, J, d]`, their row factors and unit vectors (zero on
+    padding)."""
 
     queries: torch.Tensor
     query_rows: _Rows
@@ -109,23 +110,15 @@ class _UnitLayer(NamedTuple):
     unit_words: torch.Tensor
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor, word_mask: torch.Tensor) -> _UnitLayer:
-        words = k.flatten(1, 2)
+    def of(cls, q: torch.Tensor, words: torch.Tensor, token_mask: torch.Tensor, word_mask: torch.Tensor) -> _UnitLayer:
         query_rows, word_rows = _Rows.of(q, token_mask), _Rows.of(words, word_mask)
         return cls(q, query_rows, query_rows.units(q), words, word_rows, word_rows.units(words))
 
 
-def _unit_layers(
-    queries_keys: tuple[torch.Tensor, ...], token_mask: torch.Tensor, word_mask: torch.Tensor
-) -> list[_UnitLayer]:
-    depth = len(queries_keys) // 2
-    return [_UnitLayer.of(q, k, token_mask, word_mask) for q, k in zip(queries_keys[:depth], queries_keys[depth:])]
-
-
-def _rectified_maps(unit_queries: list[torch.Tensor], unit_words: list[torch.Tensor]) -> list[torch.Tensor]:
+def _rectified_maps(layers: list[_UnitLayer]) -> list[torch.Tensor]:
     """Per layer, float32 max(cos, 0) `[b, I, J]` from one GEMM of the unit vectors in their dtype (bf16 under
     autocast, like the attention scores the cosines once came from); zero on padding."""
-    return [torch.bmm(q, w.transpose(1, 2)).float().relu_() for q, w in zip(unit_queries, unit_words)]
+    return [torch.bmm(layer.unit_queries, layer.unit_words.transpose(1, 2)).float().relu_() for layer in layers]
 
 
 def _bilinear(maps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -134,14 +127,17 @@ def _bilinear(maps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tor
 
 
 def _forward_pass(
-    unit_queries: list[torch.Tensor],
-    unit_words: list[torch.Tensor],
+    queries: list[torch.Tensor],
+    words: list[torch.Tensor],
+    token_mask: torch.Tensor,
+    word_mask: torch.Tensor,
     token_weight: torch.Tensor,
     word_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Σ w·Σ_l R^l, Σ w·Σ_l |R^l − R̄| and each layer's count of positive cosines, for a chunk of images: every
-    layer's map is read together, so compiled it is one kernel that reads each map once."""
-    maps = _rectified_maps(unit_queries, unit_words)
+    """Σ w·Σ_l R^l, Σ w·Σ_l |R^l − R̄| and each layer's count of positive cosines, for a chunk of images (each
+    layer's queries `[b, I, d]` and words `[b, J, d]`): every layer's map is read together, so compiled it is one
+    kernel that reads each map once."""
+    maps = _rectified_maps([_UnitLayer.of(q, w, token_mask, word_mask) for q, w in zip(queries, words)])
     counts = torch.stack([torch.count_nonzero(m) for m in maps])
     total = maps[0].clone()
     for m in maps[1:]:
@@ -155,19 +151,23 @@ def _forward_pass(
 
 
 def _backward_pass(
-    unit_queries: list[torch.Tensor],
-    unit_words: list[torch.Tensor],
+    queries: list[torch.Tensor],
+    words: list[torch.Tensor],
+    token_mask: torch.Tensor,
+    word_mask: torch.Tensor,
     token_weight: torch.Tensor,
     word_weight: torch.Tensor,
     grad_sparse: torch.Tensor,
     grad_consistency: torch.Tensor,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The gradients at each layer's unit queries and unit words, for a chunk of images, from the maps remade:
+    """The gradients at each layer's queries and words, for a chunk of images, from the maps remade:
         H^l = [cos^l > 0]·(g_sparse + g_consistency·(sgn(R^l − R̄) − 1/L Σ_l' sgn(R^l' − R̄))),
     ∂/∂q̂_i = u_i Σ_j H_ij v_j k̂_j / L and ∂/∂k̂_j = v_j Σ_i H_ij u_i q̂_i / L (the weights go into the GEMMs'
-    operands). Compiled, every H^l comes from one kernel that reads each map once."""
-    maps = _rectified_maps(unit_queries, unit_words)
-    depth, dtype = len(maps), unit_queries[0].dtype
+    operands), then through the normalisation. Compiled, every H^l comes from one kernel that reads each map
+    once."""
+    layers = [_UnitLayer.of(q, w, token_mask, word_mask) for q, w in zip(queries, words)]
+    maps = _rectified_maps(layers)
+    depth, dtype = len(maps), queries[0].dtype
     mean = maps[0].clone()
     for m in maps[1:]:
         mean.add_(m)
@@ -179,10 +179,13 @@ def _backward_pass(
         base.add_(sign)
     base.mul_(-grad_consistency / depth).add_(grad_sparse)
     grads_q, grads_k = [], []
-    for sign, above, q, w in zip(signs, positive, unit_queries, unit_words):
+    for sign, above, layer in zip(signs, positive, layers):
         slope = sign.mul_(grad_consistency).add_(base).mul_(above).to(dtype)
-        grads_q.append(torch.bmm(slope, (w * (word_weight / depth)[..., None]).to(dtype)))
-        grads_k.append(torch.bmm(slope.transpose(1, 2), (q * (token_weight / depth)[..., None]).to(dtype)))
+        weighted_words = (layer.unit_words * (word_weight / depth)[..., None]).to(dtype)
+        weighted_queries = (layer.unit_queries * (token_weight / depth)[..., None]).to(dtype)
+        grad_q, grad_k = torch.bmm(slope, weighted_words), torch.bmm(slope.transpose(1, 2), weighted_queries)
+        grads_q.append(_unit_backward(grad_q, layer.queries, layer.query_rows, token_weight))
+        grads_k.append(_unit_backward(grad_k, layer.words, layer.word_rows, word_weight))
     return grads_q, grads_k
 
 
@@ -210,13 +213,16 @@ def compiled_regulariser_passes(backend: str = "inductor") -> RegulariserPasses:
 MAP_CHUNK_BYTES = 2**30  # one chunk of images' maps, all layers at once, and their temporaries (eager: float32)
 
 
-def _chunks(layers: list[_UnitLayer]) -> list[slice]:
-    """Slices of images whose maps are made together: as many as keep every layer's float32 map and two temporaries
-    of its size under MAP_CHUNK_BYTES."""
-    b, i = layers[0].queries.shape[:2]
-    per_image = len(layers) * i * layers[0].words.shape[1] * 12
-    step = max(1, MAP_CHUNK_BYTES // max(per_image, 1))
-    return [slice(lo, lo + step) for lo in range(0, b, step)]
+def _chunks(queries_keys: tuple[torch.Tensor, ...]) -> list[slice]:
+    """Slices of images whose maps are made together, as even as can be (no last chunk of one image, which a
+    compiled pass would compile again for): as many as keep every layer's float32 map and two temporaries of its
+    size under MAP_CHUNK_BYTES."""
+    depth = len(queries_keys) // 2
+    b, i = queries_keys[0].shape[:2]
+    per_image = depth * i * math.prod(queries_keys[depth].shape[1:-1]) * 12  # the words: N·S
+    count = min(b, -(-b * per_image // MAP_CHUNK_BYTES))
+    bounds = [b * k // max(count, 1) for k in range(count + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
 class _RectifiedCosineTerms(torch.autograd.Function):
@@ -225,26 +231,30 @@ class _RectifiedCosineTerms(torch.autograd.Function):
     With weights w = token_weight ⊗ word_weight (zero on padding, missing captions and images without text):
         sparse = 1/L Σ_l Σ w·R^l,   consistency = 1/L Σ_l Σ w·|R^l − R̄|,   R̄ = 1/L Σ_l R^l.
     Only the queries and keys are saved (the cross-attention keeps them anyway). Each pass (`_forward_pass`,
-    `_backward_pass`) makes every layer's map of a chunk of images by one GEMM and reads them together; backward
-    takes the gradients at the unit vectors through the normalisation. The third output, the count of valid
-    positive cosines per layer, has no gradient.
+    `_backward_pass`) takes a chunk of images from the queries and keys as given: their unit vectors, every
+    layer's map by one GEMM, read together, and (backward) the gradients through the normalisation, written
+    chunk by chunk into the gradients' final tensors. The third output, the count of valid positive cosines per
+    layer, has no gradient.
     """
 
     @staticmethod
     def forward(ctx, passes, token_weight, word_weight, token_mask, word_mask, *queries_keys):
         depth = len(queries_keys) // 2
+        queries, words = queries_keys[:depth], [k.flatten(1, 2) for k in queries_keys[depth:]]
+        sparse = consistency = token_weight.new_zeros(())
+        counts = torch.zeros(depth, dtype=torch.int64, device=token_weight.device)
         with torch.autocast(queries_keys[0].device.type, enabled=False):
-            layers = _unit_layers(queries_keys, token_mask, word_mask)
-            per_chunk = [
-                passes.forward(
-                    [layer.unit_queries[images] for layer in layers],
-                    [layer.unit_words[images] for layer in layers],
+            for images in _chunks(queries_keys):
+                chunk_sparse, chunk_consistency, chunk_counts = passes.forward(
+                    [q[images] for q in queries],
+                    [w[images] for w in words],
+                    token_mask[images],
+                    word_mask[images],
                     token_weight[images],
                     word_weight[images],
                 )
-                for images in _chunks(layers)
-            ]
-            sparse, consistency, counts = (torch.stack(parts).sum(dim=0) for parts in zip(*per_chunk))
+                sparse, consistency = sparse + chunk_sparse, consistency + chunk_consistency
+                counts = counts + chunk_counts
         ctx.save_for_backward(token_weight, word_weight, token_mask, word_mask, *queries_keys)
         ctx.passes = passes
         positive = counts.float()
@@ -255,27 +265,31 @@ class _RectifiedCosineTerms(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_sparse, grad_consistency, _grad_positive):
         token_weight, word_weight, token_mask, word_mask, *queries_keys = ctx.saved_tensors
+        depth = len(queries_keys) // 2
+        queries, words = queries_keys[:depth], [k.flatten(1, 2) for k in queries_keys[depth:]]
+        chunks = _chunks(tuple(queries_keys))
+        whole = len(chunks) == 1
+        grads = [x if whole else torch.zeros_like(x) for x in queries_keys]  # whole: replaced below
         autocast_off = torch.autocast(queries_keys[0].device.type, enabled=False)
         with autocast_off, record_function("regularisers_backward"):  # a profile's label (gpu_check's)
-            layers = _unit_layers(queries_keys, token_mask, word_mask)
-            per_chunk = [
-                ctx.passes.backward(
-                    [layer.unit_queries[images] for layer in layers],
-                    [layer.unit_words[images] for layer in layers],
+            for images in chunks:
+                grads_q, grads_k = ctx.passes.backward(
+                    [q[images] for q in queries],
+                    [w[images] for w in words],
+                    token_mask[images],
+                    word_mask[images],
                     token_weight[images],
                     word_weight[images],
                     grad_sparse,
                     grad_consistency,
                 )
-                for images in _chunks(layers)
-            ]
-            grads_q, grads_k = [], []
-            for n, (layer, k) in enumerate(zip(layers, queries_keys[len(layers) :])):
-                grad_q_unit = torch.cat([chunk_q[n] for chunk_q, _ in per_chunk])
-                grad_k_unit = torch.cat([chunk_k[n] for _, chunk_k in per_chunk])
-                grads_q.append(_unit_backward(grad_q_unit, layer.queries, layer.query_rows, token_weight))
-                grads_k.append(_unit_backward(grad_k_unit, layer.words, layer.word_rows, word_weight).view(k.shape))
-        return None, None, None, None, None, *grads_q, *grads_k
+                for n in range(depth):
+                    grad_k = grads_k[n].view(queries_keys[depth + n][images].shape)
+                    if whole:
+                        grads[n], grads[depth + n] = grads_q[n], grad_k
+                    else:
+                        grads[n][images], grads[depth + n][images] = grads_q[n], grad_k
+        return None, None, None, None, None, *grads
 
 
 def centred_heads(
