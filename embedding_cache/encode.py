@@ -90,7 +90,9 @@ def load_tokenizer(model: str) -> Any:
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int, eos: bool) -> tuple[list[list[int]], int]:
     """Token ids per text, cut to `max_length` (EOS kept last when `eos`), and how many were cut."""
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    # verbose=False: the tokenizer's warning about texts longer than its model_max_length is not for us; they are
+    # cut here, and counted.
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
     limit = max_length - 1 if eos else max_length
     truncated = sum(len(x) > limit for x in ids)
     eos_id = [tokenizer.eos_token_id] if eos else []
