@@ -305,7 +305,10 @@ def test_the_regularisers_of_a_batch_of_no_images_are_zero():
 @pytest.mark.slow
 def test_the_compiled_regulariser_passes_equal_the_eager_ones():
     """`--compile` runs the passes through inductor (C++ kernels on the CPU): the same terms and gradients, twice over
-    operands of other lengths, one graph per pass (dynamic shapes: no recompile)."""
+    operands of other lengths, one graph per pass (dynamic shapes: no recompile). The backward runs on a thread of
+    its own, as autograd's engine runs it on CUDA: the backward pass is compiled and called there."""
+    import threading
+
     import torch._dynamo.utils
 
     from train.losses import compiled_regulariser_passes
@@ -321,7 +324,9 @@ def test_the_compiled_regulariser_passes_equal_the_eager_ones():
             queries = [torch.cat([q, q[:, : tokens - 5]], dim=1).detach().requires_grad_() for q in queries]
             masks = (*masks[:2], torch.cat([masks[2], masks[2][:, : tokens - 5]], dim=1))
             regs = regularisers(queries, keys, *masks)
-            (3 * regs.sparse + 5 * regs.consistency).backward()
+            backward = threading.Thread(target=(3 * regs.sparse + 5 * regs.consistency).backward)
+            backward.start()
+            backward.join()
             results.append([regs.sparse, regs.consistency, regs.positive_fraction, *(x.grad for x in queries + keys)])
         for got, want in zip(*reversed(results)):
             torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
