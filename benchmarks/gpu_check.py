@@ -699,7 +699,7 @@ def regularisers(shapes: Shapes, device: torch.device) -> dict:
     from benchmarks.regularisers import Shape, measure
 
     full = shapes.batch >= 32
-    shape = Shape(32, 648, shapes.words) if full else Shape(shapes.batch, 24, shapes.words)
+    shape = Shape(32, 648, shapes.words) if full else Shape(shapes.batch, 24, shapes.words, depth=2)
     result = measure(shape, repeats=5 if full else 1, device=device, backend=shapes.compile_backend)
     return {"check": "regularisers", **result, "ok": result["loss"]["today"] > 0}
 

@@ -6,7 +6,7 @@ layer's map remade as float32 for every pass (two forward, three backward), ~10 
 
 Shapes: issue 32's ViT-B/16 `before_mlp` step per image (predictor 384 wide, depth 6; 648 conditioned tokens, the
 last ~10% padding; N = 8 captions × 128 words, most 64–128 words long and one in six 16–63), for `--images` images
-(`--tokens` and `--words` shrink it for tests);
+(`--tokens`, `--words` and `--depth` shrink it for tests);
 queries and keys in bf16, as autocast hands them over. Forward and backward of 3·sparse + 5·consistency.
 
 Bytes, per image:
@@ -47,7 +47,7 @@ from train.losses import (  # noqa: E402
     text_regularisers,
 )
 
-CAPTIONS, WIDTH, DEPTH = 8, 384, 6
+CAPTIONS, WIDTH = 8, 384
 CPU = torch.device("cpu")
 Regularisers = Callable[..., TextRegularisers]
 
@@ -57,6 +57,7 @@ class Shape:
     images: int
     tokens: int = 648
     words: int = 128
+    depth: int = 6  # predictor layers
 
 
 def operands(
@@ -74,11 +75,12 @@ def operands(
     )
     word_mask = torch.arange(words) < lengths[..., None]
     token_valid = torch.arange(tokens) < int(0.9 * tokens)
-    queries = [torch.randn(images, tokens, WIDTH, generator=g) for _ in range(DEPTH)]
-    keys = [torch.randn(images, CAPTIONS, words, WIDTH, generator=g) * word_mask[..., None] for _ in range(DEPTH)]
+    depth = shape.depth
+    queries = [torch.randn(images, tokens, WIDTH, generator=g) for _ in range(depth)]
+    keys = [torch.randn(images, CAPTIONS, words, WIDTH, generator=g) * word_mask[..., None] for _ in range(depth)]
     leaves = [x.to(device, torch.bfloat16).requires_grad_() for x in queries + keys]
     masks = (word_mask, lengths > 0, token_valid.expand(images, -1).contiguous())
-    return leaves[:DEPTH], leaves[DEPTH:], tuple(m.to(device) for m in masks)
+    return leaves[:depth], leaves[depth:], tuple(m.to(device) for m in masks)
 
 
 def forward_backward(regularisers: Regularisers, queries, keys, masks) -> torch.Tensor:
@@ -194,7 +196,7 @@ def measure(shape: Shape, repeats: int, device: torch.device = CPU, backend: str
     seconds = median_seconds(runs, shape, repeats, device)
     baseline = "reference_eager"
     return {
-        "shape": {**asdict(shape), "captions": CAPTIONS, "width": WIDTH, "depth": DEPTH},
+        "shape": {**asdict(shape), "captions": CAPTIONS, "width": WIDTH},
         "device": device.type,
         "backend": backend,
         "loss": loss,
@@ -212,10 +214,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=Shape.tokens, help="conditioned tokens per image")
     parser.add_argument("--words", type=int, default=Shape.words, help="words per caption, padding included")
+    parser.add_argument("--depth", type=int, default=Shape.depth, help="predictor layers")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print_result({"benchmark": "regularisers", **measure(Shape(args.images, args.tokens, args.words), args.repeats)})
+    shape = Shape(args.images, args.tokens, args.words, args.depth)
+    print_result({"benchmark": "regularisers", **measure(shape, args.repeats)})
 
 
 if __name__ == "__main__":

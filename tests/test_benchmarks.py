@@ -62,7 +62,9 @@ def test_the_checkpoint_save_benchmark_times_both_ways_of_saving():
 
 @pytest.mark.slow
 def test_the_regularisers_benchmark_counts_both_functions_eager_and_compiled():
-    result = _result("benchmarks.regularisers", *("--images", 2, "--tokens", 24, "--words", 16, "--repeats", 1))
+    result = _result(
+        "benchmarks.regularisers", *("--images", 2, "--tokens", 24, "--words", 16, "--depth", 2, "--repeats", 1)
+    )
     variants = {"reference_eager", "today_eager", "reference_compiled", "today_compiled"}
     assert set(result["mib_per_image"]) == set(result["ms_per_image"]) == variants
     assert (
