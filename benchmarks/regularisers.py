@@ -182,6 +182,9 @@ def median_seconds(
 def measure(shape: Shape, repeats: int, device: torch.device = CPU, backend: str = "inductor") -> dict:
     """Both Functions, eager and compiled (by `backend`), side by side: bytes and time per image, and the ratios to
     the reference run eagerly (what the trainer ran before issue 32 point 1, compiled blocks or not)."""
+    # Graphs compiled earlier in this process (the trainer's passes, by another of gpu_check's phases) would be
+    # reused, and inductor would count no bytes: both Functions are compiled afresh here.
+    torch._dynamo.reset()
     torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
     logging.getLogger("torch._inductor").setLevel(logging.WARNING)
     eager = {"reference": reference_regularisers, "today": text_regularisers}

@@ -75,6 +75,17 @@ def test_the_regularisers_benchmark_counts_both_functions_eager_and_compiled():
     assert result["mib_per_image"]["today_compiled"] < result["mib_per_image"]["today_eager"]
 
 
+@pytest.mark.slow
+def test_the_regularisers_measure_counts_bytes_when_the_passes_were_compiled_before_in_the_process():
+    """gpu_check runs its phases in one process: the trainer's compiled passes exist before the `regularisers`
+    phase measures, and inductor must still count the bytes of what it compiles."""
+    from benchmarks.regularisers import Shape, measure
+
+    shape = Shape(images=2, tokens=8, words=8, depth=1)
+    first, again = measure(shape, repeats=1), measure(shape, repeats=1)
+    assert first["mib_per_image"]["today_compiled"] == again["mib_per_image"]["today_compiled"] > 0
+
+
 @pytest.mark.s3
 @pytest.mark.distributed
 def test_writers_killed_at_random_into_one_s3_cache_and_store_lose_and_repeat_nothing_and_gc_frees_their_leftovers():

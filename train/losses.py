@@ -126,6 +126,14 @@ def _bilinear(maps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tor
     return torch.bmm(maps, cols.unsqueeze(-1)).squeeze(-1).mul_(rows).sum()
 
 
+def _summed(maps: list[torch.Tensor]) -> torch.Tensor:
+    """Σ_l maps[l], in one new tensor (each pass needs the maps themselves afterwards)."""
+    total = maps[0].clone()
+    for m in maps[1:]:
+        total.add_(m)
+    return total
+
+
 def _forward_pass(
     queries: list[torch.Tensor],
     words: list[torch.Tensor],
@@ -139,9 +147,7 @@ def _forward_pass(
     kernel that reads each map once."""
     maps = _rectified_maps([_UnitLayer.of(q, w, token_mask, word_mask) for q, w in zip(queries, words)])
     counts = torch.stack([torch.count_nonzero(m) for m in maps])
-    total = maps[0].clone()
-    for m in maps[1:]:
-        total.add_(m)
+    total = _summed(maps)
     sparse = _bilinear(total, token_weight, word_weight)
     mean = total.div_(len(maps))
     spread = maps[0].sub_(mean).abs_()
@@ -168,10 +174,7 @@ def _backward_pass(
     layers = [_UnitLayer.of(q, w, token_mask, word_mask) for q, w in zip(queries, words)]
     maps = _rectified_maps(layers)
     depth, dtype = len(maps), queries[0].dtype
-    mean = maps[0].clone()
-    for m in maps[1:]:
-        mean.add_(m)
-    mean.div_(depth)
+    mean = _summed(maps).div_(depth)
     positive = [m > 0 for m in maps]
     signs = [m.sub_(mean).sign_() for m in maps]  # in place: the maps are not needed past their signs
     base = signs[0].clone()
