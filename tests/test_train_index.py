@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from captioning.annotations import import_annotations
@@ -17,7 +18,16 @@ from pipeline.core.sources import ImageReader, list_images
 from tests.support.images import png
 from tests.support.repo import REPO
 from tests.support.stores import store_keys
-from train.data_index import NEIGHBOURS_COMPARED, HexDigests, TrainIndex, build_index, first_of_each_pair
+from train import data_index
+from train.data_index import (
+    NEIGHBOURS_COMPARED,
+    HexDigests,
+    TrainIndex,
+    _hex_bytes,
+    build_index,
+    first_of_each_pair,
+    lexsort_unless_sorted,
+)
 
 N = 40  # images in the session's synth_dir, 8 captions each
 EXTRA = 10  # images that get one extra caption (and one repeated text) in a second recipe
@@ -255,12 +265,14 @@ def _plain_join(refs, cache: CaptionCache, store, chosen: list[str]) -> dict:
     }
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, seed):
+@pytest.mark.parametrize("seed, in_order", [(0, False), (1, False), (2, True)])
+def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, seed, in_order, monkeypatch):
     """A cache and folders drawn at random: two folders with some of the same file names (a repeated source id is
     hashed), images with the same bytes under two names, ids the cache recorded with two different sha256s, two
     recipes with texts repeated within and across them, prompts and samples out of order, failures of captioned
-    and uncaptioned images, a store missing some texts, an unreadable file. The index equals the plain join."""
+    and uncaptioned images, a store missing some texts, an unreadable file. The index equals the plain join.
+    `in_order`: each image's rows as a caption job writes them, by recipe, prompt and sample, so that the join takes
+    them as they are for the recipes in that order, and sorts them for the recipes reversed."""
 
     rng = np.random.default_rng(seed)
     folders = [tmp_path / "one" / "images", tmp_path / "two" / "images"]  # one source id names two images
@@ -292,6 +304,11 @@ def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, see
         if rng.random() < 0.15:  # another sha256 for the id, least, before or after its own rows: ambiguous, so hashed
             at = first if rng.random() < 0.5 else len(rows)
             rows.insert(at, _row("0" * 64, source_id, recipes[0], "p9", 0, "a caption of a different image"))
+    if in_order:
+        first_seen = {sha: k for k, sha in reversed(list(enumerate(row["image_sha256"] for row in rows)))}
+        rows.sort(
+            key=lambda r: (first_seen[r["image_sha256"]], recipes.index(r["recipe"]), r["prompt_id"], r["sample"])
+        )
     cache.commit(rows, failures)
     store = EmbeddingStore.open_or_create(tmp_path / "store", {"kind": "test"}, 4)
     writer = store.new_segment()
@@ -300,6 +317,12 @@ def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, see
     writer.finish()
     store.publish(writer)
 
+    sorted_or_not = []  # per build: whether the join took the rows as they were
+    monkeypatch.setattr(
+        data_index,
+        "lexsort_unless_sorted",
+        lambda columns: sorted_or_not.append(order := lexsort_unless_sorted(columns)) or order,
+    )
     reasons = set()
     for chosen in (recipes, recipes[::-1], recipes[1:]):
         index = build_index(folders, tmp_path / "cache", tmp_path / "store", chosen, 0, verify_sample=0, progress=False)
@@ -311,6 +334,7 @@ def test_the_columnar_join_equals_the_plain_join_on_a_random_cache(tmp_path, see
         reasons |= plain["left_out"].keys()
     assert {"unreadable"} < reasons <= {"unreadable", "too small", "corrupt or truncated image"}, "rejections drawn"
     assert plain["missing"] > 0 and 0 in plain["coverage"]
+    assert [order is None for order in sorted_or_not[:2]] == [in_order, False]
 
 
 def _row(sha: str, source_id: str, recipe: str, prompt: str, sample: int, text: str) -> dict:
@@ -338,6 +362,41 @@ def test_a_cache_key_that_is_not_a_hex_digest_is_refused_in_one_line(tmp_path, s
     line = r"^a text_sha256 value is not a 64-digit hex digest; run `tcjepa cache verify`$"
     with pytest.raises(DataProblem, match=line):
         build_index([synth_dir / "images"], tmp_path / "cache", None, [], 0, verify_sample=0, progress=False)
+
+
+def test_lexsort_unless_sorted_is_numpys_lexsort_or_none_for_rows_in_order():
+    rng = np.random.default_rng(0)
+    sorted_seen = 0
+    for _ in range(300):
+        n, k = int(rng.integers(0, 12)), int(rng.integers(1, 4))
+        columns = [rng.integers(0, 3, n) for _ in range(k)]
+        if rng.random() < 0.5:  # rows put in order, ties included
+            order = np.lexsort(columns)
+            columns = [c[order] for c in columns]
+        got, expected = lexsort_unless_sorted(columns), np.lexsort(columns)
+        if got is None:
+            sorted_seen += 1
+            np.testing.assert_array_equal(expected, np.arange(n))  # numpy's sort is stable: in order, it moves nothing
+        else:
+            np.testing.assert_array_equal(got, expected)
+            assert (expected != np.arange(n)).any()
+    assert 100 < sorted_seen < 250
+
+
+@pytest.mark.parametrize("string", [pa.string(), pa.large_string()])
+def test_hex_digests_are_decoded_chunk_by_chunk(string):
+    """Chunks of either string type, an empty one, one sliced from a longer array (its buffers start before it)."""
+    digests = [bytes([i]) * 32 for i in range(7)]
+    hexes = [d.hex() for d in digests]
+    chunks = [pa.array(hexes[:3], string), pa.array([], string), pa.array(hexes[2:], string)[1:]]
+    got = _hex_bytes(pa.chunked_array(chunks), 32, "text_sha256")
+    np.testing.assert_array_equal(got, np.frombuffer(b"".join(digests), np.uint8).reshape(7, 32))
+    short = pa.chunked_array([pa.array(hexes[:2], string), pa.array(["ab" * 31], string)])
+    with pytest.raises(DataProblem, match="^a text_sha256 value is not a 64-digit hex digest"):
+        _hex_bytes(short, 32, "text_sha256")
+    missing = pa.chunked_array([pa.array(hexes[:2], string), pa.array([None], string)])
+    with pytest.raises(DataProblem, match="^1 text_sha256 values are missing"):
+        _hex_bytes(missing, 32, "text_sha256")
 
 
 @pytest.mark.parametrize("grouped", ["no", "yes", "yes, one image too large to compare pairwise"])

@@ -278,22 +278,32 @@ def verify_images(index: TrainIndex, progress: bool = True, threads: int = 8) ->
 
 
 def _hex_bytes(column: pa.Array | pa.ChunkedArray, width: int, what: str) -> np.ndarray:
-    """uint8 `[n, width]` from a column of hex strings: the column's character buffer decoded in one
-    `binascii.unhexlify` call, no object per value."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    array = array.cast(pa.large_string())
-    if array.null_count:
-        raise DataProblem(f"{array.null_count} {what} values are missing; run `tcjepa cache verify`")
-    n = len(array)
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64, count=n + 1, offset=array.offset * 8)
+    """uint8 `[n, width]` from a column of hex strings: each chunk's character buffer decoded in one
+    `binascii.unhexlify` call into its rows of the result, no object per value and no copy of the column into one
+    array (at 10⁷ captions that copy of 640 MB cost more than the decoding)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    out = np.empty((sum(len(chunk) for chunk in chunks), width), dtype=np.uint8)
     bad = DataProblem(f"a {what} value is not a {2 * width}-digit hex digest; run `tcjepa cache verify`")
-    if (np.diff(offsets) != 2 * width).any():
-        raise bad
-    try:
-        raw = binascii.unhexlify(memoryview(array.buffers()[2] or b"")[offsets[0] : offsets[-1]])
-    except binascii.Error:
-        raise bad from None
-    return np.frombuffer(raw, dtype=np.uint8).reshape(n, width)
+    row = 0
+    for chunk in chunks:
+        if chunk.null_count:
+            raise DataProblem(f"{chunk.null_count} {what} values are missing; run `tcjepa cache verify`")
+        if not pa.types.is_string(chunk.type) and not pa.types.is_large_string(chunk.type):
+            chunk = chunk.cast(pa.large_string())
+        n = len(chunk)
+        if not n:
+            continue
+        offset = np.dtype(np.int64 if pa.types.is_large_string(chunk.type) else np.int32)
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=offset, count=n + 1, offset=chunk.offset * offset.itemsize)
+        if (np.diff(offsets) != 2 * width).any():
+            raise bad
+        try:
+            raw = binascii.unhexlify(memoryview(chunk.buffers()[2] or b"")[offsets[0] : offsets[-1]])
+        except binascii.Error:
+            raise bad from None
+        out[row : row + n] = np.frombuffer(raw, dtype=np.uint8).reshape(n, width)
+        row += n
+    return out
 
 
 @dataclass
@@ -377,6 +387,16 @@ def _codes(column: pa.ChunkedArray, values: pa.Array | None = None) -> tuple[pa.
     return values, pc.index_in(column, value_set=values).to_numpy()
 
 
+def lexsort_unless_sorted(columns: Sequence[np.ndarray]) -> np.ndarray | None:
+    """`np.lexsort(columns)` (the last column sorts first), or None when the rows are in that order already: a few
+    passes over each column instead of a sort and the gathers it needs (at 10⁷ rows of 4 columns: 0.19 s against
+    the sort's 0.69 s alone)."""
+    in_order = np.ones(max(len(columns[0]) - 1, 0), dtype=bool)  # row i+1 is not before row i, by the columns so far
+    for column in columns:  # the last sorts first: built up from the first
+        in_order = (column[1:] > column[:-1]) | ((column[1:] == column[:-1]) & in_order)
+    return None if in_order.all() else np.lexsort(columns)
+
+
 NEIGHBOURS_COMPARED = 64  # images with at most this many caption rows have their rows compared pairwise, not sorted
 
 
@@ -432,8 +452,11 @@ class _CaptionRows:
         keys = _hex_bytes(table.column("text_sha256"), KEY_BYTES, "text_sha256")
         _, rank = _codes(table.column("recipe"), pa.array(recipes, pa.string()))
         _, prompt = _codes(table.column("prompt_id"), pc.unique(table.column("prompt_id")).sort())
-        order = np.lexsort((table.column("sample").to_numpy(), prompt, rank, image))  # the last key sorts first
-        kept = order[first_of_each_pair(image[order], keys[order, :16])]
+        order = lexsort_unless_sorted((table.column("sample").to_numpy(), prompt, rank, image))
+        if order is None:  # as caption jobs write them: no sort, no gather
+            kept = first_of_each_pair(image, keys[:, :16])
+        else:
+            kept = order[first_of_each_pair(image[order], keys[order, :16])]
         starts = np.searchsorted(image[kept], np.arange(len(images) + 1)).astype(np.int64)
         return cls(keys[kept], images, starts)
 
