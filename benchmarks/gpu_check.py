@@ -190,7 +190,7 @@ DRY = Shapes(
     16,
     warmup=1,
     timed=2,
-    smoke_steps=30,
+    smoke_steps=12,
     overrides=dict(width=64, depth=2, heads=2, predictor_width=48, predictor_depth=2, predictor_heads=2),
     # Dynamo's capture (whole graphs, lengths marked dynamic) and AOTAutograd as on the GPU; not inductor, whose CPU
     # code generation (C++, ~75 s cold per graph set here) is nothing the GPU's Triton path runs

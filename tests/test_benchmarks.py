@@ -61,10 +61,14 @@ def test_the_checkpoint_save_benchmark_times_both_ways_of_saving():
 
 
 @pytest.mark.slow
-def test_the_regularisers_benchmark_counts_both_functions_eager_and_compiled():
-    result = _result(
-        "benchmarks.regularisers", *("--images", 2, "--tokens", 24, "--words", 16, "--depth", 2, "--repeats", 1)
-    )
+def test_the_regularisers_benchmark_counts_both_functions_eager_and_compiled_and_again_in_one_process():
+    """Both Functions, eager and compiled; then the same again in this process, as gpu_check runs its phases in one:
+    the compiled passes exist before the second measure, and inductor must still count the bytes of what it
+    compiles."""
+    from benchmarks.regularisers import Shape, measure
+
+    shape = Shape(images=2, tokens=24, words=16, depth=2)
+    result = measure(shape, repeats=1)
     variants = {"reference_eager", "today_eager", "reference_compiled", "today_compiled"}
     assert set(result["mib_per_image"]) == set(result["ms_per_image"]) == variants
     assert (
@@ -73,17 +77,8 @@ def test_the_regularisers_benchmark_counts_both_functions_eager_and_compiled():
     )
     assert abs(result["loss"]["today"] - result["loss"]["reference"]) <= 1e-2 * result["loss"]["reference"]
     assert result["mib_per_image"]["today_compiled"] < result["mib_per_image"]["today_eager"]
-
-
-@pytest.mark.slow
-def test_the_regularisers_measure_counts_bytes_when_the_passes_were_compiled_before_in_the_process():
-    """gpu_check runs its phases in one process: the trainer's compiled passes exist before the `regularisers`
-    phase measures, and inductor must still count the bytes of what it compiles."""
-    from benchmarks.regularisers import Shape, measure
-
-    shape = Shape(images=2, tokens=8, words=8, depth=1)
-    first, again = measure(shape, repeats=1), measure(shape, repeats=1)
-    assert first["mib_per_image"]["today_compiled"] == again["mib_per_image"]["today_compiled"] > 0
+    again = measure(shape, repeats=1)
+    assert again["mib_per_image"]["today_compiled"] == result["mib_per_image"]["today_compiled"]
 
 
 @pytest.mark.s3
