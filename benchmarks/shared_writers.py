@@ -114,11 +114,14 @@ def run_writers(args: argparse.Namespace, urls: tuple[str, str], work: Path) -> 
     procs = {w: _start(context, args, urls, work, w) for w in range(args.writers)}
     kills = dict.fromkeys(procs, 0)
     restarts_after_exit = 0
+    finished: dict[int, float] = {}  # each writer's first clean exit, seconds from the start (to the next check)
     tick = time.perf_counter()
     while True:
         for w, proc in procs.items():
             if not proc.is_alive() and proc.exitcode not in (0, -9):
                 raise SystemExit(f"writer {w} failed (exit code {proc.exitcode})")
+            if proc.exitcode == 0 and w not in finished:
+                finished[w] = time.perf_counter() - tick
         running = [w for w, proc in procs.items() if proc.is_alive()]
         if not running:
             break
@@ -145,6 +148,8 @@ def run_writers(args: argparse.Namespace, urls: tuple[str, str], work: Path) -> 
             raise SystemExit(f"writer {w} failed (exit code {procs[w].exitcode})")
     return {
         "writers_s": round(time.perf_counter() - tick, 1),
+        # how evenly the writers shared the log: when each was done, first to last
+        "writer_done_s": sorted(round(t, 1) for t in finished.values()),
         "kills": sum(kills.values()),
         "kills_after_finishing": restarts_after_exit,
     }

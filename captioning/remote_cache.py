@@ -39,7 +39,7 @@ from captioning.cache import (
 )
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
-from pipeline.core.garbage import GarbageReport, collect_garbage, is_claim
+from pipeline.core.garbage import GarbageReport, claimed, collect_garbage, is_claim
 from pipeline.core.logs import NODE
 from pipeline.core.objects import ObjectRoot
 from pipeline.core.recipes import canonical_json, recipe_hash
@@ -193,8 +193,12 @@ class RemoteCaptionCache(CaptionCache):
         for kind, tmp in staged.items():
             remote_call(self.url, self._fs.put_file, str(tmp), f"{self._remote}/{kind}/{shard}.parquet")
 
+    def _claimed(self, shard: str) -> bool:
+        """Whether a gc claimed this shard's upload (and may be deleting it)."""
+        return any(Path(name).stem == shard for name in claimed(self._log.entries()))
+
     def _withdraw(self, shard: str, staged: dict[str, Path]) -> None:
-        """Remove an upload that lost the race for its log entry (never read: no entry names it)."""
+        """Remove an upload that no entry names (never read) and will not be published."""
         for kind, tmp in staged.items():
             with contextlib.suppress(Exception):
                 self._fs.rm_file(f"{self._remote}/{kind}/{shard}.parquet")
@@ -207,18 +211,26 @@ class RemoteCaptionCache(CaptionCache):
         batch = RowBatch.of(captions, failures, set(self.recipes()))
         with self._lock():
             self._clean_and_repair()
+            shard, rows = "", (0, 0)  # the upload, if any (`staged`), and the rows it holds
+            staged: dict[str, Path] = {}
             while True:
                 cap_table, fail_table, cap_digests, fail_digests = self._new_rows(batch)
+                # After a lost race the upload is tried again as it is (one conditional put), unless the entries that
+                # won published some of its rows (this batch's new rows only shrink: the same count is the same
+                # rows) or a gc claimed it; see RemoteEmbeddingStore.publish.
+                if staged and (rows != (cap_table.num_rows, fail_table.num_rows) or self._claimed(shard)):
+                    self._withdraw(shard, staged)
+                    staged = {}
                 if cap_table.num_rows == 0 and fail_table.num_rows == 0:
                     return CommitResult(None, 0, batch.offered, 0)
-                shard = new_shard_id()
-                staged = self._stage(shard, cap_table, fail_table)
-                doc = manifest_doc(shard, {kind: tmp for kind, tmp in staged.items()})
-                self._upload(shard, staged)
+                if not staged:
+                    shard, rows = new_shard_id(), (cap_table.num_rows, fail_table.num_rows)
+                    staged = self._stage(shard, cap_table, fail_table)
+                    doc = manifest_doc(shard, staged)
+                    self._upload(shard, staged)
                 seq = self._log.append(doc)
                 if seq is not None:
                     break
-                self._withdraw(shard, staged)
                 sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
             self._publish_staged(shard, staged, cap_digests, fail_digests)
             atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))

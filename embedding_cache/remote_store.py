@@ -215,35 +215,48 @@ class RemoteEmbeddingStore(EmbeddingStore):
             # The next log entry detects any publication this mirror has not seen, so every entry seen must be in it.
             if not set(published_segments(self._log.entries())) <= set(self.segment_ids()):
                 _sync_keys(self.url, self._fs, self._remote, self._objects, self.root)
+            uploaded = False  # whether `source` is on the remote, under its own name
             while True:
                 duplicate = self.published().contains(source.keys_array())
                 if duplicate.any():
                     dropped += int(duplicate.sum())
-                    rest = source.without(duplicate)
-                    source.discard()
-                    source = rest
+                    source = self._replace(source, source.without(duplicate), uploaded)
+                    uploaded = False
                 if source.captions == 0:
                     source.discard()
                     return PublishResult(None, 0, 0, dropped)
-                self._upload(source)
+                if not uploaded:
+                    self._upload(source)
+                    uploaded = True
                 entry = {"segment": source.segment_id, "captions": source.captions, "tokens": source.tokens}
                 seq = self._log.append(entry)
                 if seq is not None:
                     break
-                with contextlib.suppress(Exception):  # lost the race: no entry names this upload, so nobody reads it
-                    self._fs.rm(f"{self._remote}/segments/{source.segment_id}", recursive=True)
+                # Lost the race: the upload stays for the next try, which after catching up is one conditional put,
+                # not a new upload, so that a writer that lost is not always slower to its next try than one with
+                # nothing to catch up on (benchmarks/shared_writers.py, 8 writers uploading again after each loss:
+                # one made hundreds of commits while seven waited). It is replaced only if the entries that won
+                # hold some of its captions, or a gc claimed it.
                 _sync_keys(self.url, self._fs, self._remote, self._objects, self.root)
                 prefix = f"segments/{source.segment_id}/"
                 if any(name.startswith(prefix) for name in claimed(self._log.entries())):
                     # a gc claimed this upload and may still be deleting it: upload the captions under a new name
-                    rest = source.without(np.zeros(source.captions, dtype=bool))
-                    source.discard()
-                    source = rest
+                    source = self._replace(source, source.without(np.zeros(source.captions, dtype=bool)), False)
+                    uploaded = False
             _keep_keys(self.root, source.segment_id, source.staging)
             self._log.keep(seq, canonical_json(entry))
             source.discard()
         self._update_remote_root()
         return PublishResult(source.segment_id, source.captions, source.tokens, dropped)
+
+    def _replace(self, old: SegmentWriter, new: SegmentWriter, uploaded: bool) -> SegmentWriter:
+        """`new` in place of `old`, whose staging is discarded and whose upload, if any, is removed: no entry names
+        it, so nobody reads it (what a failed removal leaves, gc frees)."""
+        old.discard()
+        if uploaded:
+            with contextlib.suppress(Exception):
+                self._fs.rm(f"{self._remote}/segments/{old.segment_id}", recursive=True)
+        return new
 
     def _update_remote_root(self) -> None:
         """List every published segment in the remote root, for plain zarr readers: a compare-and-swap on the version

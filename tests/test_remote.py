@@ -287,6 +287,56 @@ def test_a_commit_that_loses_the_race_for_its_log_entry_publishes_only_what_is_n
     assert fresh.commit(rows[:10]).captions_added == 10
 
 
+def test_a_lost_race_whose_rows_nobody_published_is_won_by_the_same_upload(tmp_path, object_bucket):
+    """A cache commit and a store segment whose entry numbers another writer took, with rows and keys of their own:
+    after catching up, each tries its entry again for the upload it made (one upload each, nothing withdrawn), as
+    a writer must to ever win against one that has nothing to catch up on."""
+    from captioning.annotations import PROMPT_ID
+    from captioning.cache import caption_row
+    from captioning.remote_cache import RemoteCaptionCache, collect_cache_garbage
+    from embedding_cache.remote_store import RemoteEmbeddingStore, collect_store_garbage
+    from embedding_cache.store import TokenLayout
+
+    fs, root, bucket, env = object_bucket
+    a = RemoteCaptionCache.open_or_create(f"{root}/cache", tmp_path / "cache-a")
+    b = RemoteCaptionCache.open_or_create(f"{root}/cache", tmp_path / "cache-b")
+    digest = a.add_recipe({"kind": "annotations", "test": "race"})
+    assert b.add_recipe({"kind": "annotations", "test": "race"}) == digest
+    rows = [
+        caption_row(f"{i // 4:064x}", f"img{i // 4}", digest, PROMPT_ID, i % 4, f"caption {i}", "stop")
+        for i in range(80)
+    ]
+    uploads: list[str] = []
+    upload = a._upload
+    a._upload = lambda shard, staged: uploads.append(shard) or upload(shard, staged)
+    assert b.commit(rows[:40]).captions_added == 40
+    result = a.commit(rows[40:])  # its mirror has not seen B's entry: it loses that number
+    assert (result.captions_added, result.captions_duplicate) == (40, 0)
+    assert uploads == [result.shard], "the first upload published, none withdrawn"
+    assert tcjepa("cache", "verify", f"{root}/cache", "--no-progress", env=env).stdout.startswith(
+        "ok: 1 recipes, 2 shards, 80 captions"
+    )
+    assert collect_cache_garbage(f"{root}/cache", 0.0, delete=False).found == 0
+
+    stores = [RemoteEmbeddingStore.open_or_create(f"{root}/store", {"kind": "t"}, 4, tmp_path / k) for k in "ab"]
+    segments: list[str] = []
+    upload_segment = stores[0]._upload
+    stores[0]._upload = lambda segment: segments.append(segment.segment_id) or upload_segment(segment)
+    rng = np.random.default_rng(0)
+    for store in (stores[1], stores[0]):  # B first: A has not seen its entry
+        writer = store.new_segment(TokenLayout(8, 2))
+        for _ in range(10):
+            writer.append(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), np.ones((2, 4), np.float16))
+        writer.finish()
+        published = store.publish(writer)
+    assert (published.captions, published.duplicates_dropped) == (10, 0)
+    assert segments == [published.segment], "the first upload published, none withdrawn"
+    assert tcjepa("store", "verify", f"{root}/store", "--no-progress", env=env).stdout.startswith(
+        "ok: 2 segments, 20 captions"
+    )
+    assert collect_store_garbage(f"{root}/store", 0.0, delete=False).found == 0
+
+
 @pytest.mark.distributed
 def test_four_processes_write_one_remote_cache_at_once(tmp_path, object_bucket, synth_dir, annotated_cache):
     """Two hosts sharing a mirror directory and two with their own, all importing the same captions (s3://, az://)."""
