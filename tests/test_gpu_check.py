@@ -86,7 +86,7 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
         }
     )
     (smoke,) = [r for r in records if r["check"] == "smoke"]
-    assert smoke["ok"] and smoke["loss_last"] < smoke["loss_first"] and smoke["steps"] == 30
+    assert smoke["ok"] and smoke["loss_last"] < smoke["loss_first"] and smoke["steps"] == gpu_check.DRY.smoke_steps
     (torchrun,) = [r for r in records if r["check"] == "torchrun"]
     assert torchrun["ok"] and torchrun["backend"] == "gloo" and torchrun["fsdp_checkpoint_roundtrip"]
     assert torchrun["fsdp_checkpoint_published"] and torchrun["fsdp_checkpoint_resumed_step"] == 2
