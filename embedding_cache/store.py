@@ -367,11 +367,12 @@ class EmbeddingStore:
 
     def _clean_staging(self) -> None:
         """Remove staging segments left by dead writers on this host."""
-        staging = self.root / STAGING
-        if not staging.is_dir():
+        try:
+            entries = list((self.root / STAGING).iterdir())
+        except FileNotFoundError:  # none, or another writer on this host just removed it empty (drop_empty_staging)
             return
         host = socket.gethostname()
-        for entry in staging.iterdir():
+        for entry in entries:
             parts = entry.name.split("-")
             if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and not pid_alive(int(parts[-2])):
                 shutil.rmtree(entry, ignore_errors=True)

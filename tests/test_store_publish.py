@@ -83,6 +83,29 @@ def test_unlisted_segments_are_invisible_and_cleaned(tmp_path):
     assert len(EmbeddingReader(tmp_path / "s")) == 8
 
 
+def test_a_new_segment_beside_a_writer_removing_the_empty_staging_directory(tmp_path, monkeypatch):
+    """Two writers on one host (Ray's embedding actors): one removes `.staging`, empty, just as the other looks for
+    dead writers' leftovers in it; the second goes on (it once failed there with FileNotFoundError)."""
+    from pathlib import Path
+
+    store = EmbeddingStore.open_or_create(tmp_path / "s", TEST_ENCODER, TEST_WIDTH)
+    publish_captions(store, range(2))
+    staging = tmp_path / "s" / STAGING
+    staging.mkdir(exist_ok=True)
+    iterdir = Path.iterdir
+
+    def removed_first(path: Path):
+        if path == staging:
+            EmbeddingStore(tmp_path / "s").drop_empty_staging()  # the other writer's removal lands first
+        return iterdir(path)
+
+    monkeypatch.setattr(Path, "iterdir", removed_first)
+    writing = _staged(store, range(2, 4))
+    monkeypatch.undo()
+    assert store.publish(writing).captions == 2
+    _assert_holds_each_once(tmp_path / "s", range(4))
+
+
 def test_what_live_writers_and_other_hosts_stage_is_left_alone(tmp_path):
     store = EmbeddingStore.open_or_create(tmp_path / "s", TEST_ENCODER, TEST_WIDTH)
     staging = tmp_path / "s" / STAGING
