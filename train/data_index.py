@@ -282,12 +282,12 @@ def _hex_bytes(column: pa.Array | pa.ChunkedArray, width: int, what: str) -> np.
     `binascii.unhexlify` call into its rows of the result, no object per value and no copy of the column into one
     array (at 10⁷ captions that copy of 640 MB cost more than the decoding)."""
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    if missing := sum(chunk.null_count for chunk in chunks):
+        raise DataProblem(f"{missing} {what} values are missing; run `tcjepa cache verify`")
     out = np.empty((sum(len(chunk) for chunk in chunks), width), dtype=np.uint8)
     bad = DataProblem(f"a {what} value is not a {2 * width}-digit hex digest; run `tcjepa cache verify`")
     row = 0
     for chunk in chunks:
-        if chunk.null_count:
-            raise DataProblem(f"{chunk.null_count} {what} values are missing; run `tcjepa cache verify`")
         if not pa.types.is_string(chunk.type) and not pa.types.is_large_string(chunk.type):
             chunk = chunk.cast(pa.large_string())
         n = len(chunk)
