@@ -38,7 +38,6 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -357,16 +356,17 @@ def compile_counts() -> tuple[int, int, int]:
     return (counters["frames"]["total"], counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
 
-def useful_share(rig: Rig, batches: list[Batch]) -> float:
-    """FLOPs at each image's real context length and mean caption length over FLOPs at the padded shapes the step
-    computes, both counted analytically (`benchmarks/train_step.py`'s count), over `batches`."""
-    from benchmarks.train_step import Mode, analytic_flops
+def useful_share(rig: Rig, batches: list[Batch]) -> tuple[float, float]:
+    """FLOPs at each image's real context length and mean caption length over FLOPs as the step computes them (the
+    real tokens packed, attention on padded rows) and over FLOPs with every layer on the padded rows, all counted
+    analytically (`benchmarks/train_step.py`'s count), over `batches`."""
+    from benchmarks.train_step import Mode, useful_and_computed_flops
 
     cfg = rig.cfg
     captions = cfg.captions_per_image if rig.text_dim else 0
     mode = Mode(cfg.conditioning, captions, cfg.pool, cfg.context_equalise)
-    count = partial(analytic_flops, cfg, mode, rig.model.encoder, rig.model.predictor, text_dim=rig.text_dim or 0)
-    useful = computed = 0.0
+    model = rig.model
+    useful = computed = padded = 0.0
     for batch in batches:
         m, lt = batch.targets.shape[1:]
         words = np.zeros(len(batch))
@@ -374,10 +374,13 @@ def useful_share(rig: Rig, batches: list[Batch]) -> float:
         if batch.lengths is not None:
             words = batch.lengths.double().mean(dim=1).numpy()
             padded_words = padded_length(int(batch.lengths.max()))
-        computed += count(lc=batch.context.shape[1], lt=lt, m=m, s=padded_words)["step"]
-        real = zip(batch.context_lengths.tolist(), words)
-        useful += float(np.mean([count(lc=int(n), lt=lt, m=m, s=float(w))["step"] for n, w in real]))
-    return useful / computed
+        rows = (batch.context.shape[1], padded_words)
+        lengths = batch.context_lengths.tolist()
+        counts = useful_and_computed_flops(
+            cfg, mode, model.encoder, model.predictor, lt, m, rig.text_dim or 0, lengths, words, rows
+        )
+        useful, computed, padded = useful + counts[0], computed + counts[1], padded + counts[2]
+    return useful / computed, useful / padded
 
 
 def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
@@ -404,7 +407,7 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     seconds = statistics.median(times)
     peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
     mfu = rig.flops_per_step / seconds / peak if peak else None
-    useful = useful_share(rig, batches[shapes.warmup :])
+    useful, useful_padded = useful_share(rig, batches[shapes.warmup :])
     cuda = device.type == "cuda"
     result = {
         "check": "throughput",
@@ -418,6 +421,7 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
         "gflop_per_step": round(rig.flops_per_step / 1e9, 3),
         "mfu": round(mfu, 4) if mfu is not None else None,  # on the FLOPs computed, padding included
         "useful_over_computed_flops": round(useful, 3),
+        "useful_over_padded_flops": round(useful_padded, 3),  # as if every layer ran on the padded rows
         "mfu_useful": round(mfu * useful, 4) if mfu is not None else None,
         "warmup_s": round(warmup_s, 1),
         "graphs_compiled": graphs,

@@ -21,7 +21,8 @@ from torch import nn
 from train.config import TrainConfig
 from train.losses import TextRegularisers, prediction_loss, target_features
 from train.objective import StepLosses
-from train.predictor import Predictor, PredictorBlock, TextBatch
+from train.packing import TokenLayout
+from train.predictor import Predictor, PredictorBlock, TextBatch, residual_max
 from train.vit import init_weights, scale_residual_outputs
 
 
@@ -69,13 +70,26 @@ class ReferenceBlock(PredictorBlock):
     def forward(
         self, x: torch.Tensor, key_mask: torch.Tensor | None, text: TextBatch | None, blocks_per_image: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.attn(self.norm1(x), key_mask)
+        x = x + self.attn(self.norm1(x), None if key_mask is None else TokenLayout(key_mask))
         if text is None:
             return x + self.mlp(self.norm2(x)), None
         p, t, d = x.shape
         per_image = x.reshape(p // blocks_per_image, blocks_per_image * t, d)
         out, cosine = self.cross(self.norm_cross(per_image), text)
-        return self.pool_captions(per_image, out, text.valid).reshape(p, t, d), cosine
+        return self.pool_rows(per_image, out, text.valid).reshape(p, t, d), cosine
+
+    def pool_rows(self, per_image: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Max over the present captions of `per_image` `[B, M*T, d]` + each caption's update `out` `[B, N, M*T, d]`
+        (and its MLP: after_mlp), or of the residual sums before one shared MLP (before_mlp): the pool on padded rows,
+        as it was."""
+        out = out * valid[:, :, None, None].to(out.dtype)
+        pool_keep = valid.clone()
+        pool_keep[:, 0] |= ~valid.any(dim=1)
+        if self.pool == "after_mlp":
+            conditioned = out.to(torch.promote_types(out.dtype, per_image.dtype), copy=True).add_(per_image[:, None])
+            return residual_max(conditioned, self.mlp(self.norm2(conditioned)), pool_keep)
+        pooled = residual_max(per_image[:, None], out, pool_keep)
+        return pooled + self.mlp(self.norm2(pooled))
 
 
 @dataclass
@@ -120,10 +134,12 @@ class ReferencePredictor(Predictor):
         context_idx: torch.Tensor,
         target_idx: torch.Tensor,
         text: TextBatch | None = None,
-        context_valid: torch.Tensor | None = None,
+        context_layout: TokenLayout | None = None,
     ) -> ReferenceOutput:
+        """The predictor on padded rows throughout (`context_layout`'s key mask alone is read)."""
         b, m, lt = target_idx.shape
         lc = context_idx.shape[1]
+        context_valid = None if context_layout is None else context_layout.key_mask
         x, token_valid = self.sequences(context, context_idx, target_idx, context_valid)
         cosines = []
         for block in self.blocks:
@@ -195,13 +211,13 @@ def compute_losses(
     target_idx: torch.Tensor,
     text: TextBatch | None,
     cfg: TrainConfig,
-    context_valid: torch.Tensor | None = None,
+    context_layout: TokenLayout | None = None,
 ) -> StepLosses:
     """`train.objective.compute_losses` with the reference regularisers (the model's predictor a
     `ReferencePredictor`)."""
     with torch.no_grad():
         targets = target_features(target_encoder(images), target_idx)
-    out = model(images, context_idx, target_idx, text, context_valid)
+    out = model(images, context_idx, target_idx, text, context_layout)
     predict = prediction_loss(out.prediction, targets, cfg.loss)
     zero = predict.new_zeros(())
     if not out.cosines or text is None:

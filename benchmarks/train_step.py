@@ -14,6 +14,8 @@ over). The same encoder, masks and captions serve every mode:
   cross8        TC-JEPA, N=8, pool after_mlp (one MLP per caption)
   cross8_before TC-JEPA, N=8, pool before_mlp (one shared MLP)
   cross8_before_cut  the same with the cut
+  none_rows, cross8_before_rows  none and cross8_before on padded rows with a key mask, every layer computing the
+                padding, as the step ran before issue 32's packing (`train.packing`)
   cross8_ref, cross8_before_ref  cross8 and cross8_before run by the cross-attention and regularisers as they were
                 before issue 17 B (`benchmarks/reference_predictor.py`), in the multi-head form they had (biases,
                 output projection); compared with the lean code on the same weights and batch under
@@ -29,9 +31,12 @@ recomputed cosine maps). The ratios use these counts (`--no-flop-counter`: the
 analytic ones instead, 2·m·k·n per matmul of the forward, a step 3× the forward
 of the context encoder and predictor plus 1× the target encoder; both are
 reported). `useful_over_computed_flops`: the analytic count at each image's
-real context and caption lengths over the count at the padded shapes the step
-computes (contexts padded to the batch's longest rounded up to a multiple of 8;
-captions to `--words`, the longest a batch here holds, rounded alike).
+real context and caption lengths over the count as the step computes it: the
+real context patches and words packed through every per-token layer, attention
+on rows padded to the batch's longest context (rounded up to a multiple of 8)
+and to `--words` (the longest caption a batch here holds, rounded alike);
+`useful_over_padded_flops`: the same over the count with every layer on the
+padded rows, as before packing (and as the `_rows` modes still compute).
 
 Memory autograd saves for backward: one more untimed step under
 `torch.autograd.graph.saved_tensors_hooks`, each storage counted once (the
@@ -66,6 +71,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from benchmarks.common import ROOT, peak_rss_mb, print_result  # first: sets the offline environment
 
@@ -77,16 +83,19 @@ class Mode:
     pool: str = "after_mlp"
     context_equalise: str = "pad"
     reference: bool = False  # the cross-attention and regularisers as they were before issue 17 B
+    packed: bool = True  # padded contexts and words left out of the per-token layers; False: padded rows, masked
 
 
 MODES: dict[str, Mode] = {
     "none": Mode("none", 0),
     "none_cut": Mode("none", 0, context_equalise="cut"),
+    "none_rows": Mode("none", 0, packed=False),
     "sequence": Mode("sequence", 8),
     "cross1": Mode("cross", 1),
     "cross8": Mode("cross", 8, "after_mlp"),
     "cross8_before": Mode("cross", 8, "before_mlp"),
     "cross8_before_cut": Mode("cross", 8, "before_mlp", context_equalise="cut"),
+    "cross8_before_rows": Mode("cross", 8, "before_mlp", packed=False),
     "cross8_ref": Mode("cross", 8, "after_mlp", reference=True),
     "cross8_before_ref": Mode("cross", 8, "before_mlp", reference=True),
 }
@@ -186,6 +195,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--padding-only",
+        metavar="DRAWS",
+        type=int,
+        help="instead: each mode's analytic FLOP shares (useful over computed, and over padded rows) at the preset's "
+        "shapes, over DRAWS mask and caption-length draws; runs no step, so realistic shapes run on a laptop",
+    )
+    ap.add_argument(
         "--profile", metavar="MODE", help="instead: profile one step of MODE (torch.profiler), table to stderr"
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -239,36 +255,54 @@ def caption_lengths(rng, batch: int, n: int, words: int):
 # ---- analytic FLOPs --------------------------------------------------------------------------------------------
 
 
-def encoder_forward_flops(tokens: int, width: int, depth: int, mlp_hidden: int, patches: int, patch: int) -> int:
-    """One image: the patch embedding over the whole grid, then `depth` blocks over `tokens` tokens."""
+def encoder_forward_flops(
+    tokens: float, width: int, depth: int, mlp_hidden: int, patches: int, patch: int, rows: float | None = None
+) -> float:
+    """One image: the patch embedding over the whole grid, then `depth` blocks whose projections and MLP run on
+    `tokens` tokens and whose attention runs on rows of `rows` (None: `tokens`; longer where the row is padded)."""
+    rows = tokens if rows is None else rows
     embed = 2 * patches * 3 * patch * patch * width
-    block = 2 * tokens * width * (3 * width + width + 2 * mlp_hidden) + 2 * 2 * tokens * tokens * width
+    block = 2 * tokens * width * (3 * width + width + 2 * mlp_hidden) + 2 * 2 * rows * rows * width
     return embed + depth * block
 
 
 def predictor_forward_flops(
-    cfg, mode: Mode, enc_width: int, lc: int, lt: int, m: int, s: int, text_dim: int, depth: int, mlp_hidden: int
-) -> dict[str, int]:
-    """One image's predictor forward by part: embed/proj, self-attention blocks, text conditioner."""
+    cfg,
+    mode: Mode,
+    enc_width: int,
+    lc: float,
+    lt: int,
+    m: int,
+    s: float,
+    text_dim: int,
+    depth: int,
+    mlp_hidden: int,
+    rows: tuple[float, float] | None = None,
+) -> dict[str, float]:
+    """One image's predictor forward by part: embed/proj, self-attention blocks, text conditioner. `lc` context
+    tokens and `s` words per caption reach the per-token layers; attention runs on rows of `rows` = (context, words)
+    (None: `(lc, s)`). The context is embedded as the encoder hands it over, padded."""
+    lc_rows, s_rows = (lc, s) if rows is None else rows
     w = cfg.predictor_width
     n = mode.captions
-    parts = {"embed_proj": 2 * lc * enc_width * w + 2 * m * lt * w * enc_width}
-    t = lc + lt
-    if mode.conditioning == "sequence":
-        parts["text_embed"] = 2 * n * s * text_dim * w
-        t += n * s  # padding words are in the sequence too (masked, still computed)
+    parts = {"embed_proj": 2 * lc_rows * enc_width * w + 2 * m * lt * w * enc_width}
+    if mode.reference:  # the predictor as it was: every layer on the padded rows
+        lc, s = lc_rows, s_rows
+    t, t_rows = lc + lt, lc_rows + lt
+    if mode.conditioning == "sequence":  # words in every sequence: nothing is packed
+        parts["text_embed"] = 2 * n * s_rows * text_dim * w
+        t = t_rows = t_rows + n * s_rows  # padding words are in the sequence too (masked, still computed)
     linear = 2 * t * w * (3 * w + w)
-    attention = 2 * 2 * t * t * w
+    attention = 2 * 2 * t_rows * t_rows * w
     mlp = 2 * t * w * 2 * mlp_hidden
     parts["blocks"] = depth * m * (linear + attention + mlp)
     if mode.conditioning == "cross":
-        q = m * t  # one image's M sequences attend to its captions as one row
-        # proj, per caption
+        q, q_rows = m * t, m * t_rows  # one image's M sequences attend to its captions as one row
         cross = (
             2 * q * w * w  # q
             + 2 * 2 * n * s * text_dim * w  # k, v
-            + 2 * 2 * q * n * s * w  # scores and weighted sums, all N captions
-            + 2 * n * q * w * w
+            + 2 * 2 * q_rows * n * s_rows * w  # scores and weighted sums, all N captions
+            + 2 * n * q * w * w  # proj, per caption
         )
         extra_mlp = (n - 1) * 2 * q * w * 2 * mlp_hidden if mode.pool == "after_mlp" else 0
         parts["cross_attention"] = depth * cross
@@ -276,15 +310,30 @@ def predictor_forward_flops(
     return parts
 
 
-def analytic_flops(cfg, mode: Mode, encoder, predictor, lc: int, lt: int, m: int, s: int, text_dim: int) -> dict:
+def analytic_flops(
+    cfg,
+    mode: Mode,
+    encoder,
+    predictor,
+    lc: float,
+    lt: int,
+    m: int,
+    s: float,
+    text_dim: int,
+    rows: tuple[float, float] | None = None,
+) -> dict:
+    """A step's FLOPs, per image times the batch: `lc` context tokens and `s` words per caption reach the per-token
+    layers, attention runs on rows of `rows` = (context, words) (None: `(lc, s)`, nothing padded)."""
     batch = cfg.batch_size
     patches = encoder.num_patches
     enc_hidden = encoder.blocks[0].mlp.fc1.out_features
     pred_hidden = predictor.blocks[0].mlp.fc1.out_features
     depth_e, depth_p = len(encoder.blocks), len(predictor.blocks)
     target = batch * encoder_forward_flops(patches, encoder.width, depth_e, enc_hidden, patches, cfg.patch_size)
-    context = batch * encoder_forward_flops(lc, encoder.width, depth_e, enc_hidden, patches, cfg.patch_size)
-    pred_parts = predictor_forward_flops(cfg, mode, encoder.width, lc, lt, m, s, text_dim, depth_p, pred_hidden)
+    context = batch * encoder_forward_flops(
+        lc, encoder.width, depth_e, enc_hidden, patches, cfg.patch_size, None if rows is None else rows[0]
+    )
+    pred_parts = predictor_forward_flops(cfg, mode, encoder.width, lc, lt, m, s, text_dim, depth_p, pred_hidden, rows)
     pred = batch * sum(pred_parts.values())
     return {
         "step": target + 3 * (context + pred),
@@ -294,6 +343,57 @@ def analytic_flops(cfg, mode: Mode, encoder, predictor, lc: int, lt: int, m: int
             **{f"predictor_{k}": batch * v for k, v in pred_parts.items()},
         },
     }
+
+
+def useful_and_computed_flops(
+    cfg, mode: Mode, encoder, predictor, lt: int, m: int, text_dim: int, context_lengths, words, rows: tuple[int, int]
+) -> tuple[float, float, float]:
+    """A step's FLOPs (useful, computed, padded), means over its images: at each image's real context length
+    (`context_lengths`) and mean caption length (`words`); as the step computes them, the per-token layers on the
+    real tokens (packed) and attention on rows padded to `rows` = (context, words); and as if every layer ran on the
+    padded rows (before packing)."""
+    count = partial(analytic_flops, cfg, mode, encoder, predictor, lt=lt, m=m, text_dim=text_dim)
+    padded = count(lc=rows[0], s=rows[1])["step"]
+    useful = computed = 0.0
+    for lc, s in zip(context_lengths, words):
+        useful += count(lc=float(lc), s=float(s))["step"]
+        computed += count(lc=float(lc), s=float(s), rows=rows)["step"] if mode.packed else padded
+    n = len(context_lengths)
+    return useful / n, computed / n, padded
+
+
+def padding_shares(args: argparse.Namespace, modes: list[str], draws: int) -> dict:
+    """Each mode's useful FLOPs over those computed and over those of padded rows, at the preset's shapes, for `draws`
+    batches of masks (`sample_masks`, steps 0…) and caption lengths (`caption_lengths`): the analytic counts alone."""
+    import numpy as np
+
+    from train.config import ModelConfig
+    from train.data import mask_config
+    from train.jepa import build_models
+    from train.masks import padded_length, sample_masks
+
+    result: dict = {"benchmark": "train_step_padding", "preset": args.preset, "batch": args.batch, "draws": draws}
+    for name in modes:
+        mode = MODES[name]
+        cfg = train_config(args, mode)
+        model, _ = build_models(ModelConfig.of(cfg), args.text_dim if mode.conditioning != "none" else None)
+        shares = []
+        for step in range(draws):
+            masks = sample_masks(mask_config(cfg), model.encoder.grid, args.seed, step, cfg.batch_size)
+            lengths = caption_lengths(np.random.default_rng([args.seed, step]), cfg.batch_size, 8, args.words)
+            words = lengths[:, : mode.captions].mean(axis=1) if mode.captions else np.zeros(cfg.batch_size)
+            rows = (masks.context.shape[1], padded_length(args.words) if mode.captions else 0)
+            m, lt = masks.targets.shape[1:]
+            useful, computed, padded = useful_and_computed_flops(
+                cfg, mode, model.encoder, model.predictor, lt, m, args.text_dim, masks.context_lengths, words, rows
+            )
+            shares.append((useful / computed, useful / padded))
+        computed_shares, padded_shares = zip(*shares)
+        result[name] = {
+            "useful_over_computed_flops": [round(min(computed_shares), 3), round(max(computed_shares), 3)],
+            "useful_over_padded_flops": [round(min(padded_shares), 3), round(max(padded_shares), 3)],
+        }
+    return result
 
 
 # ---- one mode, in its own process --------------------------------------------------------------------------------
@@ -403,6 +503,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     from train.jepa import build_models, ema_update
     from train.masks import padded_length, sample_masks
     from train.optim import param_groups
+    from train.packing import TokenLayout
     from train.predictor import TextBatch
 
     if args.threads:
@@ -438,39 +539,46 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         s = padded_length(args.words)  # the batch's longest caption (`--words` long), rounded as the trainer rounds it
         tokens = rng.standard_normal((cfg.batch_size, mode.captions, s, args.text_dim)).astype(np.float16)
         tokens *= (np.arange(s) < lengths[..., None])[..., None]
-        text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64))).to(device, dtype=dtype)
+        words = int(lengths.sum()) if mode.packed else None  # counted: the K/V projection runs on real words
+        text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64)), words)
+        text = text.to(device, dtype=dtype)
     images = images.to(device)
     context = torch.from_numpy(masks.context).to(device)
     valid = masks.context_valid()
-    context_valid = None if valid.all() else torch.from_numpy(valid).to(device)
+    # Padded contexts packed, as the trainer packs them (`train.packing`), or (`_rows` modes) only masked; none to
+    # pack where no row is padded.
+    context_layout = None
+    if not valid.all():
+        key_mask = torch.from_numpy(valid).to(device)
+        context_layout = TokenLayout.of(key_mask, int(valid.sum())) if mode.packed else TokenLayout(key_mask)
     targets = torch.from_numpy(masks.targets).to(device)
     lc, (m, lt) = context.shape[1], targets.shape[1:]
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=cfg.bf16):
-            losses = compute_losses(model, target, images, context, targets, text, cfg, context_valid)
+            losses = compute_losses(model, target, images, context, targets, text, cfg, context_layout)
         optimizer.zero_grad(set_to_none=True)
         losses.total.backward()
         optimizer.step()
         ema_update(target, model.encoder, 0.996)
 
-    flops = analytic_flops(cfg, mode, model.encoder, model.predictor, lc, lt, m, s, args.text_dim)
-    # Useful FLOPs: the same count at each image's real context length and mean caption length, averaged over images
-    # (what the step would cost if no row carried padding), over the count at the padded shapes it computes.
+    # Useful FLOPs: the count at each image's real context length and mean caption length, averaged over images (what
+    # the step would cost if no row carried padding), over the count as the step computes it (packed: attention alone
+    # on padded rows) and over the count with every layer on padded rows (as before packing).
     words = lengths8[:, : mode.captions].mean(axis=1) if mode.conditioning != "none" else np.zeros(cfg.batch_size)
-    useful = np.mean(
-        [
-            analytic_flops(cfg, mode, model.encoder, model.predictor, int(n), lt, m, w, args.text_dim)["step"]
-            for n, w in zip(masks.context_lengths, words)
-        ]
+    useful, computed, padded = useful_and_computed_flops(
+        cfg, mode, model.encoder, model.predictor, lt, m, args.text_dim, masks.context_lengths, words, (lc, s)
     )
+    mean_lc, mean_s = (float(masks.context_lengths.mean()), float(words.mean())) if mode.packed else (lc, s)
+    flops = analytic_flops(cfg, mode, model.encoder, model.predictor, mean_lc, lt, m, mean_s, args.text_dim, (lc, s))
     info = {
         "lc": lc,
         "lt": lt,
         "m": m,
         "s": s,
         "flops": flops,
-        "useful_over_computed": float(useful / flops["step"]),
+        "useful_over_computed": float(useful / computed),
+        "useful_over_padded": float(useful / padded),
         "params": sum(p.numel() for p in model.parameters()),
         "threads": torch.get_num_threads(),
     }
@@ -586,6 +694,9 @@ def main() -> None:
     if args.profile:
         profile(args, args.profile)
         return
+    if args.padding_only:
+        print_result(padding_shares(args, args.modes.split(","), args.padding_only))
+        return
     modes = args.modes.split(",")
     started = time.perf_counter()
     info: dict[str, dict] = {}
@@ -659,6 +770,7 @@ def main() -> None:
             "gflops_per_step": round(flops[name] / 1e9, 2),
             "gflops_per_step_analytic": round(info[name]["flops"]["step"] / 1e9, 2),
             "useful_over_computed_flops": round(info[name]["useful_over_computed"], 3),
+            "useful_over_padded_flops": round(info[name]["useful_over_padded"], 3),
             "images_per_s": round(args.batch / medians[name], 1),
             "achieved_tflops": round(flops[name] / medians[name] / 1e12, 4),
             "saved_mib": round(info[name]["saved_bytes"] / 2**20, 1),
@@ -705,6 +817,13 @@ def main() -> None:
             goals.append(saved_ratio >= 2)
     if goals:
         result["goal_met"] = all(goals)
+    for packed in ("none", "cross8_before"):  # the step packed against the step on padded rows, side by side
+        if packed in modes and f"{packed}_rows" in modes:
+            rows = f"{packed}_rows"
+            result[f"{packed}_packed_vs_rows_time"] = round(medians[packed] / medians[rows], 3)
+            result[f"{packed}_packed_vs_rows_flops"] = round(flops[packed] / flops[rows], 3)
+            if not args.device.startswith("cuda"):
+                result[f"{packed}_packed_vs_rows_cpu_time"] = round(cpu_medians[packed] / cpu_medians[rows], 3)
     for padded in ("none", "cross8_before"):  # what keeping every context patch (pad) costs against I-JEPA's cut
         if padded in modes and f"{padded}_cut" in modes:
             cut = f"{padded}_cut"

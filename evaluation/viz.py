@@ -30,6 +30,7 @@ from train.data import image_policy, mask_config, normalise
 from train.jepa import JEPA, build_models
 from train.losses import target_features
 from train.masks import sample_masks
+from train.packing import TokenLayout
 from train.predictor import TextBatch
 from train.vit import VisionTransformer
 
@@ -123,7 +124,7 @@ def patch_errors(
     features = target(image)
     masks = sample_masks(mask_config(cfg), grid, cfg.seed, 0, draws)
     ctx = torch.from_numpy(masks.context)
-    ctx_valid = torch.from_numpy(masks.context_valid())
+    ctx_layout = TokenLayout.of(torch.from_numpy(masks.context_valid()))
     tgt = torch.from_numpy(masks.targets)
     images = image.expand(draws, -1, -1, -1)
     truth = target_features(features.expand(draws, -1, -1), tgt)
@@ -132,7 +133,7 @@ def patch_errors(
         batch = (
             None if text is None else TextBatch(text.tokens.expand(draws, -1, -1, -1), text.lengths.expand(draws, -1))
         )
-        pred = model(images, ctx, tgt, batch, ctx_valid).prediction
+        pred = model(images, ctx, tgt, batch, ctx_layout).prediction
         err = ((pred - truth) ** 2).mean(-1).flatten()
         total = torch.zeros(grid[0] * grid[1]).index_add_(0, tgt.flatten(), err)
         count = torch.zeros(grid[0] * grid[1]).index_add_(0, tgt.flatten(), torch.ones_like(err))

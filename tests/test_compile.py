@@ -19,12 +19,14 @@ from train.parallel import checkpoint_blocks, compile_blocks
 
 
 @pytest.mark.slow
-def test_a_compiled_run_recompiles_at_most_4_times_and_never_breaks_its_graph(
+def test_a_compiled_run_recompiles_at_most_6_times_and_never_breaks_its_graph(
     tmp_path, synth_dir, annotated_cache, annotated_store
 ):
     """30 steps on masks that change every step (context and target lengths), 3 validations (another batch size, no
-    grad, shuffled and caption-less controls), counted by TORCH_LOGS: the grad-mode variants are the only recompiles
-    (the target encoder and validation run without grad, and the target encoder without a padding mask)."""
+    grad, shuffled and caption-less controls), counted by TORCH_LOGS. Expected: the grad-mode variants (the target
+    encoder and validation run without grad), the encoder block's two layouts (the context packed `[T, d]`, the
+    target's whole images `[B, L, d]`), and on the CPU one size range of inductor's C++ reductions (a guard such as
+    `1025 <= x.size()[0] <= 4096` on the packed predictor tokens): 5 here. Not one per step."""
     run = tmp_path / "compiled"
     env = {**os.environ, "TORCH_LOGS": "recompiles,graph_breaks"}
     proc = tcjepa(
@@ -50,7 +52,7 @@ def test_a_compiled_run_recompiles_at_most_4_times_and_never_breaks_its_graph(
     )
     log = proc.stderr
     recompiles = log.count("Recompiling function")
-    assert 1 <= recompiles <= 4, log[-4000:]  # at least one: validation runs without grad, so the logs are on
+    assert 1 <= recompiles <= 6, log[-4000:]  # at least one: validation runs without grad, so the logs are on
     assert "graph break" not in log.lower(), log[-4000:]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "loss" in m] == [5, 10, 15, 20, 25, 30]

@@ -22,7 +22,8 @@ from train.losses import (
     target_features,
     text_regularisers,
 )
-from train.predictor import Predictor, PredictorBlock, TextBatch, TextCrossAttention, TextKeysValues
+from train.packing import TokenLayout
+from train.predictor import Predictor, PredictorBlock, TextBatch, TextCrossAttention, TextKeysValues, TokenCaptions
 
 
 def _text(b: int, n: int, s: int, d: int, seed: int = 0, lengths: torch.Tensor | None = None) -> TextBatch:
@@ -32,6 +33,14 @@ def _text(b: int, n: int, s: int, d: int, seed: int = 0, lengths: torch.Tensor |
     tokens = torch.randn(b, n, s, d, generator=g)
     tokens = tokens * (torch.arange(s) < lengths[..., None])[..., None]
     return TextBatch(tokens, lengths)
+
+
+def _cross(attn: TextCrossAttention, x: torch.Tensor, captions, valid: torch.Tensor):
+    """`attn` on rows `x` `[B, Q, d]` of every image's tokens: each caption's update as `[B, N, Q, d]`, and the
+    queries."""
+    b, nq, d = x.shape
+    out, q = attn(x.reshape(b * nq, d), captions, TokenCaptions.of(None, valid, nq))
+    return out.view(b, nq, -1, d).transpose(1, 2), q
 
 
 @pytest.mark.parametrize("form", ["paper", "mha"])
@@ -44,7 +53,7 @@ def test_cross_attention_matches_per_caption_softmax_and_full_vector_cosine(form
     x = torch.randn(3, 5, 16)
     text = _text(3, 2, 6, 8)
     captions = keys_values(text)[1]  # the second layer's: rows 32..63 of the fused projection
-    out, q = attn(x, captions)
+    out, q = _cross(attn, x, captions, text.valid)
     cosine = patch_word_cosine(q, captions.keys).view(3, 5, 2, 6)
     weight, bias = keys_values.kv.weight, keys_values.kv.bias
     if form == "paper":
@@ -98,8 +107,8 @@ def test_padding_words_do_not_change_the_output():
     x = torch.randn(2, 4, 16)
     text = _text(2, 3, 5, 8)
     noisy = text.tokens + 100.0 * (~text.word_mask)[..., None]
-    out_a, _ = attn(x, keys_values(text)[0])
-    out_b, _ = attn(x, keys_values(TextBatch(noisy, text.lengths))[0])
+    out_a, _ = _cross(attn, x, keys_values(text)[0], text.valid)
+    out_b, _ = _cross(attn, x, keys_values(TextBatch(noisy, text.lengths))[0], text.valid)
     torch.testing.assert_close(out_a, out_b)
 
 
@@ -126,11 +135,11 @@ def test_block_max_pools_over_present_captions(pool):
     lengths = torch.tensor([[3, 0, 2], [0, 0, 0]])  # image 0: captions 0 and 2; image 1: none
     text = _text(2, 3, 4, 8, lengths=lengths)
     captions = TextKeysValues(8, 16, 1)(text)[0]
-    got, _ = block(x, None, captions, m)
+    got, _ = block(x, None, captions, TokenCaptions.of(None, text.valid, m * t))
     # By hand: self-attention, then per caption x + cross_n (+ MLP), max over present captions.
     h = x + block.attn(block.norm1(x))
     per_image = h.reshape(2, m * t, 16)
-    out, _ = block.cross(block.norm_cross(per_image), captions)
+    out, _ = _cross(block.cross, block.norm_cross(per_image), captions, text.valid)
     mlp = lambda z: z + block.mlp(block.norm2(z))  # noqa: E731
     versions = [per_image[0] + out[0, 0], per_image[0] + out[0, 2]]
     if pool == "after_mlp":
@@ -140,7 +149,7 @@ def test_block_max_pools_over_present_captions(pool):
     expected1 = mlp(per_image[1])  # no caption: the unconditioned path
     torch.testing.assert_close(got.reshape(2, m * t, 16)[0], expected0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.reshape(2, m * t, 16)[1], expected1, atol=1e-5, rtol=1e-5)
-    unconditioned, _ = block(x, None, None, m)
+    unconditioned, _ = block(x, None, None, None)
     torch.testing.assert_close(
         got.reshape(2, m * t, 16)[1], unconditioned.reshape(2, m * t, 16)[1], atol=1e-5, rtol=1e-5
     )
@@ -542,19 +551,25 @@ def test_a_padded_context_gives_the_same_prediction_and_regularisers_as_the_unpa
     context = torch.stack([torch.cat([short, short[:1].repeat(3)]), long])  # row 0 padded with its first patch
     valid = torch.arange(9) < torch.tensor([6, 9])[:, None]
     targets = torch.tensor([[[10, 11], [14, 15]], [[12, 13], [9, 10]]])
-    text = TextBatch(torch.randn(2, 3, 5, 16, generator=g), torch.tensor([[5, 3, 0], [2, 5, 4]]))
+    tokens, lengths = torch.randn(2, 3, 5, 16, generator=g), torch.tensor([[5, 3, 0], [2, 5, 4]])
+    text = TextBatch(tokens, lengths)
     with torch.no_grad():
-        both = compute_losses(model, target, images, context, targets, text, cfg, valid)
         alone = compute_losses(model, target, images[:1], short[None], targets[:1], text_row(text, 0), cfg)
-        pred_both = model(images, context, targets, text, valid).prediction[0]
         pred_alone = model(images[:1], short[None], targets[:1], text_row(text, 0)).prediction[0]
         unmasked = model(images, context, targets, text).prediction[0]
-    torch.testing.assert_close(pred_both, pred_alone, rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(unmasked, pred_alone, atol=1e-3), "without the mask the padding would be attended to"
-    if conditioning == "cross":  # the regularisers average over image 0's real tokens only
         one = compute_losses(model, target, images[1:], long[None], targets[1:], text_row(text, 1), cfg)
-        torch.testing.assert_close(both.sparse, (alone.sparse + one.sparse) / 2, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(both.consistency, (alone.consistency + one.consistency) / 2, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(unmasked, pred_alone, atol=1e-3), "without the mask the padding would be attended to"
+    # The padding masked on padded rows, or left out (packed contexts, and the K/V projection on real words only).
+    for layout, words in ((TokenLayout(valid), None), (TokenLayout.of(valid, 15), None), (TokenLayout.of(valid), 19)):
+        padded = TextBatch(tokens, lengths, words)
+        with torch.no_grad():
+            both = compute_losses(model, target, images, context, targets, padded, cfg, layout)
+            pred_both = model(images, context, targets, padded, layout).prediction[0]
+        torch.testing.assert_close(pred_both, pred_alone, rtol=1e-4, atol=1e-5)
+        if conditioning == "cross":  # the regularisers average over image 0's real tokens only
+            torch.testing.assert_close(both.sparse, (alone.sparse + one.sparse) / 2, rtol=1e-4, atol=1e-6)
+            consistency = (alone.consistency + one.consistency) / 2
+            torch.testing.assert_close(both.consistency, consistency, rtol=1e-4, atol=1e-6)
 
 
 def text_row(text: TextBatch, i: int) -> TextBatch:
@@ -582,17 +597,17 @@ def _paired_batch(lengths: torch.Tensor):
     context = torch.randn(b, 6, 32, generator=g)
     context_idx = torch.stack([torch.randperm(16, generator=g)[:6] for _ in range(b)])
     target_idx = torch.stack([torch.randperm(16, generator=g)[:4].view(2, 2) for _ in range(b)])
-    context_valid = torch.arange(6) < torch.tensor([4, 6, 5])[:, None]
+    context_layout = TokenLayout.of(torch.arange(6) < torch.tensor([4, 6, 5])[:, None])
     weights = torch.randn(b, 2, 2, 32, generator=g)
-    return TextBatch(tokens, lengths), context, context_idx, target_idx, context_valid, weights
+    return TextBatch(tokens, lengths, int(lengths.sum())), context, context_idx, target_idx, context_layout, weights
 
 
 def _step(model: torch.nn.Module, batch, bf16: bool) -> tuple[torch.Tensor, tuple, dict[str, torch.Tensor]]:
     """Prediction, (sparse, consistency, positive fraction) and every parameter's gradient of a weighted loss."""
-    text, context, context_idx, target_idx, context_valid, weights = batch
+    text, context, context_idx, target_idx, context_layout, weights = batch
     model.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        out = model(context, context_idx, target_idx, text, context_valid)
+        out = model(context, context_idx, target_idx, text, context_layout)
         if isinstance(model, ReferencePredictor):
             regs = reference_regularisers(out.cosines, text.word_mask, text.valid, out.token_valid)
         else:
@@ -680,12 +695,12 @@ def test_cross_attention_and_regularisers_compile_as_one_graph(pool):
     """No graph break in the forward (fullgraph) and the same gradients: the regularisers' backward traces too."""
     _, lean = _paired_predictors(pool)
     batch = _paired_batch(MANY_CAPTIONS)
-    text, context, context_idx, target_idx, context_valid, weights = batch
+    text, context, context_idx, target_idx, context_layout, weights = batch
 
     def loss(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         text = TextBatch(tokens, lengths)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = lean(context, context_idx, target_idx, text, context_valid)
+            out = lean(context, context_idx, target_idx, text, context_layout)
             regs = text_regularisers(out.queries, out.keys, text.word_mask, text.valid, out.token_valid)
         return (out.prediction.float() * weights).sum() + 3 * regs.sparse + 5 * regs.consistency
 

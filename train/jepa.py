@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from train.choices import VIT_SIZES
 from train.config import ModelConfig
+from train.packing import TokenLayout
 from train.predictor import Predictor, PredictorOutput, TextBatch
 from train.vit import VisionTransformer, build_vit
 
@@ -35,12 +36,14 @@ class JEPA(nn.Module):
         context_idx: torch.Tensor,
         target_idx: torch.Tensor,
         text: TextBatch | None,
-        context_valid: torch.Tensor | None = None,
+        context_layout: TokenLayout | None = None,
     ) -> PredictorOutput:
+        """`context_layout`: where the real context patches are when contexts are padded to one length (packed: the
+        encoder and predictor run on them alone)."""
         with record_function("context_encoder"):  # the labels a profile splits the step by (gpu_check's)
-            context = self.encoder(images, keep=context_idx, keep_valid=context_valid)
+            context = self.encoder(images, keep=context_idx, layout=context_layout)
         with record_function("predictor"):
-            out = self.predictor(context, context_idx, target_idx, text, context_valid)
+            out = self.predictor(context, context_idx, target_idx, text, context_layout)
         out.context = context
         return out
 

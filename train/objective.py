@@ -22,6 +22,7 @@ from train.losses import (
     target_features,
     text_regularisers,
 )
+from train.packing import TokenLayout
 from train.predictor import PredictorOutput, TextBatch
 from train.vit import VisionTransformer
 
@@ -63,23 +64,26 @@ def compute_losses(
     target_idx: torch.Tensor,
     text: TextBatch | None,
     cfg: TrainConfig,
-    context_valid: torch.Tensor | None = None,
+    context_layout: TokenLayout | None = None,
     sigreg_directions: torch.Tensor | None = None,
     regulariser_passes: RegulariserPasses = EAGER_PASSES,
 ) -> StepLosses:
     """L = L_predict + λ·L_sparse + β·L_consistency for one batch (regularisers only in cross mode with text), plus
     `cfg.sigreg` × SIGReg of the context encoder's real tokens when `sigreg_directions` `[D, K]` are given.
 
-    `context_valid` bool `[B, Lc]` marks real context patches when contexts are padded to one length.
+    `context_layout` marks real context patches when contexts are padded to one length (packed: only they are
+    computed).
     """
     with torch.no_grad(), record_function("target_encoder"):
         targets = target_features(target_encoder(images), target_idx)
-    out = model(images, context_idx, target_idx, text, context_valid)
+    out = model(images, context_idx, target_idx, text, context_layout)
     predict = prediction_loss(out.prediction, targets, cfg.loss)
     zero = predict.new_zeros(())
     anti_collapse = None
     if sigreg_directions is not None and cfg.sigreg > 0 and out.context is not None:
-        tokens = out.context if context_valid is None else out.context[context_valid]
+        tokens = out.context
+        if context_layout is not None:  # the real tokens alone (packed: without waiting for the device to count them)
+            tokens = context_layout.pack(tokens) if context_layout.packed else tokens[context_layout.key_mask]
         anti_collapse = sigreg(tokens.reshape(-1, tokens.shape[-1]), sigreg_directions)
     extra = zero if anti_collapse is None else cfg.sigreg * anti_collapse
     if not out.queries or text is None:

@@ -16,7 +16,8 @@ from pipeline.core.errors import UserError
 from train.config import TrainConfig
 from train.jepa import JEPA
 from train.losses import EAGER_PASSES, RegulariserPasses, compiled_regulariser_passes
-from train.predictor import TextBatch
+from train.packing import TokenLayout
+from train.predictor import LayerCaptions, TokenCaptions
 from train.runtime import processes_per_node
 from train.vit import VisionTransformer
 
@@ -85,26 +86,36 @@ def shard(model: JEPA, target: VisionTransformer, cfg: TrainConfig, device: torc
 def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     """`compiled` (a block's forward) called with its batch and sequence dims marked dynamic.
 
-    Blocks are called as `block(x [B, L, d], key_mask [B, L] | None, *rest)`; a `TextBatch` in `rest` (tokens
-    `[B, N, S, d]`) has a dynamic batch dim and caption length S (the batch's longest, rounded up to a multiple of 8;
-    N is fixed). Duck sizing is off so that two dims that happen to
-    be equal when a graph is traced (B·M = L on some step) are not assumed equal forever, which would recompile.
+    Blocks are called as `block(x, layout, *rest)`: `x` `[B, L, d]`, or packed `[T, d]`; a `TokenLayout` (key mask
+    `[B, L]`, slots `[T]`); in the predictor a layer's `LayerCaptions` (keys `[B, N, S, d]`: the batch and caption
+    length S, the batch's longest rounded up to a multiple of 8, are dynamic; N is fixed) and the `TokenCaptions`
+    (`[P, N]`). Duck sizing is off so that two dims that happen to be equal when a graph is traced (B·M = L on some
+    step) are not assumed equal forever, which would recompile.
     """
     from torch._dynamo import maybe_mark_dynamic
     from torch.fx.experimental import _config as shape_config
 
-    def forward(x: torch.Tensor, key_mask: torch.Tensor | None = None, *rest: Any) -> Any:
-        for tensor in (x, key_mask):
-            if tensor is not None:
-                maybe_mark_dynamic(tensor, 0)
-                maybe_mark_dynamic(tensor, 1)
+    def mark(tensor: torch.Tensor | None, *dims: int) -> None:
+        if tensor is not None:
+            for dim in dims:
+                maybe_mark_dynamic(tensor, dim)
+
+    def forward(x: torch.Tensor, layout: TokenLayout | None = None, *rest: Any) -> Any:
+        mark(x, *range(x.dim() - 1))
+        if layout is not None:
+            mark(layout.key_mask, 0, 1)
+            mark(layout.slots, 0)
         for arg in rest:
-            if isinstance(arg, TextBatch):
-                maybe_mark_dynamic(arg.tokens, 0)
-                maybe_mark_dynamic(arg.tokens, 2)
-                maybe_mark_dynamic(arg.lengths, 0)
+            if isinstance(arg, LayerCaptions):
+                mark(arg.keys, 0, 2)
+                mark(arg.values, 0, 2)
+                mark(arg.attend, 0, 2)
+            elif isinstance(arg, TokenCaptions):
+                mark(arg.rows, 0)
+                mark(arg.valid, 0)
+                mark(arg.keep, 0)
         with shape_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set by install_config_module
-            return compiled(x, key_mask, *rest)
+            return compiled(x, layout, *rest)
 
     return forward
 

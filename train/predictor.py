@@ -30,6 +30,12 @@ predictor can lower its loss only by what the captions say. ``mha`` is standard 
 W_Q, W_K, W_V and a biased output projection), whose biases add the same vector whatever the words: kept for the
 ablation and for runs made before the paper's form was the default.
 
+Padded contexts (`train.packing`): when the encoder's context is packed, so are
+the predictor's sequences, and every per-token layer (projections, MLPs, the pool
+over captions) runs on real tokens alone; self- and cross-attention see padded
+rows. The caption keys and values are projected from real words alone when the
+batch counts them (`TextBatch.words`).
+
 The caption keys and values of every layer come from one projection of the word
 embeddings; the cross-attention runs as SDPA over (image, caption) pairs. Every
 layer hands back its queries, and the predictor its keys, for the sparsity and
@@ -48,6 +54,7 @@ from torch import nn
 
 from train.choices import CONDITIONERS, CONDITIONING, POOLING
 from train.losses import patch_word_cosine
+from train.packing import TokenLayout
 from train.vit import LN_EPS, MLP, LayerNorm, SelfAttention, init_weights, scale_residual_outputs, sincos_2d
 
 
@@ -57,6 +64,7 @@ class TextBatch:
 
     tokens: torch.Tensor  # [B, N, S, d_text]
     lengths: torch.Tensor  # [B, N] int64
+    words: int | None = None  # the lengths' sum, counted on the host: the K/V projection runs on real words alone
 
     @property
     def word_mask(self) -> torch.Tensor:
@@ -73,6 +81,7 @@ class TextBatch:
         return TextBatch(
             self.tokens.to(device, dtype=dtype, non_blocking=non_blocking),
             self.lengths.to(device, non_blocking=non_blocking),
+            self.words,
         )
 
 
@@ -101,7 +110,6 @@ class LayerCaptions:
     keys: torch.Tensor  # [B, N, S, d]
     values: torch.Tensor  # [B, N, S, d]
     attend: torch.Tensor  # bool [B, N, S]: the real words, and every word of a missing caption (never an empty softmax)
-    valid: torch.Tensor  # bool [B, N]: the caption exists
 
 
 class TextKeysValues(nn.Module):
@@ -117,9 +125,55 @@ class TextKeysValues(nn.Module):
         self.kv = nn.Linear(text_dim, depth * 2 * dim, bias=bias)
 
     def forward(self, text: TextBatch) -> list[LayerCaptions]:
-        parts = self.kv(text.tokens).split(self.dim, dim=-1)  # k_0, v_0, k_1, v_1, …
+        """Every layer's keys and values. With `text.words` counted, only real words are projected (padding's keys
+        and values are zeros, never attended to): ~30% of a batch's words are padding."""
+        if text.words is None:
+            kv = self.kv(text.tokens)
+        else:
+            b, n, s, d = text.tokens.shape
+            words = TokenLayout.of(text.word_mask.view(b * n, s), text.words)
+            assert words.slots is not None
+            projected = self.kv(words.pack(text.tokens.view(b * n, s, d)))
+            # Put into a fresh tensor of the padded shape, in place and not through a view (whose backward would
+            # copy the whole gradient), as the dense projection makes it: the keys and values are views of it, and a
+            # compiled graph guards on their base's shape.
+            kv = projected.new_zeros(b, n, s, projected.shape[-1])
+            kv.index_put_((words.slots // (n * s), words.slots // s % n, words.slots % s), projected)
+        parts = kv.split(self.dim, dim=-1)  # k_0, v_0, k_1, v_1, …
         attend = text.word_mask | ~text.valid[..., None]  # a missing caption attends to its padding (output discarded)
-        return [LayerCaptions(k, v, attend, text.valid) for k, v in zip(parts[0::2], parts[1::2])]
+        return [LayerCaptions(k, v, attend) for k, v in zip(parts[0::2], parts[1::2])]
+
+
+@dataclass(frozen=True)
+class TokenCaptions:
+    """Which captions each of the predictor's tokens reads, and where it sits among the cross-attention's rows.
+
+    The tokens are the packed ones (`layout` packed) or every row's, flattened (`layout` None); the cross-attention
+    runs on one row of `Q = M·T` queries per image (its M sequences side by side), one softmax per caption.
+    """
+
+    layout: TokenLayout | None  # the predictor's packed layout, to lay the tokens out in rows; None: they are rows
+    rows: torch.Tensor  # int64 [P, N]: token p's row, for each caption, in the cross-attention's output [B·N·Q]
+    valid: torch.Tensor  # bool [P, N]: the caption exists (its update counts)
+    keep: torch.Tensor  # bool [P, N]: pooled over (an image without captions keeps one empty one: no update)
+
+    @classmethod
+    def of(cls, layout: TokenLayout | None, valid: torch.Tensor, sequence_rows: int) -> TokenCaptions:
+        """For tokens in `layout` (None: every position of the `[B·M, T]` rows) of images whose captions exist where
+        `valid` bool `[B, N]`; `sequence_rows` = M·T, one image's queries."""
+        b, n = valid.shape
+        positions = (
+            layout.slots
+            if layout is not None and layout.slots is not None
+            else torch.arange(b * sequence_rows, device=valid.device)
+        )
+        image = positions // sequence_rows
+        captions = torch.arange(n, device=valid.device)
+        rows = (image[:, None] * n + captions) * sequence_rows + (positions % sequence_rows)[:, None]
+        keep = valid.clone()
+        keep[:, 0] |= ~valid.any(dim=1)
+        packed = layout if layout is not None and layout.packed else None
+        return cls(packed, rows, valid.index_select(0, image), keep.index_select(0, image))
 
 
 class TextCrossAttention(nn.Module):
@@ -135,24 +189,29 @@ class TextCrossAttention(nn.Module):
         self.q = nn.Linear(dim, dim, bias=form == "mha")
         self.proj = nn.Linear(dim, dim) if form == "mha" else None
 
-    def forward(self, x: torch.Tensor, captions: LayerCaptions) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x` `[B, Q, d]` (normed) → per-caption outputs `[B, N, Q, d]` and the queries `[B, Q, d]`.
+    def forward(
+        self, x: torch.Tensor, captions: LayerCaptions, tokens: TokenCaptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` `[P, d]` (normed tokens) → each caption's update `[P, N, d]`, and the queries in rows `[B, Q, d]`.
 
         One SDPA over the B·N (image, caption) pairs, `[B·N, h, Q, d_h]` × `[B·N, h, S, d_h]`, with a key-padding
         mask: every image's queries are copied once per caption (SDPA takes one batch dimension). The copy is laid
-        out `[B·N, Q, h, d_h]`, so SDPA's output comes in that layout too and reaches the projection without another.
+        out `[B·N, Q, h, d_h]`, so SDPA's output comes in that layout too, and each token's rows are gathered from
+        it without another copy. The projections run on the tokens alone, never on padding.
         """
-        b, nq, d = x.shape
-        n, s = captions.keys.shape[1:3]
+        b, n, s = captions.keys.shape[:3]
+        d = x.shape[-1]
         h, dh = self.heads, d // self.heads
         q = self.q(x)
-        queries = q[:, None].expand(b, n, nq, d).reshape(b * n, nq, h, dh).transpose(1, 2)
+        rows = (q if tokens.layout is None else tokens.layout.pad(q)).reshape(b, -1, d)
+        nq = rows.shape[1]
+        queries = rows[:, None].expand(b, n, nq, d).reshape(b * n, nq, h, dh).transpose(1, 2)
         keys = captions.keys.reshape(b * n, s, h, dh).transpose(1, 2)
         values = captions.values.reshape(b * n, s, h, dh).transpose(1, 2)
         mask = captions.attend.view(b * n, 1, 1, s)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)  # [B·N, h, Q, d_h]
-        out = out.transpose(1, 2).reshape(b, n, nq, d)
-        return (out if self.proj is None else self.proj(out)), q
+        out = out.transpose(1, 2).reshape(b * n * nq, d).index_select(0, tokens.rows.view(-1)).view(-1, n, d)
+        return (out if self.proj is None else self.proj(out)), rows
 
 
 class _ResidualMax(torch.autograd.Function):
@@ -215,29 +274,30 @@ class PredictorBlock(nn.Module):
         self.pool = pool
 
     def forward(
-        self, x: torch.Tensor, key_mask: torch.Tensor | None, captions: LayerCaptions | None, blocks_per_image: int
+        self,
+        x: torch.Tensor,
+        layout: TokenLayout | None,
+        captions: LayerCaptions | None,
+        tokens: TokenCaptions | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`x` `[B*M, T, d]` → the layer's output and (cross mode with captions) its cross-attention queries."""
-        x = x + self.attn(self.norm1(x), key_mask)
-        if self.cross is None or self.norm_cross is None or captions is None:
+        """`x` `[B*M, T, d]`, or packed `[P, d]` (`layout` packed) → the layer's output and (cross mode with captions)
+        its cross-attention queries `[B, M*T, d]`."""
+        x = x + self.attn(self.norm1(x), layout)
+        if self.cross is None or self.norm_cross is None or captions is None or tokens is None:
             return x + self.mlp(self.norm2(x)), None
-        p, t, d = x.shape
-        per_image = x.reshape(p // blocks_per_image, blocks_per_image * t, d)
-        out, queries = self.cross(self.norm_cross(per_image), captions)
-        return self.pool_captions(per_image, out, captions.valid).reshape(p, t, d), queries
+        flat = x.reshape(-1, x.shape[-1])  # [P, d]: the packed tokens, or every row's
+        out, queries = self.cross(self.norm_cross(flat), captions, tokens)
+        return self.pool_captions(flat, out, tokens).view_as(x), queries
 
-    def pool_captions(self, per_image: torch.Tensor, out: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Max over the present captions of `per_image` `[B, M*T, d]` + each caption's update `out` `[B, N, M*T, d]`
-        (and its MLP: after_mlp), or of the residual sums before one shared MLP (before_mlp)."""
-        out = out * valid[:, :, None, None].to(out.dtype)
-        # An image without captions keeps one "empty caption" (zero update): the unconditioned path.
-        pool_keep = valid.clone()
-        pool_keep[:, 0] |= ~valid.any(dim=1)
+    def pool_captions(self, x: torch.Tensor, out: torch.Tensor, tokens: TokenCaptions) -> torch.Tensor:
+        """Max over the present captions of `x` `[P, d]` + each caption's update `out` `[P, N, d]` (and its MLP:
+        after_mlp), or of the residual sums before one shared MLP (before_mlp)."""
+        out = out * tokens.valid[..., None].to(out.dtype)
         if self.pool == "after_mlp":
-            # per_image[:, None] + out, [B, N, M*T, d], summed in one float buffer
-            conditioned = out.to(torch.promote_types(out.dtype, per_image.dtype), copy=True).add_(per_image[:, None])
-            return residual_max(conditioned, self.mlp(self.norm2(conditioned)), pool_keep)
-        pooled = residual_max(per_image[:, None], out, pool_keep)
+            # x[:, None] + out, [P, N, d], summed in one float buffer
+            conditioned = out.to(torch.promote_types(out.dtype, x.dtype), copy=True).add_(x[:, None])
+            return residual_max(conditioned, self.mlp(self.norm2(conditioned)), tokens.keep)
+        pooled = residual_max(x[:, None], out, tokens.keep)
         return pooled + self.mlp(self.norm2(pooled))
 
 
@@ -308,18 +368,19 @@ class Predictor(nn.Module):
         context_idx: torch.Tensor,
         target_idx: torch.Tensor,
         text: TextBatch | None = None,
-        context_valid: torch.Tensor | None = None,
+        context_layout: TokenLayout | None = None,
     ) -> PredictorOutput:
         """`context` `[B, Lc, D]` at `context_idx` `[B, Lc]`; predicts `[B, M, Lt, D]` at `target_idx` `[B, M, Lt]`.
 
-        `context_valid` bool `[B, Lc]` marks real context patches (None: all are): padding is never attended to and
-        never counted by the regularisers. `text` None (or mode ``none``) predicts without captions: the no-text
-        control.
+        `context_layout` marks real context patches (None: all are): padding is never attended to and never counted
+        by the regularisers; packed, the predictor's sequences are packed too (their real tokens, back to back).
+        `text` None (or mode ``none``) predicts without captions: the no-text control.
         """
         b, m, lt = target_idx.shape
         lc = context_idx.shape[1]
+        context_valid = None if context_layout is None else context_layout.key_mask
         x, token_valid = self.sequences(context, context_idx, target_idx, context_valid)
-        key_mask = token_valid
+        layout = None if token_valid is None else TokenLayout(token_valid)
         use_text = text if self.conditioning != "none" else None
         if use_text is not None and self.text_embed is not None and self.text_type is not None:  # sequence mode
             words = self.text_embed(use_text.tokens) + self.text_type  # [B, N, S, w]
@@ -329,15 +390,27 @@ class Predictor(nn.Module):
             image_tokens = token_valid
             if image_tokens is None:
                 image_tokens = torch.ones(b * m, lc + lt, dtype=torch.bool, device=x.device)
-            key_mask = torch.cat([image_tokens, word_mask], dim=1)
+            layout = TokenLayout(torch.cat([image_tokens, word_mask], dim=1))
+        elif token_valid is not None and context_layout is not None and context_layout.slots is not None:
+            layout = TokenLayout.of(token_valid, m * (context_layout.slots.shape[0] + b * lt))
+            x = layout.pack(x)
         layers = self.cross(use_text) if use_text is not None and self.cross is not None else [None] * len(self.blocks)
+        tokens = None
+        if use_text is not None and self.cross is not None:
+            tokens = TokenCaptions.of(layout, use_text.valid, m * (lc + lt))
         queries = []
         for block, captions in zip(self.blocks, layers):
-            x, q = block(x, key_mask, captions, m)
+            x, q = block(x, layout, captions, tokens)
             if q is not None:
                 queries.append(q)
         keys = [captions.keys for captions in layers if captions is not None] if queries else []
-        out = self.proj(self.norm(x[:, lc : lc + lt]))
+        if layout is not None and layout.slots is not None:  # the target positions, among the packed tokens
+            sequence_starts = torch.arange(b * m, device=x.device)[:, None] * (lc + lt)
+            positions = sequence_starts + lc + torch.arange(lt, device=x.device)
+            targets = x.index_select(0, layout.ranks().index_select(0, positions.view(-1)))
+        else:
+            targets = x[:, lc : lc + lt]
+        out = self.proj(self.norm(targets))
         per_image_valid = None if token_valid is None else token_valid.reshape(b, m * (lc + lt))
         return PredictorOutput(out.view(b, m, lt, -1), queries, keys, per_image_valid)
 

@@ -30,6 +30,7 @@ from train.jepa import JEPA, ema_update
 from train.losses import EAGER_PASSES, RegulariserPasses, sigreg_directions
 from train.masks import padded_length
 from train.objective import StepLosses, compute_losses
+from train.packing import TokenLayout
 from train.predictor import TextBatch
 from train.vit import VisionTransformer
 
@@ -48,6 +49,8 @@ class DeviceBatch:
     tokens: torch.Tensor | None  # float16 [b, N, S, d_text]
     lengths: torch.Tensor | None  # int64 [b, N]
     images_with_text: int  # counted on the host: the regularisers' denominator
+    context_tokens: int  # real context patches, counted on the host: the packed length (`train.packing`)
+    words: int  # real caption words, counted on the host: the K/V projection's packed length
     replaced: int = 0  # rows whose JPEG no decoder could read (`--decode gpu`): another row's pixels, no captions
 
     def __len__(self) -> int:
@@ -77,6 +80,7 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
 
         unread = decode_on_device(images, batch.encoded)
     images_with_text = batch.images_with_text()
+    words = 0
     tokens = lengths = None
     if batch.tokens is not None and batch.lengths is not None:
         longest = padded_length(max(int(batch.lengths.max()) if batch.lengths.numel() else 0, 1))  # on the host
@@ -89,8 +93,10 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
             lengths,
             longest,
         )
+        words = int(batch.lengths.sum())
         if unread:  # the row's pixels are another image's: its captions would describe the wrong one
             images_with_text -= int((batch.lengths[unread].sum(dim=1) > 0).sum())
+            words -= int(batch.lengths[unread].sum())
             lengths = lengths.clone()  # on the CPU `move` hands back the host batch's own tensor
             lengths[unread] = 0
     return DeviceBatch(
@@ -101,6 +107,8 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
         tokens,
         lengths,
         images_with_text,
+        int(batch.context_lengths.sum()),
+        words,
         len(unread),
     )
 
@@ -198,7 +206,7 @@ def _ready(
 def without_captions(text: TextBatch) -> TextBatch:
     """The same batch with every caption marked missing: the unconditioned prediction, through the same graph (a
     compiled predictor is not traced again for text=None)."""
-    return TextBatch(text.tokens, torch.zeros_like(text.lengths))
+    return TextBatch(text.tokens, torch.zeros_like(text.lengths), words=0)
 
 
 @contextmanager
@@ -258,16 +266,17 @@ class TrainStep:
         tokens = mb.tokens.to(self.dtype)
         # A fresh tensor, not a view of the loader's: a compiled graph guards on whether its inputs are views, and
         # the shuffled and caption-less controls of validation are not.
-        return TextBatch(tokens, mb.lengths.clone())
+        return TextBatch(tokens, mb.lengths.clone(), mb.words)
 
     def losses(
         self, module: nn.Module, mb: DeviceBatch, text: TextBatch | None, directions: torch.Tensor | None = None
     ) -> StepLosses:
         """`mb`'s losses through `module` with captions `text` (the batch's own, shuffled ones, or none); with SIGReg's
         `directions`, its term too (training only: validation reports the prediction loss)."""
-        valid = None
+        layout = None
         if self.masked:
             valid = torch.arange(mb.context.shape[1], device=mb.context.device) < mb.context_lengths[:, None]
+            layout = TokenLayout.of(valid, mb.context_tokens)
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.cfg.bf16):
             return compute_losses(
                 module,
@@ -277,7 +286,7 @@ class TrainStep:
                 mb.targets,
                 text,
                 self.cfg,
-                valid,
+                layout,
                 directions,
                 self.regulariser_passes,
             )

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.choices import VIT_SIZES
+from train.packing import TokenLayout
 
 LN_EPS = 1e-6
 
@@ -73,13 +74,23 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`key_mask`: bool `[B, L]`, True where a token may be attended to (padding is False)."""
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(out.transpose(1, 2).reshape(b, n, d))
+    def forward(self, x: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
+        """`x` `[B, L, d]`, or packed `[T, d]` when `layout` has slots: the projections run on the real tokens alone
+        and attention on rows, where padding (`layout.key_mask` False) is never attended to."""
+        packed = layout is not None and layout.packed
+        qkv = self.qkv(x)
+        if packed:
+            assert layout is not None
+            qkv = layout.pad(qkv)
+        b, n, _ = qkv.shape
+        d = qkv.shape[-1] // 3
+        q, k, v = qkv.view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = None if layout is None else layout.key_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, d)
+        if packed:
+            assert layout is not None
+            out = layout.pack(out)
+        return self.proj(out)
 
 
 class Block(nn.Module):
@@ -92,8 +103,8 @@ class Block(nn.Module):
         self.norm2 = LayerNorm(dim, eps=LN_EPS)
         self.mlp = MLP(dim, int(dim * mlp_ratio))
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), key_mask)
+    def forward(self, x: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), layout)
         return x + self.mlp(self.norm2(x))
 
 
@@ -147,19 +158,25 @@ class VisionTransformer(nn.Module):
         return self.grid[0] * self.grid[1]
 
     def forward(
-        self, images: torch.Tensor, keep: torch.Tensor | None = None, keep_valid: torch.Tensor | None = None
+        self, images: torch.Tensor, keep: torch.Tensor | None = None, layout: TokenLayout | None = None
     ) -> torch.Tensor:
         """`images` `[B, 3, H, W]` → features `[B, L, width]`; `keep` `[B, L]` patch indices, or None for all.
 
-        `keep_valid` bool `[B, L]` marks the real entries of `keep` (None: all): padding is never attended to, so
-        each image's features depend only on its own context, however long the batch's longest is.
+        `layout` (of `[B, L]`) marks the real entries of `keep` when contexts are padded to one length: padding is
+        never attended to, so each image's features depend only on its own context, however long the batch's longest
+        is; a packed layout runs the blocks on the real tokens alone, and the padding's features are zeros.
         """
         x = self.patch_embed(images).flatten(2).transpose(1, 2) + self.pos_embed
-        if keep is not None:
+        if keep is not None and layout is not None and layout.packed:
+            b, patches, width = x.shape
+            rows = keep + torch.arange(b, device=keep.device)[:, None] * patches  # each kept patch's row in [B·P]
+            x = x.reshape(b * patches, width).index_select(0, layout.pack(rows))
+        elif keep is not None:
             x = torch.gather(x, 1, keep[..., None].expand(-1, -1, x.shape[-1]))
         for block in self.blocks:
-            x = block(x, keep_valid)
-        return self.norm(x)
+            x = block(x, layout)
+        x = self.norm(x)
+        return layout.pad(x) if layout is not None and layout.packed else x
 
 
 def build_vit(
