@@ -26,7 +26,8 @@ def test_a_compiled_run_recompiles_at_most_6_times_and_never_breaks_its_graph(
     grad, shuffled and caption-less controls), counted by TORCH_LOGS. Expected: the grad-mode variants (the target
     encoder and validation run without grad), the encoder block's two layouts (the context packed `[T, d]`, the
     target's whole images `[B, L, d]`), and on the CPU one size range of inductor's C++ reductions (a guard such as
-    `1025 <= x.size()[0] <= 4096` on the packed predictor tokens): 5 here. Not one per step."""
+    `1025 <= x.size()[0] <= 4096` on the packed predictor tokens): 5 here. Not one per step. The run's checkpoint is
+    the compiled model's (`--compile` through the CLI is tested here alone)."""
     run = tmp_path / "compiled"
     env = {**os.environ, "TORCH_LOGS": "recompiles,graph_breaks"}
     proc = tcjepa(
@@ -58,6 +59,7 @@ def test_a_compiled_run_recompiles_at_most_6_times_and_never_breaks_its_graph(
     assert [m["step"] for m in lines if "loss" in m] == [5, 10, 15, 20, 25, 30]
     assert [m["step"] for m in lines if "val_loss_predict" in m] == [10, 20, 30]
     assert lines[-1]["val_loss_predict"] < lines[0]["loss_predict"]
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 30
 
 
 @pytest.mark.slow

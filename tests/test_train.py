@@ -368,16 +368,6 @@ def test_help_config_lists_every_key():
 
 
 @pytest.mark.slow
-def test_compile_trains(tmp_path, synth_dir):
-    """`compile=true` wraps the trained module in torch.compile (inductor on CPU: about a minute here)."""
-    run = tmp_path / "compiled"
-    args = ["--conditioning", "none", "--steps", "2", "--set", "compile=true", "--set", "num_workers=0"]
-    out = tcjepa(*train_args(synth_dir / "images", None, None, run, *args))
-    assert json.loads(out.stdout.strip().splitlines()[-1])["step"] == 2
-    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 2
-
-
-@pytest.mark.slow
 def test_the_loop_reads_the_device_and_agrees_on_stops_only_where_it_logs_or_checkpoints(
     tmp_path, synth_dir, monkeypatch
 ):
