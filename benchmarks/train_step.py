@@ -302,7 +302,7 @@ def predictor_forward_flops(
             2 * q * w * w  # q
             + 2 * 2 * n * s * text_dim * w  # k, v
             + 2 * 2 * q_rows * n * s_rows * w  # scores and weighted sums, all N captions
-            + 2 * n * q * w * w  # proj, per caption
+            + (2 * n * q * w * w if cfg.conditioner == "mha" else 0)  # the output projection, per caption (`mha`)
         )
         extra_mlp = (n - 1) * 2 * q * w * 2 * mlp_hidden if mode.pool == "after_mlp" else 0
         parts["cross_attention"] = depth * cross

@@ -33,9 +33,11 @@ def test_pack_and_pad_are_inverse_on_the_real_tokens_and_pad_writes_zeros():
     assert layout.pack(torch.arange(9).view(3, 3)).tolist() == [0, 1, 3, 6, 7, 8]  # rows without features
 
 
-def test_a_count_that_cannot_fit_is_refused():
+def test_a_count_that_cannot_fit_is_refused_and_one_that_is_not_the_mask_s_is_caught():
     with pytest.raises(ValueError, match="7 real tokens cannot fit in a padded batch of \\(2, 3\\)"):
         TokenLayout.of(torch.ones(2, 3, dtype=torch.bool), 7)
+    with pytest.raises(RuntimeError, match="the host's token count is not the mask's"):
+        TokenLayout.of(torch.tensor([[True, False, False], [True, True, False]]), 4)
 
 
 def _contexts(g: torch.Generator, patches: int) -> tuple[torch.Tensor, torch.Tensor]:

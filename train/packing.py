@@ -35,6 +35,9 @@ class TokenLayout:
         count = int(valid.sum()) if tokens is None else tokens
         if not 0 <= count <= valid.numel():
             raise ValueError(f"{count} real tokens cannot fit in a padded batch of {tuple(valid.shape)}")
+        if tokens is not None:  # a wrong count would drop tokens or index out of range: checked where the mask is,
+            # without waiting for it (on CUDA a failed check stops the kernels that follow)
+            torch._assert_async(valid.sum() == count, "the host's token count is not the mask's")
         slots = torch.nonzero_static(valid.reshape(-1), size=count).squeeze(1)
         return cls(valid, slots)
 
