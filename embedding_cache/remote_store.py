@@ -33,7 +33,7 @@ from filelock import FileLock
 
 from embedding_cache.segment_check import verify_segment
 from embedding_cache.store import STAGING, EmbeddingStore, PublishResult, SegmentWriter, write_empty_root
-from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, requested
+from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, requested, root_arrays
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.garbage import GarbageReport, claimed, collect_garbage, is_claim
@@ -118,7 +118,7 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
                 )
         wanted = segments if only is None else [s for s in segments if s in only]
         (local / "segments").mkdir(exist_ok=True)
-        _fetch_root_arrays(url, fs, root, local)
+        _fetch_root_arrays(url, fs, root, local, json.loads(stored.data)["attributes"]["tcjepa"]["encoder"])
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
         doc = json.loads(stored.data)
@@ -352,7 +352,7 @@ def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -
         doc["attributes"]["tcjepa"]["segments"] = []
         atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
     fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
-    _fetch_root_arrays(url, fs, root, local)
+    _fetch_root_arrays(url, fs, root, local, remote_meta["encoder"])
     listed = EmbeddingStore(local).segment_ids()
     shutil.rmtree(local / FETCHING, ignore_errors=True)
     for segment in segments:
@@ -374,10 +374,18 @@ def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -
     shutil.rmtree(local / FETCHING, ignore_errors=True)
 
 
-def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path) -> None:
-    """Copy the root's fitted arrays (projection, channel scales), if any; readers check them against the recipe."""
-    for name in ROOT_ARRAYS:
-        fetch_tree(url, fs, f"{root}/{name}", local / name)
+def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path, recipe: dict[str, Any]) -> None:
+    """Copy the fitted arrays `recipe` names (projection, channel scales) once: they never change after the store is
+    made, so a sync that finds them here asks nothing about them. (Listing them on every sync was 6 of ~11 requests
+    per try of a writer that lost a race for its log entry.) Each arrives whole, renamed into place; readers check
+    them against the recipe's sha256s."""
+    for name in root_arrays(recipe):
+        if (local / name).exists():
+            continue
+        partial = local / STAGING / name
+        shutil.rmtree(partial, ignore_errors=True)
+        fetch_tree(url, fs, f"{root}/{name}", partial)
+        partial.rename(local / name)
 
 
 def _keys_mirror(url: str, fs: Any, root: str, objects: ObjectRoot, mirror: Path | None) -> Path:

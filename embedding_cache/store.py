@@ -45,7 +45,15 @@ from filelock import FileLock
 
 from embedding_cache.codec import bytes_per_token
 from embedding_cache.plain_arrays import read_plain_array
-from embedding_cache.transform import ROOT_ARRAYS, StoreTransform, array_sha256, codec_of, is_fitted, requested
+from embedding_cache.transform import (
+    ROOT_ARRAYS,
+    StoreTransform,
+    array_sha256,
+    codec_of,
+    is_fitted,
+    requested,
+    root_arrays,
+)
 from pipeline.core.digests import DigestIndex
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import fsync_dir, pid_alive
@@ -111,7 +119,7 @@ def write_empty_root(
     arrays of `transform` (which a recipe that names them needs)."""
     import zarr
 
-    if needs_root_arrays(encoder) and transform is None:
+    if root_arrays(encoder) and transform is None:
         raise ValueError("this encoder recipe records fitted arrays: pass the transform that holds them")
     root = zarr.open_group(str(directory), mode="w", zarr_format=3)
     root.create_group("segments")
@@ -131,10 +139,6 @@ def payload_bytes(codec: str, width: int, tokens: int, captions: int) -> int:
     """Bytes a store's arrays take for `tokens` token vectors of `captions` captions (what a dry run projects;
     on disk a few KiB of metadata per segment come on top)."""
     return tokens * bytes_per_token(codec, width) + captions * (8 + KEY_BYTES)
-
-
-def needs_root_arrays(encoder: dict[str, Any]) -> bool:
-    return "projection" in encoder or bool((encoder.get("int8") or {}).get("channel_scales_sha256"))
 
 
 def _attrs(group: Any) -> dict[str, Any]:

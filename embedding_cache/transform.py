@@ -41,6 +41,16 @@ def codec_of(recipe: dict[str, Any]) -> str:
     return str(recipe.get("storage_dtype", "float16"))
 
 
+def root_arrays(recipe: dict[str, Any]) -> tuple[str, ...]:
+    """The fitted arrays (of `ROOT_ARRAYS`) that a store of this recipe keeps in its root."""
+    int8 = recipe.get("int8") or {}
+    return tuple(
+        name
+        for name, needed in zip(ROOT_ARRAYS, ("projection" in recipe, bool(int8.get("channel_scales_sha256"))))
+        if needed
+    )
+
+
 def needs_fit(recipe: dict[str, Any]) -> bool:
     """Whether a store of this recipe is made only after fitting on a sample (a projection, or int8's scaling)."""
     return "projection" in recipe or codec_of(recipe) == "int8"

@@ -490,9 +490,12 @@ def test_a_missing_bucket_is_named_in_one_line_by_readers_and_writers(tmp_path, 
     assert proc.returncode == 2 and "is not a caption cache (no CACHE.json)" in proc.stderr, "the bucket is there"
 
 
-def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(tmp_path, s3, annotated_cache, tiny_models):
+def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(
+    tmp_path, s3, annotated_cache, tiny_models, monkeypatch
+):
     """The projection and channel scales go up with the root, come down with every mirror (keys mirror included, for
-    a resumed writer) and are checked there; the vectors equal a local store's of the same recipe."""
+    a resumed writer) once, and are checked there; the vectors equal a local store's of the same recipe."""
+    from embedding_cache import remote_store
     from embedding_cache.reader import EmbeddingReader
     from embedding_cache.remote_store import mirror_store_keys
     from embedding_cache.store import EmbeddingStore
@@ -508,6 +511,11 @@ def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(tmp_path, s3, ann
     keys = mirror_store_keys(url, tmp_path / "keys")
     assert (keys / "projection" / "mean" / "zarr.json").exists()
     assert EmbeddingStore(keys).transform.projection is not None
+    listed: list[str] = []
+    fetch_tree = remote_store.fetch_tree
+    monkeypatch.setattr(remote_store, "fetch_tree", lambda *a: listed.append(a[2]) or fetch_tree(*a))
+    mirror_store_keys(url, tmp_path / "keys")
+    assert listed == [], "a sync with nothing new published lists nothing, fitted arrays included"
 
     tcjepa("embed", "--store", tmp_path / "local", *args, *small)
     local, mirrored = EmbeddingStore(tmp_path / "local"), EmbeddingStore(mirror_store(url, tmp_path / "reader"))
