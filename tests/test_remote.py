@@ -490,9 +490,7 @@ def test_a_missing_bucket_is_named_in_one_line_by_readers_and_writers(tmp_path, 
     assert proc.returncode == 2 and "is not a caption cache (no CACHE.json)" in proc.stderr, "the bucket is there"
 
 
-def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(
-    tmp_path, s3, annotated_cache, tiny_models, monkeypatch
-):
+def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(tmp_path, s3, annotated_cache, tiny_models, monkeypatch):
     """The projection and channel scales go up with the root, come down with every mirror (keys mirror included, for
     a resumed writer) once, and are checked there; the vectors equal a local store's of the same recipe."""
     from embedding_cache import remote_store
