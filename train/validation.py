@@ -87,7 +87,10 @@ def _shuffled(data: StepBatches, ids: np.ndarray, part: Chunk, step: TrainStep, 
     assert first is not None, "the images before and in a chunk come from the same dataset"
     longest = max(first.tokens.shape[2], text.tokens.shape[2])
     tokens = [F.pad(t, (0, 0, 0, longest - t.shape[2])) for t in (first.tokens, text.tokens[:-1])]
-    return TextBatch(torch.cat(tokens), torch.cat([first.lengths, text.lengths[:-1]]))
+    lengths = torch.cat([first.lengths, text.lengths[:-1]])
+    # counted for the packed K/V projection as the step counts its own (one sync a chunk, in validation alone)
+    words = None if first.words is None or text.words is None else int(lengths.sum())
+    return TextBatch(torch.cat(tokens), lengths, words)
 
 
 @torch.no_grad()
