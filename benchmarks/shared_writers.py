@@ -12,7 +12,8 @@ random running writer (SIGKILL) every `--kill-every` seconds on average and rest
 Afterwards, checked against what an uninterrupted run publishes (every row and vector is a function of its writer
 and commit, so that is known without running it): every caption row and every key once, each vector equal; `cache
 verify` and `store verify` pass on fresh mirrors; gc at grace 0 finds what the kills left (uploads no log entry
-names), frees it with --delete, and the cache and store then verify and hold the same again. Prints one JSON line.
+names), frees it with --delete, and the cache and store then verify and hold the same again. Prints one JSON line,
+with the requests the writers made (by kind, and per commit pair: what a commit costs, lost races included).
 
   python -m benchmarks.shared_writers --writers 8 --commits 500
 """
@@ -20,10 +21,13 @@ names), frees it with --delete, and the cache and store then verify and hold the
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
+import logging
 import multiprocessing
 import os
 import random
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -220,6 +224,23 @@ def collect(urls: tuple[str, str], delete: bool) -> dict[str, Any]:
     }
 
 
+class RequestCounter(logging.Handler):
+    """The requests moto's server answers, by kind: werkzeug logs one line for each (which then no longer reach
+    stderr). A listing is a GET with `list-type`; a conditional put is a PUT, won or lost."""
+
+    LINE = re.compile(r'"(?:\x1b\[[0-9;]*m)?([A-Z]+) (\S+)')
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = self.LINE.search(record.getMessage())
+        if line is not None:
+            method, path = line.groups()
+            self.counts["list" if method == "GET" and "list-type=" in path else method.lower()] += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--writers", type=int, default=8)
@@ -232,6 +253,11 @@ def main() -> None:
 
     from moto.server import ThreadedMotoServer
 
+    counter = RequestCounter()
+    werkzeug = logging.getLogger("werkzeug")
+    werkzeug.addHandler(counter)
+    werkzeug.setLevel(logging.INFO)
+    werkzeug.propagate = False
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -248,7 +274,9 @@ def main() -> None:
         urls = (f"s3://{BUCKET}/cache", f"s3://{BUCKET}/store")
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
+            counter.counts.clear()
             written = run_writers(args, urls, work)
+            requests = dict(counter.counts)
             after_writers = check(args, urls, work, "reader")
             found = collect(urls, delete=False)
             freed = collect(urls, delete=True)
@@ -264,6 +292,9 @@ def main() -> None:
             "captions_per_commit": args.captions + 1,
             **written,
             "commit_pairs_per_s": round(commits / written["writers_s"], 2),
+            # what the writers asked of the server, kills and lost races included: a commit pair is two log entries
+            "requests": requests,
+            "requests_per_commit_pair": round(sum(requests.values()) / commits, 1),
             "after_writers": after_writers,
             "gc_dry_run": found,
             "gc_delete": freed,

@@ -119,3 +119,5 @@ def test_writers_killed_at_random_into_one_s3_cache_and_store_lose_and_repeat_no
     freed = result["gc_delete"]
     assert (freed["cache_deleted"], freed["store_deleted"]) == (freed["cache_found"], freed["store_found"])
     assert result["gc_left"]["cache_found"] == result["gc_left"]["store_found"] == 0 and result["same_after_gc"]
+    # each commit pair puts at least a cache shard, a segment's arrays and two log entries: the server's count sees them
+    assert result["requests"]["put"] >= 4 * 3 * 8 and result["requests"]["list"] > 0, result["requests"]
