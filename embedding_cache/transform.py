@@ -43,12 +43,11 @@ def codec_of(recipe: dict[str, Any]) -> str:
 
 def root_arrays(recipe: dict[str, Any]) -> tuple[str, ...]:
     """The fitted arrays (of `ROOT_ARRAYS`) that a store of this recipe keeps in its root."""
-    int8 = recipe.get("int8") or {}
-    return tuple(
-        name
-        for name, needed in zip(ROOT_ARRAYS, ("projection" in recipe, bool(int8.get("channel_scales_sha256"))))
-        if needed
-    )
+    needed = {
+        "projection": "projection" in recipe,
+        "channel_scales": bool((recipe.get("int8") or {}).get("channel_scales_sha256")),
+    }
+    return tuple(name for name in ROOT_ARRAYS if needed[name])
 
 
 def needs_fit(recipe: dict[str, Any]) -> bool:

@@ -95,7 +95,12 @@ def test_the_position_share_is_the_variance_the_position_means_explain():
     assert position_share(flat.T @ flat, noise.sum(0), 2000) < 0.01
 
 
-def test_figures_in_chunks_are_those_of_one_batch(synth_dir, annotated_cache, vector_store):
+def test_figures_in_chunks_are_those_of_one_batch(synth_dir, annotated_cache, vector_store, monkeypatch):
+    from train import validation
+
+    shuffled: list = []
+    make_shuffled = validation._shuffled
+    monkeypatch.setattr(validation, "_shuffled", lambda *a: shuffled.append(make_shuffled(*a)) or shuffled[-1])
     index = build_index([synth_dir / "images"], annotated_cache, vector_store, [], progress=False)
     cfg = _config(
         str(synth_dir / "images"), str(annotated_cache), str(vector_store), 32, image_size=32, batch_size=4, seed=1
@@ -132,6 +137,8 @@ def test_figures_in_chunks_are_those_of_one_batch(synth_dir, annotated_cache, ve
     assert whole["val_loss_predict_shuffled"] != pytest.approx(whole["val_loss_predict"], rel=1e-6)
     again = validate_in_chunks(step, target, data, ids, len(ids), 0, 1)
     assert again.pop("val_cosine_quantiles") == quantiles and again == whole, "deterministic"
+    # the shuffled control counts its words, so its caption K/V projection runs on real words alone, as a step's
+    assert shuffled and all(text.words == int(text.lengths.sum()) for text in shuffled)
 
 
 def test_the_position_only_floor_and_the_centred_rank_see_what_position_explains(
