@@ -8,7 +8,9 @@ measures, `--repeats` times (the median counts; the machine is shared):
   index_build_s   rank 0 builds the run index (join, every caption resolved to its span) and saves it, the tar
                   shards' listings remembered from an earlier run; of that, listing_us_per_image is the listing of
                   the images, and join_us_per_caption the rest; first_listing_us_per_image lists with nothing
-                  remembered (every tar header parsed), as a first run on the images does (measured once a size)
+                  remembered (every tar header parsed), as a first run on the images does (measured once a size);
+                  its CPU time per caption, in user space and in the kernel (first touches of fresh memory), and the
+                  resident memory it added at its peak
   worker_open_s   a DataLoader worker, from the loader's start until its first batch is made: the worker process's
                   start (worker_start_s, a fork of the parent) and its first batch (worker_first_batch_s)
   worker_rss_mb   that worker's resident memory after `--batches` batches, and its private part (what the worker
@@ -206,18 +208,47 @@ def first_listing_s(images: Path) -> float:
     return time.perf_counter() - tick
 
 
-def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> tuple[float, float]:
-    """Seconds for rank 0 to build the run index and save it, the images' tar listings remembered by an earlier run
-    (`first_listing_s`); and, of those, the listing's."""
+def _resident_mb(field: str) -> float:
+    """`VmRSS` (now) or `VmHWM` (the peak since `_reset_peak`) of this process, in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak() -> None:
+    """Start this process's peak resident memory (`VmHWM`) again from its current size (Linux: clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def index_build_s(images: Path, cache: Path, store: Path, run: Path) -> dict[str, float]:
+    """Rank 0 builds the run index and saves it, the images' tar listings remembered by an earlier run
+    (`first_listing_s`): seconds (`s`), and of those the listing's (`listing_s`); the CPU seconds of every thread in
+    user space and in the kernel (`user_s`, `system_s`: the kernel's share is mostly first touches of fresh memory,
+    whose cost is the machine's: a virtual machine that hands freed memory back to its host pays for every first
+    touch again; docs/development.md); and how far the process's resident memory rose at its peak (`peak_mb`)."""
+    import resource
+
     from pipeline.core.sources import list_images
     from train.data_index import build_index
 
     tick = time.perf_counter()
     list_images([images])
     listing = time.perf_counter() - tick
+    _reset_peak()
+    resident = _resident_mb("VmRSS")
+    before = resource.getrusage(resource.RUSAGE_SELF)
     tick = time.perf_counter()
     build_index([images], cache, store, [], progress=False, verify_sample=16).save(run / "index.parquet")
-    return time.perf_counter() - tick, listing
+    seconds = time.perf_counter() - tick
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "s": seconds,
+        "listing_s": listing,
+        "user_s": after.ru_utime - before.ru_utime,
+        "system_s": after.ru_stime - before.ru_stime,
+        "peak_mb": _resident_mb("VmHWM") - resident,
+    }
 
 
 def worker_probe(images: Path, cache: Path, store: Path, batches: int, run: Path) -> Any:
@@ -256,7 +287,7 @@ def worker_run(probe: Any) -> dict[str, float]:
 
 
 def summary(
-    probe: Any, first: float, builds: list[tuple[float, float]], workers: list[dict[str, float]]
+    probe: Any, first: float, builds: list[dict[str, float]], workers: list[dict[str, float]]
 ) -> dict[str, Any]:
     index = probe.data.index
     spans = index.caption_spans
@@ -267,7 +298,9 @@ def summary(
     def median(key: str) -> float:
         return statistics.median(w[key] for w in workers)
 
-    build, listing = (statistics.median(b[k] for b in builds) for k in range(2))
+    build, listing, user, system, peak = (
+        statistics.median(b[k] for b in builds) for k in ("s", "listing_s", "user_s", "system_s", "peak_mb")
+    )
 
     return {
         "captions": n,
@@ -279,6 +312,10 @@ def summary(
         "join_us_per_caption": round(1e6 * (build - listing) / n, 3),  # the rest: cache, store, join, save
         "first_listing_us_per_image": round(1e6 * first / len(index), 3),  # nothing remembered: tarfile; once
         "first_index_build_us_per_caption": round(1e6 * (build - listing + first) / n, 3),  # a first run's
+        "index_build_user_cpu_us_per_caption": round(1e6 * user / n, 3),  # every thread's CPU time, in user space
+        "index_build_system_cpu_us_per_caption": round(1e6 * system / n, 3),  # and in the kernel
+        "index_build_peak_mb": round(peak, 1),  # resident memory the build added at its peak
+        "index_build_peak_bytes_per_caption": round(peak * 2**20 / n, 1),
         "worker_open_s": round(median("open_s"), 4),
         "worker_open_us_per_caption": round(1e6 * median("open_s") / n, 3),
         "worker_start_s": round(median("start_s"), 4),  # of worker_open_s: the process's start, until the dataset
@@ -321,7 +358,7 @@ def main() -> None:
             firsts.append(first_listing_s(run[0]))  # once: ~1 minute at 10⁷ captions
             index_build_s(*sizes[-1][:3], sizes[-1][3] / "run")  # warms imports and the page cache; not counted
         # The sizes take turns, so that whatever else the machine does weighs on both alike.
-        builds: list[list[tuple[float, float]]] = [[], []]
+        builds: list[list[dict[str, float]]] = [[], []]
         for _ in range(args.repeats):
             for k, (images, cache, store, root) in enumerate(sizes):
                 builds[k].append(index_build_s(images, cache, store, root / "run"))
@@ -349,6 +386,9 @@ def main() -> None:
             "shard_images": args.shard_images,
             "index_build_per_caption_ratio": round(
                 large["index_build_us_per_caption"] / small["index_build_us_per_caption"], 3
+            ),
+            "index_build_user_cpu_ratio": round(
+                large["index_build_user_cpu_us_per_caption"] / small["index_build_user_cpu_us_per_caption"], 3
             ),
             "worker_open_ratio": round(large["worker_open_s"] / small["worker_open_s"], 3),
             "worker_rss_growth_mb": round(large["worker_rss_mb"] - small["worker_rss_mb"], 1),

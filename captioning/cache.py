@@ -46,6 +46,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from filelock import FileLock
 
+from pipeline.core.devices import usable_cpus
 from pipeline.core.digests import DigestIndex, first_occurrence
 from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes, fsync_dir, fsync_file
@@ -269,17 +270,23 @@ class CaptionCache:
         """Paths of every published caption shard, for ``datasets.load_dataset("parquet", data_files=...)``."""
         return [str(self.root / "captions" / f"{s}.parquet") for s in self.shard_ids()]
 
-    def read_captions(self, columns: list[str] | None = None, recipes: list[str] | None = None) -> pa.Table:
-        """All published captions (optionally some columns, some recipes) as one table."""
-        return _retry_if_compacted(lambda: self._read_captions(columns, recipes))
+    def read_captions(
+        self, columns: list[str] | None = None, recipes: list[str] | None = None, dictionary: list[str] | None = None
+    ) -> pa.Table:
+        """All published captions (optionally some columns, some recipes) as one table; the `dictionary` columns
+        dictionary-encoded as read (Parquet's own dictionary pages): a column whose values repeat (recipe, image_sha256,
+        source_id) then costs an index per row, not a string."""
+        return _retry_if_compacted(lambda: self._read_captions(columns, recipes, dictionary))
 
-    def _read_captions(self, columns: list[str] | None, recipes: list[str] | None) -> pa.Table:
+    def _read_captions(
+        self, columns: list[str] | None, recipes: list[str] | None, dictionary: list[str] | None
+    ) -> pa.Table:
         wanted = (
             None if columns is None else list(dict.fromkeys([*columns, *(["recipe"] if recipes is not None else [])]))
         )
 
         def read(path: str) -> pa.Table:
-            table = pq.read_table(path, columns=wanted)
+            table = pq.read_table(path, columns=wanted, read_dictionary=dictionary)
             if recipes is not None:
                 table = table.filter(pc.is_in(table.column("recipe"), value_set=pa.array(recipes, pa.string())))
             return table if columns is None else table.select(columns)
@@ -485,7 +492,7 @@ COMPACTION_PATIENCE_S = 300.0  # how long a read keeps re-listing while a compac
 
 
 P = TypeVar("P", str, Path)
-READ_THREADS = min(16, os.cpu_count() or 1)  # shards read at once (a cache of 10⁷ captions has thousands)
+READ_THREADS = min(16, usable_cpus())  # shards read at once (a cache of 10⁷ captions has thousands)
 
 
 def read_each(paths: Sequence[P], read: Callable[[P], pa.Table]) -> list[pa.Table]:

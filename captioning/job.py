@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -27,6 +26,7 @@ from captioning.prompts import Prompt, load_prompts, samples_per_prompt
 from captioning.ray_executor import caption_on_ray
 from captioning.remote_cache import open_cache_for_writing
 from captioning.work import SEED_POLICY, CaptionConfig, CaptionReport, caption_images, in_shard, make_engine
+from pipeline.core.devices import usable_cpus
 from pipeline.core.errors import UserError
 from pipeline.core.images import ImagePolicy, decode
 from pipeline.core.model_identity import load_config, model_identity
@@ -39,7 +39,7 @@ def default_decode_workers() -> int:
     CPU workers keep every core busy and extra processes only slow generation down (measured)."""
     import torch
 
-    return min(8, max((os.cpu_count() or 2) // 2, 1)) if torch.cuda.is_available() else 0
+    return min(8, max(usable_cpus() // 2, 1)) if torch.cuda.is_available() else 0
 
 
 def parse_shard(spec: str) -> tuple[int, int]:

@@ -62,6 +62,8 @@ def test_the_startup_benchmark_reports_the_keys_the_issue_names():
     )
     keys = {"captions", "segments", "index_build_s", "worker_open_s", "worker_rss_mb", "open_files"}
     assert keys <= set(result) and result["captions"] >= 200
+    assert result["index_build_user_cpu_us_per_caption"] > 0 and result["index_build_user_cpu_ratio"] > 0
+    assert result["index_build_system_cpu_us_per_caption"] >= 0 and result["index_build_peak_mb"] >= 0
 
 
 def test_the_publish_log_benchmark_counts_the_same_requests_at_both_sizes():

@@ -102,3 +102,36 @@ def test_digest_index_tells_digests_that_share_their_first_8_bytes_apart_and_kee
     other = twins.copy()
     other[:, 9] = 99  # prefix present, digest absent
     assert not index.contains(other).any() and len(index) == 2 + 40 * 50 + 4
+
+
+def test_a_large_lookup_runs_in_parts_on_several_threads_and_finds_what_one_thread_finds(monkeypatch):
+    """Keys present, absent, repeated in the query and sharing a 64-bit prefix, split into parts (a few keys a part
+    here): each part on a lookup thread, and the answer the same as one thread's, in the query's order."""
+    import threading
+
+    from pipeline.core import digests
+
+    rng = np.random.default_rng(1)
+    stored = rng.integers(0, 256, size=(3000, 32), dtype=np.uint8)
+    stored[1, :8] = stored[0, :8]  # a prefix twin
+    index = DigestIndex()
+    for part in np.array_split(np.arange(len(stored)), 7):
+        index.add(stored[part], part + 100)
+    absent = rng.integers(0, 256, size=(500, 32), dtype=np.uint8)
+    absent[0, :8] = stored[0, :8]  # its prefix stored, not its digest
+    query = np.concatenate([stored, absent, stored[::-3]])[rng.permutation(3000 + 500 + 1000)]
+    expected = {bytes(k[:16]): i + 100 for i, k in enumerate(stored)}
+    want = [expected.get(bytes(k[:16]), -1) for k in query]
+    assert index.lookup(query).tolist() == want, "one thread"
+
+    threads: list[str] = []
+    one_part = DigestIndex._lookup
+    monkeypatch.setattr(digests, "KEYS_PER_LOOKUP_THREAD", 1000)
+    monkeypatch.setattr(digests, "usable_cpus", lambda: 3)
+    monkeypatch.setattr(
+        DigestIndex,
+        "_lookup",
+        lambda self, keys: threads.append(threading.current_thread().name) or one_part(self, keys),
+    )
+    assert index.lookup(query).tolist() == want
+    assert len(threads) == 3 and all(name.startswith("tcjepa-lookup") for name in threads), threads

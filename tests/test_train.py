@@ -202,7 +202,8 @@ def test_a_first_run_on_a_small_folder_chooses_its_settings_and_a_corrected_retr
     """20 images at the default settings, patch 16 on 64 px: a validation set of 10%, a min_context scaled to the
     4×4 grid and loader workers from this machine's CPUs, each said in one line; an explicit impossible value is
     refused in one line and leaves no config, so the corrected command runs into the same --out."""
-    from train.config import automatic_num_workers, usable_cpus
+    from pipeline.core.devices import usable_cpus
+    from train.config import automatic_num_workers
 
     run = tmp_path / "run"
     small = ["train", twenty_images, "--out", run, *FIRST_RUN, "--patch-size", "16", "--image-size", "64"]

@@ -424,3 +424,37 @@ def test_first_of_each_pair_keeps_the_first_row_of_every_image_and_key(shared_pr
             expected.append(i)
     got = first_of_each_pair(image, head)
     np.testing.assert_array_equal(got, expected)
+
+
+def test_the_cache_s_repeated_strings_are_read_as_codes_into_one_dictionary(tmp_path):
+    """Shards whose Parquet dictionaries differ (an image captioned in two shards, in another order; failures naming
+    one captioned image and one not), one shard past Parquet's dictionary page limit, so its later pages are plainly
+    encoded: the repeated columns arrive as codes, and every row's code, captions then failures, names its own
+    image sha256 in the one dictionary the join uses."""
+    from captioning.cache import caption_row
+    from train.data_index import _CacheRows, _RecordedSha256
+
+    cache = CaptionCache.open_or_create(tmp_path / "cache")
+    first, second = cache.add_recipe({"kind": "test", "n": 1}), cache.add_recipe({"kind": "test", "n": 2})
+    many = 17_000  # 64-character sha256s: past the 1 MiB dictionary page
+    cache.commit([caption_row(f"{i:064x}", f"img{i}.png", first, "p0", 0, f"caption {i}", "stop") for i in range(many)])
+    cache.commit(
+        [
+            caption_row(f"{i:064x}", f"img{i}.png", second, "p1", s, f"other {i} {s}", "stop")
+            for i in (7, 3, 5)
+            for s in (0, 1)
+        ],
+        [
+            {"image_sha256": f"{3:064x}", "source_id": "img3.png", "recipe": second, "reason": "too small"},
+            {"image_sha256": f"{many + 1:064x}", "source_id": "gone.png", "recipe": second, "reason": "unreadable"},
+        ],
+    )
+    rows = _CacheRows.read(cache)
+    assert all(pa.types.is_dictionary(rows.captions.schema.field(name).type) for name in _CacheRows.REPEATED)
+    plain = cache.read_captions(columns=["image_sha256", "source_id"])
+    want = plain.column("image_sha256").to_pylist() + rows.failures.column("image_sha256").to_pylist()
+    assert len(rows.shas) == many + 1 and rows.shas.take(pa.array(rows.sha)).to_pylist() == want
+    recorded = _RecordedSha256.of(rows).of_listed(
+        pa.array(["img3.png", "img7.png", "gone.png", "img9999.png", "new.png"])
+    )
+    assert recorded.to_pylist() == [f"{3:064x}", f"{7:064x}", f"{many + 1:064x}", f"{9999:064x}", None]

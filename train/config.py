@@ -619,11 +619,6 @@ def automatic_min_context(grid_side: int) -> int:
     return max(1, round(REFERENCE_MIN_CONTEXT * grid_side * grid_side / REFERENCE_GRID_PATCHES))
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, which Slurm and containers set), else all of them."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def automatic_num_workers(cpus: int, ranks_on_node: int) -> int:
     """DataLoader workers per rank: the node's `cpus` shared among its ranks, one kept for each rank's own thread
     (the step, and the host side of a GPU's), at most MAX_LOADER_WORKERS; 0 (loading in the training process) when

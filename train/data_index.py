@@ -308,19 +308,23 @@ def _hex_bytes(column: pa.Array | pa.ChunkedArray, width: int, what: str) -> np.
 
 @dataclass
 class _CacheRows:
-    """The cache's captions (every recipe) and its failure records that name an image, read once, with their
-    image_sha256 dictionary-encoded once for both uses: the source id → sha256 record and the captions' grouping by
-    image (each a pass over 10⁷ strings at ImageNet-21k scale)."""
+    """The cache's captions (every recipe) and its failure records that name an image, read once, their repeated
+    strings (source_id, image_sha256, recipe, prompt_id) read dictionary-encoded, and image_sha256 coded once for
+    both uses: the source id → sha256 record and the captions' grouping by image. At 10⁷ captions the strings as
+    rows would be 2.5 GB on rank 0, and each pass over them a pass over every row (at ImageNet-21k scale, 10⁸)."""
 
     captions: pa.Table  # source_id, image_sha256, recipe, prompt_id, sample, text_sha256
     failures: pa.Table
-    shas: pa.Array  # the distinct image sha256s (hex), first seen first
+    shas: pa.Array  # the distinct image sha256s (hex)
     sha: np.ndarray  # int64: each row's position in `shas`, the captions' rows then the failures'
+
+    REPEATED = ["source_id", "image_sha256", "recipe", "prompt_id"]
 
     @classmethod
     def read(cls, cache: CaptionCache) -> _CacheRows:
         captions = cache.read_captions(
-            columns=["source_id", "image_sha256", "recipe", "prompt_id", "sample", "text_sha256"]
+            columns=["source_id", "image_sha256", "recipe", "prompt_id", "sample", "text_sha256"],
+            dictionary=cls.REPEATED,
         )
         failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256")))
         shas, sha = cls.encoded(captions, failures, "image_sha256")
@@ -328,31 +332,50 @@ class _CacheRows:
 
     @staticmethod
     def encoded(captions: pa.Table, failures: pa.Table, name: str) -> tuple[pa.Array, np.ndarray]:
-        """Column `name` of the captions then the failures, dictionary-encoded in one hashing pass: (distinct values,
-        first seen first; int64 code of each row). Encoded chunk by chunk, all chunks sharing the final
-        dictionary: no copy of the strings into one array."""
-        encoded = pa.chunked_array(captions.column(name).chunks + failures.column(name).chunks, pa.string())
-        encoded = encoded.dictionary_encode()
-        if not encoded.num_chunks:
+        """Column `name` of the captions then the failures as codes into one dictionary: (distinct values; int64 code
+        of each row). Each chunk's own dictionary (a shard's distinct values, as read) is unified with the others',
+        so a value is hashed once a shard, not once a row, and no string is copied into one array."""
+        chunks = captions.column(name).chunks + failures.column(name).chunks
+        if not chunks:
             return pa.array([], pa.string()), np.zeros(0, dtype=np.int64)
-        codes = [chunk.indices.to_numpy().astype(np.int64) for chunk in encoded.chunks]
-        return encoded.chunks[-1].dictionary, np.concatenate(codes)
+        coded = pa.dictionary(pa.int32(), pa.string())
+        unified = pa.chunked_array(
+            [
+                chunk.cast(coded) if pa.types.is_dictionary(chunk.type) else chunk.dictionary_encode()
+                for chunk in chunks
+            ],
+            coded,
+        ).unify_dictionaries()
+        codes = [chunk.indices.to_numpy().astype(np.int64) for chunk in unified.chunks]
+        return unified.chunks[0].dictionary, np.concatenate(codes)
 
 
-def _recorded_sha256(rows: _CacheRows, source_ids: pa.Array) -> pa.Array:
-    """Per listed image, the sha256 (hex) the cache recorded for its source id (any recipe, captions or failures),
-    null where none is or it is ambiguous: more than one sha256 for the id in the cache, or more than one listed
-    image with that id. Both columns as dictionary codes; an id is ambiguous when one of its rows differs from the
-    sha256 one of them left in a table indexed by id: no sort, no group-by over strings."""
-    ids, sid = _CacheRows.encoded(rows.captions, rows.failures, "source_id")
-    recorded = np.full(len(ids), -1, dtype=np.int64)  # the id's one sha256, -1: none or several
-    recorded[sid] = rows.sha  # one of each id's rows wins
-    recorded[sid[rows.sha != recorded[sid]]] = -1
-    at = pc.index_in(source_ids, value_set=ids).fill_null(-1).to_numpy()
-    code = np.where(at >= 0, recorded[np.maximum(at, 0)], -1)
-    listed = source_ids.dictionary_encode().indices.to_numpy()
-    code[np.bincount(listed)[listed] > 1] = -1
-    return rows.shas.take(pa.array(np.maximum(code, 0), mask=code < 0)).cast(pa.string())
+@dataclass
+class _RecordedSha256:
+    """The sha256 (hex) the cache recorded for each source id (any recipe, captions or failures), none where it
+    recorded more than one. Ids and sha256s as dictionary codes; an id is ambiguous when one of its rows differs from
+    the sha256 one of them left in a table indexed by id: no sort, no group-by over strings."""
+
+    ids: pa.Array  # the distinct source ids
+    sha: np.ndarray  # int64: each id's one sha256, a position in `shas`; -1: several
+    shas: pa.Array
+
+    @classmethod
+    def of(cls, rows: _CacheRows) -> _RecordedSha256:
+        ids, sid = _CacheRows.encoded(rows.captions, rows.failures, "source_id")
+        sha = np.full(len(ids), -1, dtype=np.int64)
+        sha[sid] = rows.sha  # one of each id's rows wins
+        sha[sid[rows.sha != sha[sid]]] = -1
+        return cls(ids, sha, rows.shas)
+
+    def of_listed(self, source_ids: pa.Array) -> pa.Array:
+        """Per listed image, its id's sha256, null where there is none, it is ambiguous, or more than one listed
+        image has that id."""
+        at = pc.index_in(source_ids, value_set=self.ids).fill_null(-1).to_numpy()
+        code = np.where(at >= 0, self.sha[np.maximum(at, 0)], -1)
+        listed = source_ids.dictionary_encode().indices.to_numpy()
+        code[np.bincount(listed)[listed] > 1] = -1
+        return self.shas.take(pa.array(np.maximum(code, 0), mask=code < 0)).cast(pa.string())
 
 
 def _image_sha256(refs: Sequence[ImageRef], recorded: pa.Array, verify_sample: int, progress: bool) -> pa.Array:
@@ -380,10 +403,16 @@ def _image_sha256(refs: Sequence[ImageRef], recorded: pa.Array, verify_sample: i
     return pc.replace_with_mask(recorded, pa.array(mask), values)
 
 
+def _distinct(column: pa.ChunkedArray) -> pa.Array:
+    """The column's distinct values, first seen first, as plain values (a dictionary-encoded column's decoded)."""
+    values = pc.unique(column)
+    return values.dictionary_decode() if pa.types.is_dictionary(values.type) else values
+
+
 def _codes(column: pa.ChunkedArray, values: pa.Array | None = None) -> tuple[pa.Array, np.ndarray]:
     """Each row's position among `values` (default: the column's distinct values, first seen first), found by
     hashing: sorting millions of strings is what this avoids."""
-    values = pc.unique(column) if values is None else values
+    values = _distinct(column) if values is None else values
     return values, pc.index_in(column, value_set=values).to_numpy()
 
 
@@ -451,14 +480,14 @@ class _CaptionRows:
         images, image = rows.shas.filter(pa.array(present)), (np.cumsum(present) - 1)[image]
         keys = _hex_bytes(table.column("text_sha256"), KEY_BYTES, "text_sha256")
         _, rank = _codes(table.column("recipe"), pa.array(recipes, pa.string()))
-        _, prompt = _codes(table.column("prompt_id"), pc.unique(table.column("prompt_id")).sort())
+        _, prompt = _codes(table.column("prompt_id"), _distinct(table.column("prompt_id")).sort())
         order = lexsort_unless_sorted((table.column("sample").to_numpy(), prompt, rank, image))
         if order is None:  # as caption jobs write them: no sort, no gather
             kept = first_of_each_pair(image, keys[:, :16])
         else:
             kept = order[first_of_each_pair(image[order], keys[order, :16])]
         starts = np.searchsorted(image[kept], np.arange(len(images) + 1)).astype(np.int64)
-        return cls(keys[kept], images, starts)
+        return cls(keys if len(kept) == len(keys) else keys[kept], images, starts)  # no text repeated: no copy
 
     def keys_of(self, sha256: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """(keys, counts): each image's caption keys (`[m, 32]` uint8), concatenated in image order, and how many
@@ -469,6 +498,8 @@ class _CaptionRows:
         first = np.where(has, self.starts[np.maximum(block, 0)], 0)
         before = np.cumsum(counts) - counts
         rows = np.repeat(first - before, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+        if len(rows) == len(self.keys) and (rows == np.arange(len(rows))).all():
+            return self.keys, counts  # every image, in the cache's order: no copy of the keys
         return self.keys[rows], counts
 
 
@@ -482,6 +513,24 @@ def _rejected(failures: pa.Table, captioned: pa.Array) -> tuple[pa.Array, pa.Arr
     first = np.searchsorted(sha, np.arange(len(shas)))
     reasons = pc.list_element(pc.split_pattern(failures.column("reason").take(first), " (", max_splits=1), 0)
     return shas, reasons.combine_chunks()
+
+
+@dataclass
+class _CacheSide:
+    """What the join needs of the cache, made on the thread that reads it, beside the listing of the images and the
+    reading of the store's keys: each source id's recorded sha256, the chosen recipes' captions grouped by image, and
+    the images a captioner rejected that those recipes did not caption. The cache's string columns are dropped with
+    the thread."""
+
+    recorded: _RecordedSha256
+    captions: _CaptionRows
+    rejected: tuple[pa.Array, pa.Array]
+
+    @classmethod
+    def read(cls, cache: CaptionCache, recipes: list[str]) -> _CacheSide:
+        rows = _CacheRows.read(cache)
+        captions = _CaptionRows.of(rows, recipes)
+        return cls(_RecordedSha256.of(rows), captions, _rejected(rows.failures, captions.images))
 
 
 def build_index(
@@ -505,23 +554,21 @@ def build_index(
     caption_cache = CaptionCache(cache) if cache is not None else None
     chosen = caption_cache.resolve_recipes(recipes) if caption_cache is not None else []
     opened = EmbeddingStore(store) if store is not None else None  # a store that is not one fails here, at once
-    # The store's keys, the listing of the images and the cache's rows are read at once (each mostly file reading
-    # and Arrow or numpy work that releases the GIL), their errors reported in this order.
+    # The store's keys, the listing of the images and the cache's side of the join are made at once (each mostly
+    # file reading and Arrow or numpy work that releases the GIL), their errors reported in this order.
     with ThreadPoolExecutor(3, thread_name_prefix="tcjepa-index") as pool:
         store_keys = pool.submit(lambda: StoreKeys(opened) if opened is not None else None)
         listing = pool.submit(list_images, inputs, image_column, split)
-        cache_read = pool.submit(lambda: _CacheRows.read(caption_cache) if caption_cache is not None else None)
-        embeddings, refs, cache_rows = store_keys.result(), listing.result(), cache_read.result()
+        cache_read = pool.submit(lambda: _CacheSide.read(caption_cache, chosen) if caption_cache is not None else None)
+        embeddings, refs, cache_side = store_keys.result(), listing.result(), cache_read.result()
     if not refs:
         raise UserError(f"no images found in {', '.join(map(str, inputs))}")
     listed = ImageRefs.of(refs)
     recorded = pa.nulls(len(refs), pa.string())
     captions = rejected = None
-    if caption_cache is not None and cache_rows is not None:
-        recorded = _recorded_sha256(cache_rows, listed.table.column("source_id").combine_chunks())
-        captions = _CaptionRows.of(cache_rows, chosen)
-        rejected = _rejected(cache_rows.failures, captions.images)
-        del cache_rows  # its string columns: the join needs only the codes and keys from here
+    if cache_side is not None:
+        recorded = cache_side.recorded.of_listed(listed.table.column("source_id").combine_chunks())
+        captions, rejected = cache_side.captions, cache_side.rejected
     sha256 = _image_sha256(refs, recorded, verify_sample, progress)
 
     # Left out (the reason; null: kept): images that cannot be read, and images a captioner rejected that no chosen

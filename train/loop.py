@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.core.devices import usable_cpus
 from pipeline.core.errors import Stopped, UserError
 from train.checkpoint import Checkpointer, checkpoint_step, has_checkpoint
 from train.config import (
@@ -32,7 +33,6 @@ from train.config import (
     ema_schedule,
     resolve_automatic,
     to_dict,
-    usable_cpus,
     validate,
 )
 from train.data import StepBatches, device_decoding

@@ -1,13 +1,21 @@
-"""Which device a command computes on: the one place `--device` is read, and what that device computes natively."""
+"""Which device a command computes on: the one place `--device` is read, what that device computes natively, and
+how many CPUs this process may use."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from pipeline.core.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which Slurm and containers set), else all of them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 DEVICE_HELP = "auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N"
 
