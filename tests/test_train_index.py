@@ -458,3 +458,55 @@ def test_the_cache_s_repeated_strings_are_read_as_codes_into_one_dictionary(tmp_
         pa.array(["img3.png", "img7.png", "gone.png", "img9999.png", "new.png"])
     )
     assert recorded.to_pylist() == [f"{3:064x}", f"{7:064x}", f"{many + 1:064x}", f"{9999:064x}", None]
+
+
+def _six_images(root):
+    """Six small PNGs in `root/imgs`, and their sha256s."""
+    images = root / "imgs"
+    images.mkdir()
+    shas = []
+    for i in range(6):
+        data = png((30 * i, 10, 200), (32, 32))
+        (images / f"img{i}.png").write_bytes(data)
+        shas.append(hashlib.sha256(data).hexdigest())
+    return images, shas
+
+
+@pytest.mark.parametrize("chosen", ["both", "second"])
+def test_rows_out_of_image_order_give_each_image_its_own_captions_in_recipe_prompt_sample_order(tmp_path, chosen):
+    """A second recipe's shard captions earlier images again, its rows in no image order and no text repeated: the
+    rows are sorted, so each image's keys must be its own captions, ordered (recipe, prompt_id, sample)."""
+    from captioning.cache import caption_row
+
+    images, shas = _six_images(tmp_path)
+    cache = CaptionCache.open_or_create(tmp_path / "cache")
+    first, second = cache.add_recipe({"kind": "test", "n": 1}), cache.add_recipe({"kind": "test", "n": 2})
+    rows = [caption_row(shas[i], f"img{i}.png", first, "p0", 0, f"cap {i}", "stop") for i in range(6)]
+    later = [(i, p, s) for i in (4, 1, 2, 0, 3, 5) for p in ("pb", "pa") for s in (1, 0)]
+    rows2 = [caption_row(shas[i], f"img{i}.png", second, p, s, f"other {i} {p} {s}", "stop") for i, p, s in later]
+    cache.commit(rows)
+    cache.commit(rows2)
+    recipes = [first, second] if chosen == "both" else [second]
+    index = build_index([images], tmp_path / "cache", None, recipes, progress=False)
+    rank = {r: k for k, r in enumerate(recipes)}
+    for i in range(len(index)):
+        own = sorted(
+            (r for r in rows + rows2 if r["image_sha256"] == index.sha256[i] and r["recipe"] in rank),
+            key=lambda r: (rank[r["recipe"]], r["prompt_id"], r["sample"]),
+        )
+        assert [k.tobytes().hex() for k in index.captions_of(i)] == [r["text_sha256"] for r in own], i
+
+
+@pytest.mark.parametrize("failures", [False, True])
+def test_a_cache_with_no_captions_is_refused_in_one_line(tmp_path, failures):
+    """An empty cache, or one holding only failure records, leaves every image uncaptioned: the coverage refusal,
+    not an IndexError from the join."""
+    images, shas = _six_images(tmp_path)
+    cache = CaptionCache.open_or_create(tmp_path / "cache")
+    recipe = cache.add_recipe({"kind": "test"})
+    if failures:
+        cache.commit([], [{"image_sha256": shas[2], "source_id": "img2.png", "recipe": recipe, "reason": "too small"}])
+    with pytest.raises(UserError, match="caption coverage below --min-coverage"):
+        build_index([images], tmp_path / "cache", None, [recipe] if failures else [], progress=False)
+    index = build_index([images], tmp_path / "cache", None, [recipe], min_coverage=0, progress=False)
+    assert index.coverage == {0: 6 - failures} and len(index.caption_keys) == 0

@@ -371,6 +371,8 @@ class _RecordedSha256:
     def of_listed(self, source_ids: pa.Array) -> pa.Array:
         """Per listed image, its id's sha256, null where there is none, it is ambiguous, or more than one listed
         image has that id."""
+        if not len(self.ids):  # an empty cache
+            return pa.nulls(len(source_ids), pa.string())
         at = pc.index_in(source_ids, value_set=self.ids).fill_null(-1).to_numpy()
         code = np.where(at >= 0, self.sha[np.maximum(at, 0)], -1)
         listed = source_ids.dictionary_encode().indices.to_numpy()
@@ -487,11 +489,14 @@ class _CaptionRows:
         else:
             kept = order[first_of_each_pair(image[order], keys[order, :16])]
         starts = np.searchsorted(image[kept], np.arange(len(images) + 1)).astype(np.int64)
-        return cls(keys if len(kept) == len(keys) else keys[kept], images, starts)  # no text repeated: no copy
+        in_order = order is None and len(kept) == len(keys)  # in order, no text repeated: no copy
+        return cls(keys if in_order else keys[kept], images, starts)
 
     def keys_of(self, sha256: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """(keys, counts): each image's caption keys (`[m, 32]` uint8), concatenated in image order, and how many
         each image has."""
+        if not len(self.images):  # the chosen recipes captioned nothing (an empty cache, or failures only)
+            return np.zeros((0, KEY_BYTES), dtype=np.uint8), np.zeros(len(sha256), dtype=np.int64)
         block = pc.index_in(sha256, value_set=self.images).fill_null(-1).to_numpy()
         has = block >= 0
         counts = np.where(has, np.diff(self.starts)[np.maximum(block, 0)], 0)
