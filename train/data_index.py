@@ -478,7 +478,7 @@ class _CaptionRows:
         if not pc.all(chosen).as_py():
             table, image = table.filter(chosen), image[chosen.to_numpy(zero_copy_only=False)]
         present = np.zeros(len(rows.shas), dtype=bool)
-        present[image] = True  # the images the chosen recipes captioned, renumbered in the order first seen
+        present[image] = True  # the images the chosen recipes captioned, renumbered in the order of `shas`
         images, image = rows.shas.filter(pa.array(present)), (np.cumsum(present) - 1)[image]
         keys = _hex_bytes(table.column("text_sha256"), KEY_BYTES, "text_sha256")
         _, rank = _codes(table.column("recipe"), pa.array(recipes, pa.string()))
