@@ -212,12 +212,14 @@ class StoreKeys:
         self.store = store
         self.segment_ids = store.segment_ids()
         # One run of every segment's keys, sorted once: merging a run per segment costs 2x at 4,000 segments.
-        keys = [as_digests(store.read_keys(seg_id)) for seg_id in self.segment_ids]
-        self.starts = np.zeros(len(keys) + 1, dtype=np.int64)
-        np.cumsum([len(k) for k in keys], out=self.starts[1:])
+        parts = [as_digests(store.read_keys(seg_id)) for seg_id in self.segment_ids]
+        self.starts = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum([len(k) for k in parts], out=self.starts[1:])
         self._index = DigestIndex()
-        if keys:
-            self._index.add(np.concatenate(keys))
+        if parts:
+            keys = np.concatenate(parts)
+            parts.clear()  # the segments' copies freed before the sort, which needs twice the keys again
+            self._index.add(keys)
 
     def __len__(self) -> int:
         return int(self.starts[-1])

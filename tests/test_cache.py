@@ -2,12 +2,13 @@ import json
 import multiprocessing as mp
 import threading
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from captioning.cache import CacheInfo, CaptionCache, caption_row
 from captioning.verify import verify_cache
-from pipeline.core.errors import UserError
+from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import recipe_hash
 from tests.support.commands import refused, tcjepa
 
@@ -201,3 +202,24 @@ def test_shards_read_at_once_come_back_in_shard_order(tmp_path, monkeypatch):
     assert at_once[0].equals(one_at_a_time[0]) and at_once[1].equals(one_at_a_time[1])
     assert at_once[0].column("source_id").to_pylist() == [f"img{i}.png" for i in range(40)]
     assert at_once[1].column("source_id").to_pylist() == [f"bad{i}.png" for i in range(0, 40, 5)]
+
+
+def test_digest_columns_are_read_as_32_bytes_shard_by_shard(tmp_path):
+    """`digests=`: each shard's hex column decoded as it is read; the bytes are the hex's, rows in shard order,
+    another recipe's rows filtered out first; an empty cache has the binary column too; a bad value names its shard."""
+    cache = CaptionCache.open_or_create(tmp_path / "c")
+    mine, other = cache.add_recipe(RECIPE, "mine"), cache.add_recipe({**RECIPE, "model": "n"}, "other")
+    empty = cache.read_captions(columns=["text_sha256", "sample"], digests=["text_sha256"])
+    assert empty.num_rows == 0 and empty.schema.field("text_sha256").type == pa.binary(32)
+    for start in range(0, 12, 4):
+        cache.commit(_rows(mine, range(start, start + 4)) + _rows(other, range(start, start + 2), prefix="o"))
+    hexes = cache.read_captions(columns=["text_sha256", "image_sha256"], recipes=[mine])
+    got = cache.read_captions(columns=["text_sha256", "image_sha256"], recipes=[mine], digests=["text_sha256"])
+    assert got.num_rows == 24 and got.column("text_sha256").num_chunks == 3
+    assert got.column("text_sha256").to_pylist() == [bytes.fromhex(h) for h in hexes.column("text_sha256").to_pylist()]
+    assert got.column("image_sha256").equals(hexes.column("image_sha256"))
+
+    bad = tmp_path / "c" / "captions" / "zz-bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{**_rows(mine, [99])[0], "text_sha256": "ab" * 31}]), bad)
+    with pytest.raises(DataProblem, match=r"^a text_sha256 value in zz-bad\.parquet is not a 64-digit hex digest"):
+        CaptionCache(tmp_path / "c").read_captions(columns=["text_sha256"], digests=["text_sha256"])

@@ -104,9 +104,10 @@ def test_digest_index_tells_digests_that_share_their_first_8_bytes_apart_and_kee
     assert not index.contains(other).any() and len(index) == 2 + 40 * 50 + 4
 
 
-def test_a_large_lookup_runs_in_parts_on_several_threads_and_finds_what_one_thread_finds(monkeypatch):
-    """Keys present, absent, repeated in the query and sharing a 64-bit prefix, split into parts (a few keys a part
-    here): each part on a lookup thread, and the answer the same as one thread's, in the query's order."""
+def test_a_large_lookup_runs_in_bounded_parts_on_lookup_threads_and_finds_what_one_part_finds(monkeypatch):
+    """Keys present, absent, repeated in the query and sharing a 64-bit prefix, split into parts of at most
+    `KEYS_PER_LOOKUP_PART` keys (1,000 here): each part on a lookup thread, and the answer the same as one part's, in
+    the query's order."""
     import threading
 
     from pipeline.core import digests
@@ -122,16 +123,18 @@ def test_a_large_lookup_runs_in_parts_on_several_threads_and_finds_what_one_thre
     query = np.concatenate([stored, absent, stored[::-3]])[rng.permutation(3000 + 500 + 1000)]
     expected = {bytes(k[:16]): i + 100 for i, k in enumerate(stored)}
     want = [expected.get(bytes(k[:16]), -1) for k in query]
-    assert index.lookup(query).tolist() == want, "one thread"
+    assert index.lookup(query).tolist() == want, "one part"
 
     threads: list[str] = []
     one_part = DigestIndex._lookup
-    monkeypatch.setattr(digests, "KEYS_PER_LOOKUP_THREAD", 1000)
+    monkeypatch.setattr(digests, "KEYS_PER_LOOKUP_PART", 1000)
     monkeypatch.setattr(digests, "usable_cpus", lambda: 3)
     monkeypatch.setattr(
         DigestIndex,
         "_lookup",
-        lambda self, keys: threads.append(threading.current_thread().name) or one_part(self, keys),
+        lambda self, keys: threads.append((threading.current_thread().name, len(keys))) or one_part(self, keys),
     )
     assert index.lookup(query).tolist() == want
-    assert len(threads) == 3 and all(name.startswith("tcjepa-lookup") for name in threads), threads
+    assert sorted(n for _, n in threads) == [500, 1000, 1000, 1000, 1000], "parts of at most 1,000 keys"
+    names = {name for name, _ in threads}
+    assert len(names) <= 3 and all(name.startswith("tcjepa-lookup") for name in names), names

@@ -359,7 +359,7 @@ def test_a_cache_key_that_is_not_a_hex_digest_is_refused_in_one_line(tmp_path, s
     first = list_images([synth_dir / "images"])[0]
     row = _row(hashlib.sha256(ImageReader().read(first)).hexdigest(), first.source_id, recipe, "p0", 0, "a caption")
     cache.commit([{**row, "text_sha256": bad}])
-    line = r"^a text_sha256 value is not a 64-digit hex digest; run `tcjepa cache verify`$"
+    line = r"^a text_sha256 value in [0-9a-z_-]+\.parquet is not a 64-digit hex digest; run `tcjepa cache verify`$"
     with pytest.raises(DataProblem, match=line):
         build_index([synth_dir / "images"], tmp_path / "cache", None, [], 0, verify_sample=0, progress=False)
 
@@ -450,8 +450,10 @@ def test_the_cache_s_repeated_strings_are_read_as_codes_into_one_dictionary(tmp_
         ],
     )
     rows = _CacheRows.read(cache)
-    assert all(pa.types.is_dictionary(rows.captions.schema.field(name).type) for name in _CacheRows.REPEATED)
-    plain = cache.read_captions(columns=["image_sha256", "source_id"])
+    assert rows.captions.column_names == ["source_id", "recipe", "prompt_id", "sample"], "image_sha256: its codes"
+    assert all(pa.types.is_dictionary(field.type) for field in rows.captions.schema if field.name != "sample")
+    plain = cache.read_captions(columns=["image_sha256", "source_id", "text_sha256"])
+    assert rows.keys.tobytes() == b"".join(bytes.fromhex(h) for h in plain.column("text_sha256").to_pylist())
     want = plain.column("image_sha256").to_pylist() + rows.failures.column("image_sha256").to_pylist()
     assert len(rows.shas) == many + 1 and rows.shas.take(pa.array(rows.sha)).to_pylist() == want
     recorded = _RecordedSha256.of(rows).of_listed(

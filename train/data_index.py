@@ -20,7 +20,6 @@ trains on the same join.
 
 from __future__ import annotations
 
-import binascii
 import hashlib
 import io
 import json
@@ -39,6 +38,7 @@ import pyarrow.parquet as pq
 from captioning.cache import CaptionCache
 from embedding_cache.reader import Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore
+from pipeline.core.digests import SHA256_BYTES, arrow_to_bytes, bytes_to_arrow, hex_to_bytes
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
 from pipeline.core.refs import Columnar, ImageRef, ImageRefs
@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "tcjepa-train-index"
 VERSION = 2
-KEY_BYTES = 32
-DIGEST_BYTES = 32
+KEY_BYTES = SHA256_BYTES  # a caption's key: the sha256 of its text
+DIGEST_BYTES = SHA256_BYTES  # an image's sha256
 UNREADABLE = "unreadable"
 
 _SCHEMA = pa.schema(
@@ -68,18 +68,6 @@ _SCHEMA = pa.schema(
         pa.field("caption_length", pa.large_list(pa.int32()), nullable=False),
     ]
 )
-
-
-def _fixed_width_numpy(array: pa.FixedSizeBinaryArray, width: int) -> np.ndarray:
-    """uint8 `[len, width]` over an Arrow fixed-width binary array's buffer (no per-value object)."""
-    return np.frombuffer(
-        array.buffers()[1] or b"", dtype=np.uint8, count=len(array) * width, offset=array.offset * width
-    ).reshape(-1, width)
-
-
-def _fixed_width_arrow(values: np.ndarray, width: int) -> pa.FixedSizeBinaryArray:
-    data = pa.py_buffer(np.ascontiguousarray(values, dtype=np.uint8))
-    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(values), [None, data])
 
 
 class HexDigests(Columnar[str]):
@@ -172,11 +160,11 @@ class TrainIndex:
         """Write the index as one Parquet file, atomically."""
         offsets = pa.array(self.caption_offsets, pa.int64())
         spans = self.caption_spans
-        keys = _fixed_width_arrow(self.caption_keys, KEY_BYTES)
+        keys = bytes_to_arrow(self.caption_keys)
         refs = ImageRefs.of(self.refs).table
         columns = {
             **{name: refs.column(name) for name in ImageRefs.NAMES},
-            "sha256": _fixed_width_arrow(HexDigests.of(self.sha256).values, DIGEST_BYTES),
+            "sha256": bytes_to_arrow(HexDigests.of(self.sha256).values),
             "captions": pa.LargeListArray.from_arrays(offsets, keys),
             "caption_segment": pa.LargeListArray.from_arrays(offsets, pa.array(spans.segment, pa.int32())),
             "caption_start": pa.LargeListArray.from_arrays(offsets, pa.array(spans.start, pa.int64())),
@@ -204,7 +192,7 @@ class TrainIndex:
             raise UserError(f"{path} is not a tcjepa train index v{VERSION}; delete it to rebuild the index")
         captions = table.column("captions").combine_chunks()
         offsets = captions.offsets.to_numpy().astype(np.int64)
-        keys = _fixed_width_numpy(captions.flatten(), KEY_BYTES)
+        keys = arrow_to_bytes(captions.flatten())
 
         def column(name: str, dtype: type) -> np.ndarray:
             values = table.column(name).combine_chunks().flatten()
@@ -212,7 +200,7 @@ class TrainIndex:
 
         return cls(
             ImageRefs(table),
-            HexDigests(_fixed_width_numpy(table.column("sha256").combine_chunks(), DIGEST_BYTES).copy()),
+            HexDigests(arrow_to_bytes(table.column("sha256").combine_chunks()).copy()),
             offsets - offsets[0],
             keys.copy(),
             meta["recipes"],
@@ -278,45 +266,51 @@ def verify_images(index: TrainIndex, progress: bool = True, threads: int = 8) ->
 
 
 def _hex_bytes(column: pa.Array | pa.ChunkedArray, width: int, what: str) -> np.ndarray:
-    """uint8 `[n, width]` from a column of hex strings: each chunk's character buffer decoded in one
-    `binascii.unhexlify` call into its rows of the result, no object per value and no copy of the column into one
-    array (at 10⁷ captions that copy of 640 MB cost more than the decoding)."""
+    """uint8 `[n, width]` from a column of hex strings, chunk by chunk into one array (no copy of the column into
+    one array first: at 10⁷ captions that copy of 640 MB cost more than the decoding)."""
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     if missing := sum(chunk.null_count for chunk in chunks):
         raise DataProblem(f"{missing} {what} values are missing; run `tcjepa cache verify`")
     out = np.empty((sum(len(chunk) for chunk in chunks), width), dtype=np.uint8)
-    bad = DataProblem(f"a {what} value is not a {2 * width}-digit hex digest; run `tcjepa cache verify`")
     row = 0
     for chunk in chunks:
-        if not pa.types.is_string(chunk.type) and not pa.types.is_large_string(chunk.type):
-            chunk = chunk.cast(pa.large_string())
-        n = len(chunk)
-        if not n:
-            continue
-        offset = np.dtype(np.int64 if pa.types.is_large_string(chunk.type) else np.int32)
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=offset, count=n + 1, offset=chunk.offset * offset.itemsize)
-        if (np.diff(offsets) != 2 * width).any():
-            raise bad
         try:
-            raw = binascii.unhexlify(memoryview(chunk.buffers()[2] or b"")[offsets[0] : offsets[-1]])
-        except binascii.Error:
-            raise bad from None
-        out[row : row + n] = np.frombuffer(raw, dtype=np.uint8).reshape(n, width)
-        row += n
+            out[row : row + len(chunk)] = hex_to_bytes(chunk, width)
+        except ValueError:
+            raise DataProblem(
+                f"a {what} value is not a {2 * width}-digit hex digest; run `tcjepa cache verify`"
+            ) from None
+        row += len(chunk)
+    return out
+
+
+def _laid_end_to_end(chunks: list[pa.FixedSizeBinaryArray], width: int) -> np.ndarray:
+    """uint8 `[n, width]`: the chunks' (fixed-width binary) values in order, each chunk released as soon as it is
+    copied (`chunks` is emptied), so that a column is never held twice (at 10⁷ caption keys, 320 MB less at the
+    peak)."""
+    out = np.empty((sum(len(chunk) for chunk in chunks), width), dtype=np.uint8)
+    row = 0
+    chunks.reverse()
+    while chunks:
+        values = arrow_to_bytes(chunks.pop())
+        out[row : row + len(values)] = values
+        row += len(values)
     return out
 
 
 @dataclass
 class _CacheRows:
     """The cache's captions (every recipe) and its failure records that name an image, read once, their repeated
-    strings (source_id, image_sha256, recipe, prompt_id) read dictionary-encoded, and image_sha256 coded once for
-    both uses: the source id → sha256 record and the captions' grouping by image. At 10⁷ captions the strings as
-    rows would be 2.5 GB on rank 0, and each pass over them a pass over every row (at ImageNet-21k scale, 10⁸)."""
+    strings (source_id, image_sha256, recipe, prompt_id) read dictionary-encoded, their keys (text_sha256) as 32
+    bytes decoded shard by shard, and image_sha256 coded once for both uses: the source id → sha256 record and the
+    captions' grouping by image. At 10⁷ captions the strings as rows would be 2.5 GB on rank 0 (now ~0.5), and each
+    pass over them a pass over every row (at ImageNet-21k scale, 10⁸)."""
 
-    captions: pa.Table  # source_id, image_sha256, recipe, prompt_id, sample, text_sha256
+    captions: pa.Table  # source_id, recipe, prompt_id, sample
+    keys: np.ndarray  # uint8 [n, 32]: each caption's text_sha256
     failures: pa.Table
     shas: pa.Array  # the distinct image sha256s (hex)
-    sha: np.ndarray  # int64: each row's position in `shas`, the captions' rows then the failures'
+    sha: np.ndarray  # int32: each row's position in `shas`, the captions' rows then the failures'
 
     REPEATED = ["source_id", "image_sha256", "recipe", "prompt_id"]
 
@@ -325,19 +319,24 @@ class _CacheRows:
         captions = cache.read_captions(
             columns=["source_id", "image_sha256", "recipe", "prompt_id", "sample", "text_sha256"],
             dictionary=cls.REPEATED,
+            digests=["text_sha256"],
         )
+        chunks = captions.column("text_sha256").chunks
+        captions = captions.drop_columns(["text_sha256"])
+        keys = _laid_end_to_end(chunks, KEY_BYTES)
         failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256")))
         shas, sha = cls.encoded(captions, failures, "image_sha256")
-        return cls(captions, failures, shas, sha)
+        # image_sha256 is the codes from here on: its shards' dictionaries freed (at 10⁷ captions, ~200 MB)
+        return cls(captions.drop_columns(["image_sha256"]), keys, failures, shas, sha)
 
     @staticmethod
     def encoded(captions: pa.Table, failures: pa.Table, name: str) -> tuple[pa.Array, np.ndarray]:
-        """Column `name` of the captions then the failures as codes into one dictionary: (distinct values; int64 code
+        """Column `name` of the captions then the failures as codes into one dictionary: (distinct values; int32 code
         of each row). Each chunk's own dictionary (a shard's distinct values, as read) is unified with the others',
         so a value is hashed once a shard, not once a row, and no string is copied into one array."""
         chunks = captions.column(name).chunks + failures.column(name).chunks
         if not chunks:
-            return pa.array([], pa.string()), np.zeros(0, dtype=np.int64)
+            return pa.array([], pa.string()), np.zeros(0, dtype=np.int32)
         coded = pa.dictionary(pa.int32(), pa.string())
         unified = pa.chunked_array(
             [
@@ -346,8 +345,7 @@ class _CacheRows:
             ],
             coded,
         ).unify_dictionaries()
-        codes = [chunk.indices.to_numpy().astype(np.int64) for chunk in unified.chunks]
-        return unified.chunks[0].dictionary, np.concatenate(codes)
+        return unified.chunks[0].dictionary, np.concatenate([chunk.indices.to_numpy() for chunk in unified.chunks])
 
 
 @dataclass
@@ -473,14 +471,17 @@ class _CaptionRows:
 
     @classmethod
     def of(cls, rows: _CacheRows, recipes: list[str]) -> _CaptionRows:
-        table, image = rows.captions, rows.sha[: rows.captions.num_rows]
+        table, keys, image = rows.captions, rows.keys, rows.sha[: rows.captions.num_rows]
         chosen = pc.is_in(table.column("recipe"), value_set=pa.array(recipes, pa.string()))
         if not pc.all(chosen).as_py():
-            table, image = table.filter(chosen), image[chosen.to_numpy(zero_copy_only=False)]
+            mask = chosen.to_numpy(zero_copy_only=False)
+            table, keys, image = table.filter(chosen), keys[mask], image[mask]
         present = np.zeros(len(rows.shas), dtype=bool)
         present[image] = True  # the images the chosen recipes captioned, renumbered in the order of `shas`
-        images, image = rows.shas.filter(pa.array(present)), (np.cumsum(present) - 1)[image]
-        keys = _hex_bytes(table.column("text_sha256"), KEY_BYTES, "text_sha256")
+        if not present.all():  # else every image is there, as numbered: no copy of 2.5 M sha256s at 10⁷ captions
+            images, image = rows.shas.filter(pa.array(present)), (np.cumsum(present, dtype=np.int32) - 1)[image]
+        else:
+            images = rows.shas
         _, rank = _codes(table.column("recipe"), pa.array(recipes, pa.string()))
         _, prompt = _codes(table.column("prompt_id"), _distinct(table.column("prompt_id")).sort())
         order = lexsort_unless_sorted((table.column("sample").to_numpy(), prompt, rank, image))
@@ -512,7 +513,10 @@ def _rejected(failures: pa.Table, captioned: pa.Array) -> tuple[pa.Array, pa.Arr
     """(sha256, reason) of images a captioner read but rejected (undecodable, too small, ...) and the chosen recipes
     did not caption: the trainer could not use them either. One reason per image, the first in order, without its
     parenthesised detail."""
-    failures = failures.filter(pc.invert(pc.is_in(failures.column("image_sha256"), value_set=captioned)))
+    # the captioned images among the failures' (a hash of the failures' few sha256s, not of every image's)
+    failed = failures.column("image_sha256").combine_chunks()
+    also_captioned = captioned.filter(pc.is_in(captioned, value_set=failed))
+    failures = failures.filter(pc.invert(pc.is_in(failures.column("image_sha256"), value_set=also_captioned)))
     failures = failures.sort_by([("image_sha256", "ascending"), ("reason", "ascending")])
     shas, sha = _codes(failures.column("image_sha256"))  # sorted: each sha's rows are one run, its first first
     first = np.searchsorted(sha, np.arange(len(shas)))

@@ -13,18 +13,21 @@ everything every 8 runs cost 0.51 µs a key at 25 segments and 1.03 µs at 400.)
 
 from __future__ import annotations
 
+import binascii
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from pipeline.core.devices import usable_cpus
 
 DIGEST = np.dtype("V16")
-# Keys per thread of a lookup, at least: numpy's sorts, searches and gathers release the GIL, so rank 0's join of 10⁷
-# caption keys runs on every CPU while the other ranks wait (1.5x on 2 CPUs at 10⁷ keys); a smaller lookup stays on
-# one thread, whose start would cost more than it saves.
-KEYS_PER_LOOKUP_THREAD = 1 << 20
+SHA256_BYTES = 32  # a sha256 digest: an image's, or a caption's key (of its text) in the embedding store
+# Keys per part of a lookup, at most: numpy's sorts, searches and gathers release the GIL, so rank 0's join of 10⁷
+# caption keys runs its parts on every CPU while the other ranks wait (1.5x on 2 CPUs at 10⁷ keys), and a part's
+# temporaries (~100 bytes a key) stay ~100 MB a thread however many keys there are (at 10⁸, 10 GB in one part).
+KEYS_PER_LOOKUP_PART = 1 << 20
 
 
 def as_digests(keys: np.ndarray) -> np.ndarray:
@@ -35,18 +38,45 @@ def as_digests(keys: np.ndarray) -> np.ndarray:
     return keys.view(DIGEST).reshape(-1)
 
 
+def hex_to_bytes(values: pa.Array, width: int) -> np.ndarray:
+    """uint8 `[n, width]` from an Arrow array of hex strings, its character buffer decoded in one `binascii.unhexlify`
+    call (no object per value). Raises ValueError when a value is missing, or is not `2 * width` hex digits."""
+    if values.null_count:
+        raise ValueError(f"{values.null_count} values are missing")
+    if not pa.types.is_string(values.type) and not pa.types.is_large_string(values.type):
+        values = values.cast(pa.large_string())
+    n = len(values)
+    if not n:
+        return np.zeros((0, width), dtype=np.uint8)
+    offset = np.dtype(np.int64 if pa.types.is_large_string(values.type) else np.int32)
+    offsets = np.frombuffer(values.buffers()[1], dtype=offset, count=n + 1, offset=values.offset * offset.itemsize)
+    if (np.diff(offsets) != 2 * width).any():
+        raise ValueError(f"a value is not {2 * width} hex digits")
+    try:
+        raw = binascii.unhexlify(memoryview(values.buffers()[2] or b"")[offsets[0] : offsets[-1]])
+    except binascii.Error:
+        raise ValueError(f"a value is not {2 * width} hex digits") from None
+    return np.frombuffer(raw, dtype=np.uint8).reshape(n, width)
+
+
+def bytes_to_arrow(values: np.ndarray) -> pa.FixedSizeBinaryArray:
+    """uint8 `[n, width]` as an Arrow fixed-width binary array over the same bytes (copied only if not contiguous)."""
+    data = pa.py_buffer(np.ascontiguousarray(values, dtype=np.uint8))
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(values.shape[1]), len(values), [None, data])
+
+
+def arrow_to_bytes(values: pa.FixedSizeBinaryArray) -> np.ndarray:
+    """uint8 `[n, width]` over an Arrow fixed-width binary array's buffer (no copy, no object per value)."""
+    width = values.type.byte_width
+    return np.frombuffer(
+        values.buffers()[1] or b"", dtype=np.uint8, count=len(values) * width, offset=values.offset * width
+    ).reshape(-1, width)
+
+
 def _prefix(digests: np.ndarray) -> np.ndarray:
     """The first 8 bytes of each digest as a big-endian uint64: sorting and searching on it is native-speed, and it
-    orders digests as their bytes do."""
-    return (
-        np.ascontiguousarray(digests)
-        .view(np.uint8)
-        .reshape(-1, 16)[:, :8]
-        .copy()
-        .view(">u8")
-        .reshape(-1)
-        .astype(np.uint64)
-    )
+    orders digests as their bytes do. One copy: the strided big-endian view is converted straight into it."""
+    return np.ascontiguousarray(digests).view(np.uint8).reshape(-1, 16)[:, :8].view(">u8").reshape(-1).astype(np.uint64)
 
 
 @dataclass
@@ -60,13 +90,16 @@ class _Run:
     streak: int
 
     @classmethod
-    def of(cls, prefix: np.ndarray, digests: np.ndarray, values: np.ndarray) -> _Run:
+    def of(cls, prefix: np.ndarray, digests: np.ndarray, values: np.ndarray | None = None) -> _Run:
+        """The run of `digests` (payloads `values`; None: each digest's position, which the sort's order is)."""
         # Unstable first (numpy's SIMD quicksort, ~1.7x timsort on random keys): with no prefix twice, the order is
         # the same; with ties, sorted again stably, so that equal prefixes keep their insertion order.
         order = np.argsort(prefix)
-        if len(prefix) > 1 and ((ordered := prefix[order])[1:] == ordered[:-1]).any():
+        ordered = prefix[order]
+        if len(prefix) > 1 and (ordered[1:] == ordered[:-1]).any():
             order = np.argsort(prefix, kind="stable")
-        prefix, digests, values = prefix[order], digests[order], values[order]
+            ordered = prefix[order]
+        prefix, digests, values = ordered, digests[order], order if values is None else values[order]
         streak = 1
         if len(prefix) > 1 and (same := prefix[1:] == prefix[:-1]).any():
             edges = np.flatnonzero(np.diff(np.concatenate([[0], same.astype(np.int8), [0]])))
@@ -88,7 +121,7 @@ class DigestIndex:
         digests = as_digests(keys)
         if len(digests) == 0:
             return
-        values = np.arange(len(digests), dtype=np.int64) if payload is None else np.asarray(payload, dtype=np.int64)
+        values = None if payload is None else np.asarray(payload, dtype=np.int64)
         self._runs.append(_Run.of(_prefix(digests), digests, values))
         while len(self._runs) > 1 and len(self._runs[-2].prefix) <= 2 * len(self._runs[-1].prefix):
             self._merge_last_two()
@@ -107,13 +140,17 @@ class DigestIndex:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Payload of each key, or -1 where the key is absent; a large lookup in contiguous parts on every CPU."""
         digests = as_digests(keys)
-        threads = min(usable_cpus(), len(digests) // KEYS_PER_LOOKUP_THREAD)
-        if threads < 2:
+        if len(digests) <= KEYS_PER_LOOKUP_PART:
             return self._lookup(digests)
-        bounds = np.linspace(0, len(digests), threads + 1).astype(np.int64).tolist()
-        with ThreadPoolExecutor(threads, thread_name_prefix="tcjepa-lookup") as pool:
-            parts = pool.map(lambda lo, hi: self._lookup(digests[lo:hi]), bounds[:-1], bounds[1:])
-            return np.concatenate(list(parts))
+        bounds = [*range(0, len(digests), KEYS_PER_LOOKUP_PART), len(digests)]
+        found = np.empty(len(digests), dtype=np.int64)
+
+        def part(lo: int, hi: int) -> None:
+            found[lo:hi] = self._lookup(digests[lo:hi])
+
+        with ThreadPoolExecutor(min(usable_cpus(), len(bounds) - 1), thread_name_prefix="tcjepa-lookup") as pool:
+            list(pool.map(part, bounds[:-1], bounds[1:]))
+        return found
 
     def _lookup(self, unsorted: np.ndarray) -> np.ndarray:
         """`lookup` of V16 digests on this thread."""
