@@ -48,7 +48,7 @@ from filelock import FileLock
 
 from pipeline.core.devices import usable_cpus
 from pipeline.core.digests import SHA256_BYTES, DigestIndex, bytes_to_arrow, first_occurrence, hex_to_bytes
-from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.errors import UserError
 from pipeline.core.fsutil import atomic_write_bytes, fsync_dir, fsync_file
 from pipeline.core.recipes import canonical_json, recipe_hash, sha256_file, text_key
 
@@ -280,8 +280,8 @@ class CaptionCache:
         """All published captions (optionally some columns, some recipes) as one table; the `dictionary` columns
         dictionary-encoded as read (Parquet's own dictionary pages): a column whose values repeat (recipe, image_sha256,
         source_id) then costs an index per row, not a string. The `digests` columns (hex sha256: text_sha256,
-        image_sha256) are decoded to 32-byte binary as each shard is read: 32 bytes a row instead of 68, and the hex
-        strings of all shards never held at once (at 10⁷ captions, 0.7 GB on rank 0)."""
+        image_sha256) are decoded to 32-byte binary as each shard is read, a bad value as null: 32 bytes a row instead
+        of 68, and the hex strings of all shards never held at once (at 10⁷ captions, 0.7 GB on rank 0)."""
         return _retry_if_compacted(lambda: self._read_captions(columns, recipes, dictionary, digests))
 
     def _read_captions(
@@ -300,14 +300,14 @@ class CaptionCache:
             if recipes is not None:
                 table = table.filter(pc.is_in(table.column("recipe"), value_set=pa.array(recipes, pa.string())))
             for name in digests or []:
-                table = _decoded_digests(table, name, path)
+                table = _decoded_digests(table, name)
             return table if columns is None else table.select(columns)
 
         tables = read_each(self.caption_files(), read)
         if not tables:
             schema = CAPTION_SCHEMA if columns is None else pa.schema([CAPTION_SCHEMA.field(c) for c in columns])
             for name in digests or []:
-                schema = schema.set(schema.get_field_index(name), pa.field(name, pa.binary(SHA256_BYTES), False))
+                schema = schema.set(schema.get_field_index(name), pa.field(name, pa.binary(SHA256_BYTES)))
             return schema.empty_table()
         return pa.concat_tables(tables)
 
@@ -509,19 +509,29 @@ P = TypeVar("P", str, Path)
 READ_THREADS = min(16, usable_cpus())  # shards read at once (a cache of 10⁷ captions has thousands)
 
 
-def _decoded_digests(table: pa.Table, name: str, path: str) -> pa.Table:
-    """`table` with its hex column `name` as 32-byte binary; a value that is not a hex sha256 stops the read in one
-    line naming the shard."""
-    column = table.column(name)
+def _decoded_digests(table: pa.Table, name: str) -> pa.Table:
+    """`table` with its hex column `name` as 32-byte binary, a value that is not a hex sha256 as null: whether it
+    matters is the caller's to say (a bad key of a recipe a run does not train on does not stop that run)."""
+    binary = pa.field(name, pa.binary(SHA256_BYTES))
+    decoded = pa.chunked_array([_sha256_bytes(chunk) for chunk in table.column(name).chunks], binary.type)
+    return table.set_column(table.schema.get_field_index(name), binary, decoded)
+
+
+def _sha256_bytes(hexes: pa.Array) -> pa.Array:
+    """32-byte binary of hex sha256s: the whole chunk at once, or, where a value is bad, value by value."""
     try:
-        decoded = [bytes_to_arrow(hex_to_bytes(chunk, SHA256_BYTES)) for chunk in column.chunks]
+        return bytes_to_arrow(hex_to_bytes(hexes, SHA256_BYTES))
     except ValueError:
-        raise DataProblem(
-            f"a {name} value in {Path(path).name} is not a {2 * SHA256_BYTES}-digit hex digest; "
-            "run `tcjepa cache verify`"
-        ) from None
-    binary = pa.field(name, pa.binary(SHA256_BYTES), nullable=False)
-    return table.set_column(table.schema.get_field_index(name), binary, pa.chunked_array(decoded, binary.type))
+        return pa.array([_from_hex(h) for h in hexes.to_pylist()], pa.binary(SHA256_BYTES))
+
+
+def _from_hex(value: str | None) -> bytes | None:
+    """A hex sha256's 32 bytes; None for anything else."""
+    try:
+        raw = bytes.fromhex(value) if value is not None else b""
+    except ValueError:
+        return None
+    return raw if len(raw) == SHA256_BYTES else None
 
 
 def read_each(paths: Sequence[P], read: Callable[[P], pa.Table]) -> list[pa.Table]:

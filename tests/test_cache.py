@@ -8,7 +8,7 @@ import pytest
 
 from captioning.cache import CacheInfo, CaptionCache, caption_row
 from captioning.verify import verify_cache
-from pipeline.core.errors import DataProblem, UserError
+from pipeline.core.errors import UserError
 from pipeline.core.recipes import recipe_hash
 from tests.support.commands import refused, tcjepa
 
@@ -206,7 +206,7 @@ def test_shards_read_at_once_come_back_in_shard_order(tmp_path, monkeypatch):
 
 def test_digest_columns_are_read_as_32_bytes_shard_by_shard(tmp_path):
     """`digests=`: each shard's hex column decoded as it is read; the bytes are the hex's, rows in shard order,
-    another recipe's rows filtered out first; an empty cache has the binary column too; a bad value names its shard."""
+    another recipe's rows filtered out first; an empty cache has the binary column too; a bad value reads as null."""
     cache = CaptionCache.open_or_create(tmp_path / "c")
     mine, other = cache.add_recipe(RECIPE, "mine"), cache.add_recipe({**RECIPE, "model": "n"}, "other")
     empty = cache.read_captions(columns=["text_sha256", "sample"], digests=["text_sha256"])
@@ -220,6 +220,8 @@ def test_digest_columns_are_read_as_32_bytes_shard_by_shard(tmp_path):
     assert got.column("image_sha256").equals(hexes.column("image_sha256"))
 
     bad = tmp_path / "c" / "captions" / "zz-bad.parquet"
-    pq.write_table(pa.Table.from_pylist([{**_rows(mine, [99])[0], "text_sha256": "ab" * 31}]), bad)
-    with pytest.raises(DataProblem, match=r"^a text_sha256 value in zz-bad\.parquet is not a 64-digit hex digest"):
-        CaptionCache(tmp_path / "c").read_captions(columns=["text_sha256"], digests=["text_sha256"])
+    rows = _rows(mine, [99], samples=4)
+    wrong = ["ab" * 31, "zz" * 32, "ab" * 31 + " a", rows[3]["text_sha256"]]  # short, not hex, a space, good
+    pq.write_table(pa.Table.from_pylist([{**r, "text_sha256": w} for r, w in zip(rows, wrong)]), bad)
+    read = CaptionCache(tmp_path / "c").read_captions(columns=["text_sha256"], digests=["text_sha256"])
+    assert read.column("text_sha256").to_pylist()[-4:] == [None, None, None, bytes.fromhex(wrong[3])], "bad: null"

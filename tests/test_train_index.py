@@ -5,10 +5,11 @@ import sys
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from captioning.annotations import import_annotations
-from captioning.cache import CaptionCache
+from captioning.cache import CAPTION_SCHEMA, CaptionCache
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import EmbeddingStore
 from pipeline.core.errors import DataProblem, UserError
@@ -359,9 +360,19 @@ def test_a_cache_key_that_is_not_a_hex_digest_is_refused_in_one_line(tmp_path, s
     first = list_images([synth_dir / "images"])[0]
     row = _row(hashlib.sha256(ImageReader().read(first)).hexdigest(), first.source_id, recipe, "p0", 0, "a caption")
     cache.commit([{**row, "text_sha256": bad}])
-    line = r"^a text_sha256 value in [0-9a-z_-]+\.parquet is not a 64-digit hex digest; run `tcjepa cache verify`$"
+    line = r"^a text_sha256 value is not a 64-digit hex digest; run `tcjepa cache verify`$"
     with pytest.raises(DataProblem, match=line):
         build_index([synth_dir / "images"], tmp_path / "cache", None, [], 0, verify_sample=0, progress=False)
+
+    # another recipe's good rows in the same shard as a bad one: a run on that recipe alone is not stopped
+    other = cache.add_recipe({"kind": "test", "n": 2}, "other")
+    good = {**row, "recipe": other}
+    table = pa.Table.from_pylist([{**row, "text_sha256": bad, "sample": 1}, good], schema=CAPTION_SCHEMA)
+    pq.write_table(table, tmp_path / "cache" / "captions" / "zz-mixed.parquet")
+    index = build_index([synth_dir / "images"], tmp_path / "cache", None, ["other"], 0, verify_sample=0)
+    assert index.coverage[1] == 1 and index.caption_keys.tobytes() == bytes.fromhex(good["text_sha256"])
+    with pytest.raises(DataProblem, match=line):
+        build_index([synth_dir / "images"], tmp_path / "cache", None, ["r", "other"], 0, verify_sample=0)
 
 
 def test_lexsort_unless_sorted_is_numpys_lexsort_or_none_for_rows_in_order():

@@ -308,6 +308,7 @@ class _CacheRows:
 
     captions: pa.Table  # source_id, recipe, prompt_id, sample
     keys: np.ndarray  # uint8 [n, 32]: each caption's text_sha256
+    bad: np.ndarray | None  # bool [n]: the rows whose text_sha256 is not a hex sha256 (None: no such row)
     failures: pa.Table
     shas: pa.Array  # the distinct image sha256s (hex)
     sha: np.ndarray  # int32: each row's position in `shas`, the captions' rows then the failures'
@@ -323,11 +324,14 @@ class _CacheRows:
         )
         chunks = captions.column("text_sha256").chunks
         captions = captions.drop_columns(["text_sha256"])
+        bad = None
+        if any(chunk.null_count for chunk in chunks):
+            bad = np.concatenate([chunk.is_null().to_numpy(zero_copy_only=False) for chunk in chunks])
         keys = _laid_end_to_end(chunks, KEY_BYTES)
         failures = cache.read_failures().filter(pc.is_valid(pc.field("image_sha256")))
         shas, sha = cls.encoded(captions, failures, "image_sha256")
         # image_sha256 is the codes from here on: its shards' dictionaries freed (at 10⁷ captions, ~200 MB)
-        return cls(captions.drop_columns(["image_sha256"]), keys, failures, shas, sha)
+        return cls(captions.drop_columns(["image_sha256"]), keys, bad, failures, shas, sha)
 
     @staticmethod
     def encoded(captions: pa.Table, failures: pa.Table, name: str) -> tuple[pa.Array, np.ndarray]:
@@ -471,11 +475,14 @@ class _CaptionRows:
 
     @classmethod
     def of(cls, rows: _CacheRows, recipes: list[str]) -> _CaptionRows:
-        table, keys, image = rows.captions, rows.keys, rows.sha[: rows.captions.num_rows]
+        table, keys, image, bad = rows.captions, rows.keys, rows.sha[: rows.captions.num_rows], rows.bad
         chosen = pc.is_in(table.column("recipe"), value_set=pa.array(recipes, pa.string()))
         if not pc.all(chosen).as_py():
             mask = chosen.to_numpy(zero_copy_only=False)
             table, keys, image = table.filter(chosen), keys[mask], image[mask]
+            bad = None if bad is None else bad[mask]
+        if bad is not None and bad.any():  # another recipe's bad keys do not stop a run that does not use them
+            raise DataProblem("a text_sha256 value is not a 64-digit hex digest; run `tcjepa cache verify`")
         present = np.zeros(len(rows.shas), dtype=bool)
         present[image] = True  # the images the chosen recipes captioned, renumbered in the order of `shas`
         if not present.all():  # else every image is there, as numbered: no copy of 2.5 M sha256s at 10⁷ captions
