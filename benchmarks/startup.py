@@ -18,6 +18,8 @@ measures, `--repeats` times (the median counts; the machine is shared):
                   itself added: a forked worker's RSS also counts the pages it shares with its parent)
   open_files      that worker's open file descriptors then, and those on the store's files (the reader keeps at
                   most 256 shard files mapped; the rest are the process's own: torch, pipes, the libraries)
+A run 1/100 the smaller's is built too, in turn with the others: its time is what any build in a fresh process costs
+(first uses of Arrow, Parquet, thread pools), and index_build_marginal_us_per_caption is each size's time less it.
 The goals (issues 18 and 33): time per caption of the index at `--scale`× within 1.3× of the smaller run and
 ≤ 2 µs at 10⁷ captions (`--captions 100000 --scale 100`), open files bounded, and a worker whose memory grows with
 the index's columns only, not with the store.
@@ -299,7 +301,7 @@ def worker_run(probe: Any) -> dict[str, float]:
 
 
 def summary(
-    probe: Any, first: float, builds: list[dict[str, float]], workers: list[dict[str, float]]
+    probe: Any, first: float, builds: list[dict[str, float]], workers: list[dict[str, float]], fixed: tuple[int, float]
 ) -> dict[str, Any]:
     index = probe.data.index
     spans = index.caption_spans
@@ -320,6 +322,9 @@ def summary(
         "images": len(index),
         "index_build_s": round(build, 4),
         "index_build_us_per_caption": round(1e6 * build / n, 3),
+        # less the cost of a build in a fresh process that does not grow with the run (a run of `fixed[0]` captions
+        # takes `fixed[1]` s): what each further caption costs
+        "index_build_marginal_us_per_caption": round(1e6 * (build - fixed[1]) / (n - fixed[0]), 3),
         "listing_us_per_image": round(1e6 * listing / len(index), 3),  # of the build: list_images, remembered
         "join_us_per_caption": round(1e6 * (build - listing) / n, 3),  # the rest: cache, store, join, save
         "first_listing_us_per_image": round(1e6 * first / len(index), 3),  # nothing remembered: tarfile; once
@@ -358,6 +363,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TCJEPA_CACHE_DIR"] = str(Path(tmp) / "tcjepa-cache")  # remembered listings: not in the user's
+        # A run 1/100 the smaller one's size: its build is mostly what a build in a fresh process costs whatever
+        # the size (first uses of Arrow, Parquet and thread pools), so that each size's per-caption figure can be
+        # read with and without it.
+        tiny_root = Path(tmp) / "tiny"
+        (tiny_root / "run").mkdir(parents=True)
+        tiny_captions = max(CAPTIONS_PER_IMAGE, args.captions // 100)
+        shape = (args.dim, args.tokens_per_caption, args.seed, args.shard_images)
+        tiny = (*build_run(tiny_root, tiny_captions, 1, *shape), tiny_root)
+        first_listing_s(tiny[0])
         sizes, made, firsts = [], [], []
         for factor in (1, args.scale):
             root = Path(tmp) / f"x{factor}"
@@ -370,10 +384,11 @@ def main() -> None:
             firsts.append(first_listing_s(run[0]))  # once: ~1 minute at 10⁷ captions
             index_build_in_own_process(*sizes[-1][:3], sizes[-1][3] / "run")  # warms the page cache; not counted
         # The sizes take turns, so that whatever else the machine does weighs on both alike.
-        builds: list[list[dict[str, float]]] = [[], []]
+        builds: list[list[dict[str, float]]] = [[], [], []]
         for _ in range(args.repeats):
-            for k, (images, cache, store, root) in enumerate(sizes):
+            for k, (images, cache, store, root) in enumerate([*sizes, tiny]):
                 builds[k].append(index_build_in_own_process(images, cache, store, root / "run"))
+        fixed = (tiny_captions, statistics.median(b["s"] for b in builds[2]))
         probes = [
             worker_probe(images, cache, store, args.batches, root / "run") for images, cache, store, root in sizes
         ]
@@ -382,7 +397,7 @@ def main() -> None:
             for k, probe in enumerate(probes):
                 workers[k].append(worker_run(probe))
         runs = [
-            {**summary(probe, firsts[k], builds[k], workers[k]), "synthesis_s": round(made[k], 1)}
+            {**summary(probe, firsts[k], builds[k], workers[k], fixed), "synthesis_s": round(made[k], 1)}
             for k, probe in enumerate(probes)
         ]
         for run in runs:
@@ -399,6 +414,11 @@ def main() -> None:
             "index_build_per_caption_ratio": round(
                 large["index_build_us_per_caption"] / small["index_build_us_per_caption"], 3
             ),
+            "index_build_marginal_ratio": round(
+                large["index_build_marginal_us_per_caption"] / small["index_build_marginal_us_per_caption"], 3
+            ),
+            "fixed_build_s": round(fixed[1], 4),
+            "fixed_build_captions": fixed[0],
             "index_build_user_cpu_ratio": round(
                 large["index_build_user_cpu_us_per_caption"] / small["index_build_user_cpu_us_per_caption"], 3
             ),
