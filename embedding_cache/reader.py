@@ -215,18 +215,26 @@ class StoreKeys:
         parts = [as_digests(store.read_keys(seg_id)) for seg_id in self.segment_ids]
         self.starts = np.zeros(len(parts) + 1, dtype=np.int64)
         np.cumsum([len(k) for k in parts], out=self.starts[1:])
-        self._index = DigestIndex()
+        index = DigestIndex()
         if parts:
             keys = np.concatenate(parts)
             parts.clear()  # the segments' copies freed before the sort, which needs twice the keys again
-            self._index.add(keys)
+            index.add(keys)
+        self._index: DigestIndex | None = index
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def locate(self, keys: np.ndarray) -> np.ndarray:
         """Global row of each 32-byte key (`[n, 32]` uint8), or -1 when the store lacks it."""
+        if self._index is None:
+            raise RuntimeError("StoreKeys.locate after drop_key_index")
         return self._index.lookup(keys)
+
+    def drop_key_index(self) -> None:
+        """Free the key index (32 bytes a stored key) once every key is located: `spans_of_rows` needs only the
+        segments' extents, and rank 0 makes the run index's columns next."""
+        self._index = None
 
     def _held(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(segment position, global row) of each key; every key must be there."""

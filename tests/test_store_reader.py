@@ -166,6 +166,14 @@ def test_spans_of_keys_are_where_the_key_lookup_points(tmp_path):
     for j, i in enumerate((25, 3, 14, 3)):
         assert np.array_equal(tokens[offsets[j] : offsets[j + 1]], _caption(i)[1])
 
+    located = StoreKeys(store)  # as rank 0 does: every key located, the key index dropped, then the spans
+    rows = located.locate(keys)
+    located.drop_key_index()
+    again = located.spans_of_rows(rows)
+    assert again[0] == segments and np.array_equal(again[1].start, spans.start)
+    with pytest.raises(RuntimeError, match="after drop_key_index"):
+        located.locate(keys)
+
 
 def test_a_damaged_shard_index_is_refused_by_the_reader_and_by_store_verify(tmp_path):
     """Each shard file ends with its index of inner chunks and that index's crc32c. A flipped bit in the index would
