@@ -175,6 +175,28 @@ def test_spans_of_keys_are_where_the_key_lookup_points(tmp_path):
         located.locate(keys)
 
 
+@pytest.mark.parametrize("few", [True, False])
+def test_spans_of_few_rows_and_of_many_are_the_readers(tmp_path, few):
+    """Few rows find their segments by a binary search over the segments' starts, many by a table of every stored
+    row's segment: either way each row's span is the one the reader finds, in segments of unequal sizes (a
+    segment's first and last rows among them)."""
+    store = EmbeddingStore.open_or_create(tmp_path / "s", ENC, D)
+    for ids in (range(0, 10), range(10, 13), range(13, 30), range(30, 31)):
+        _write(store, ids)
+    captions = np.random.default_rng(0).permutation(31).tolist()
+    located = StoreKeys(store)
+    every = located.locate(np.stack([np.frombuffer(_caption(i)[0], dtype=np.uint8) for i in captions]))
+    at_edges = [captions[every.tolist().index(row)] for row in (located.starts[1], located.starts[3] - 1)]
+    chosen = at_edges if few else [*captions, *at_edges]
+    rows = located.locate(np.stack([np.frombuffer(_caption(i)[0], dtype=np.uint8) for i in chosen]))
+    segments, spans = located.spans_of_rows(rows)
+    want = EmbeddingReader(tmp_path / "s").spans_of_rows(rows)
+    assert segments == [located.segment_ids[i] for i in sorted(set(want.segment.tolist()))]
+    assert [segments[i] for i in spans.segment] == [located.segment_ids[i] for i in want.segment]
+    assert np.array_equal(spans.start, want.start) and np.array_equal(spans.length, want.length)
+    assert spans.length.tolist() == [len(_caption(i)[1]) for i in chosen]
+
+
 def test_a_damaged_shard_index_is_refused_by_the_reader_and_by_store_verify(tmp_path):
     """Each shard file ends with its index of inner chunks and that index's crc32c. A flipped bit in the index would
     send a memory-mapped read to the wrong bytes: the reader checks the crc when it first maps the shard (numcodecs'
