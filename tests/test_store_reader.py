@@ -195,6 +195,9 @@ def test_spans_of_few_rows_and_of_many_are_the_readers(tmp_path, few):
     assert [segments[i] for i in spans.segment] == [located.segment_ids[i] for i in want.segment]
     assert np.array_equal(spans.start, want.start) and np.array_equal(spans.length, want.length)
     assert spans.length.tolist() == [len(_caption(i)[1]) for i in chosen]
+    for outside in (-1, 31):  # a row that is not the store's is refused, not wrapped to the last segment's
+        with pytest.raises(IndexError, match="out of range for a store of 31 captions"):
+            located.spans_of_rows(np.r_[rows, outside])
 
 
 def test_a_damaged_shard_index_is_refused_by_the_reader_and_by_store_verify(tmp_path):
