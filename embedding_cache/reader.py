@@ -280,13 +280,13 @@ class StoreKeys:
         segs = self._segments_of(rows)
         held = np.flatnonzero(np.bincount(segs, minlength=len(self.segment_ids)))
         sizes = self.starts[held + 1] - self.starts[held]
-        # each held segment's first row in `first` and `lengths`, less its first global row: a row's place there is
-        # the row plus its segment's shift, one gather from a table of a few thousand entries
+        place = np.cumsum(sizes) - sizes  # each held segment's first row in `first` and `lengths`
+        # a row's place there is the row plus its segment's shift: one gather from a table of a few thousand entries
         shift = np.zeros(len(self.segment_ids), dtype=np.int64)
-        shift[held] = np.cumsum(sizes) - sizes - self.starts[held]
+        shift[held] = place - self.starts[held]
         first = np.empty(int(sizes.sum()), dtype=np.int64)
         lengths = np.empty(len(first), dtype=np.int32)
-        for seg, lo, n in zip(held.tolist(), (self.starts[held] + shift[held]).tolist(), sizes.tolist()):
+        for seg, lo, n in zip(held.tolist(), place.tolist(), sizes.tolist()):
             offsets = self.store.read_offsets(self.segment_ids[seg]).astype(np.int64)
             first[lo : lo + n] = offsets[:-1]
             lengths[lo : lo + n] = np.diff(offsets)
