@@ -12,6 +12,7 @@ from captioning.annotations import import_annotations
 from captioning.cache import CAPTION_SCHEMA, CaptionCache
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import EmbeddingStore
+from pipeline.core.arrow_pool import USER_CHOICE, bulk_memory_pool
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.recipes import text_key
 from pipeline.core.refs import ImageRefs
@@ -120,6 +121,27 @@ def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, a
 
     index.save(tmp_path / "index.parquet")
     _same(index, TrainIndex.load(tmp_path / "index.parquet"))
+
+
+def test_the_join_allocates_on_jemalloc_and_gives_the_default_pool_back(synth_dir, annotated_cache, store, monkeypatch):
+    """pyarrow's default (mimalloc) costs the join several times the kernel time at 10⁷ captions (arrow_pool.py)."""
+    jemalloc, default = pa.jemalloc_memory_pool(), pa.default_memory_pool()
+    monkeypatch.delenv(USER_CHOICE, raising=False)
+    held = jemalloc.bytes_allocated()
+    index = build_index([synth_dir], annotated_cache, store, [], verify_sample=1, progress=False)
+    assert jemalloc.bytes_allocated() > held  # the index's own columns were made inside the build
+    assert pa.default_memory_pool().backend_name == default.backend_name and len(index) == N
+    monkeypatch.setenv(USER_CHOICE, "system")  # the user's choice is kept
+    with bulk_memory_pool() as pool:
+        assert pool.backend_name == pa.default_memory_pool().backend_name == default.backend_name
+    monkeypatch.delenv(USER_CHOICE)
+
+    def not_built() -> pa.MemoryPool:
+        raise NotImplementedError("jemalloc disabled")  # as pyarrow's Windows wheels answer
+
+    monkeypatch.setattr(pa, "jemalloc_memory_pool", not_built)
+    with bulk_memory_pool() as pool:
+        assert pool.backend_name == pa.default_memory_pool().backend_name == default.backend_name
 
 
 def test_same_names_different_images_are_rehashed(tmp_path, annotated_cache, capsys):

@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 from captioning.cache import CaptionCache
 from embedding_cache.reader import Spans, StoreKeys
 from embedding_cache.store import EmbeddingStore
+from pipeline.core.arrow_pool import bulk_memory_pool
 from pipeline.core.digests import SHA256_BYTES, arrow_to_bytes, bytes_to_arrow, hex_to_bytes
 from pipeline.core.errors import DataProblem, UserError
 from pipeline.core.fsutil import atomic_write_bytes
@@ -549,6 +550,7 @@ class _CacheSide:
         return cls(_RecordedSha256.of(rows), captions, _rejected(rows.failures, captions.images))
 
 
+@bulk_memory_pool()  # its columns at 10⁷ captions: gigabytes read and dropped
 def build_index(
     inputs: Sequence[str | Path],
     cache: Path | None,
