@@ -123,25 +123,52 @@ def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, a
     _same(index, TrainIndex.load(tmp_path / "index.parquet"))
 
 
-def test_the_join_allocates_on_jemalloc_and_gives_the_default_pool_back(synth_dir, annotated_cache, store, monkeypatch):
-    """pyarrow's default (mimalloc) costs the join several times the kernel time at 10⁷ captions (arrow_pool.py)."""
-    jemalloc, default = pa.jemalloc_memory_pool(), pa.default_memory_pool()
+@pytest.fixture
+def mimalloc_default(monkeypatch):
+    """pyarrow's own default (mimalloc) as the process's pool, whatever this process was started with."""
     monkeypatch.delenv(USER_CHOICE, raising=False)
-    held = jemalloc.bytes_allocated()
+    before = pa.default_memory_pool()
+    pa.set_memory_pool(pa.mimalloc_memory_pool())
+    yield pa.default_memory_pool()
+    pa.set_memory_pool(before)
+
+
+def test_the_join_allocates_on_jemalloc_and_gives_the_default_pool_back(
+    synth_dir, annotated_cache, store, mimalloc_default
+):
+    """pyarrow's default (mimalloc) costs the join several times the kernel time at 10⁷ captions (arrow_pool.py)."""
+    jemalloc = pa.jemalloc_memory_pool()
+    made, made_by_default = jemalloc.total_bytes_allocated(), mimalloc_default.total_bytes_allocated()
     index = build_index([synth_dir], annotated_cache, store, [], verify_sample=1, progress=False)
-    assert jemalloc.bytes_allocated() > held  # the index's own columns were made inside the build
-    assert pa.default_memory_pool().backend_name == default.backend_name and len(index) == N
-    monkeypatch.setenv(USER_CHOICE, "system")  # the user's choice is kept
+    assert len(index) == N and pa.default_memory_pool().backend_name == "mimalloc"
+    # the join's own Arrow work went to jemalloc; Parquet's readers take some from Arrow's C++ default regardless
+    assert jemalloc.total_bytes_allocated() - made > mimalloc_default.total_bytes_allocated() - made_by_default
+
+
+def test_overlapping_bulk_blocks_give_the_pool_back_when_the_last_ends(mimalloc_default, monkeypatch):
+    first, second = bulk_memory_pool(), bulk_memory_pool()
+    assert first.__enter__().backend_name == "jemalloc"
+    assert second.__enter__().backend_name == "jemalloc"
+    first.__exit__(None, None, None)  # ended before the block it overlaps, as another thread's may
+    assert pa.default_memory_pool().backend_name == "jemalloc"
+    second.__exit__(None, None, None)
+    assert pa.default_memory_pool().backend_name == "mimalloc"
+    # A pool the user chose is kept: by the environment variable, or set in the process.
+    monkeypatch.setenv(USER_CHOICE, "mimalloc")
     with bulk_memory_pool() as pool:
-        assert pool.backend_name == pa.default_memory_pool().backend_name == default.backend_name
+        assert pool.backend_name == pa.default_memory_pool().backend_name == "mimalloc"
     monkeypatch.delenv(USER_CHOICE)
+    pa.set_memory_pool(pa.system_memory_pool())
+    with bulk_memory_pool() as pool:
+        assert pool.backend_name == pa.default_memory_pool().backend_name == "system"
+    pa.set_memory_pool(mimalloc_default)
 
     def not_built() -> pa.MemoryPool:
         raise NotImplementedError("jemalloc disabled")  # as pyarrow's Windows wheels answer
 
     monkeypatch.setattr(pa, "jemalloc_memory_pool", not_built)
     with bulk_memory_pool() as pool:
-        assert pool.backend_name == pa.default_memory_pool().backend_name == default.backend_name
+        assert pool.backend_name == pa.default_memory_pool().backend_name == "mimalloc"
 
 
 def test_same_names_different_images_are_rehashed(tmp_path, annotated_cache, capsys):
