@@ -133,8 +133,8 @@ def mimalloc_default(monkeypatch):
     pa.set_memory_pool(before)
 
 
-def test_the_join_allocates_on_jemalloc_and_gives_the_default_pool_back(
-    synth_dir, annotated_cache, store, mimalloc_default
+def test_the_join_and_the_load_allocate_on_jemalloc_and_give_the_default_pool_back(
+    tmp_path, synth_dir, annotated_cache, store, mimalloc_default
 ):
     """pyarrow's default (mimalloc) costs the join several times the kernel time at 10⁷ captions (arrow_pool.py)."""
     jemalloc = pa.jemalloc_memory_pool()
@@ -143,6 +143,11 @@ def test_the_join_allocates_on_jemalloc_and_gives_the_default_pool_back(
     assert len(index) == N and pa.default_memory_pool().backend_name == "mimalloc"
     # the join's own Arrow work went to jemalloc; Parquet's readers take some from Arrow's C++ default regardless
     assert jemalloc.total_bytes_allocated() - made > mimalloc_default.total_bytes_allocated() - made_by_default
+    index.save(tmp_path / "index.parquet")  # every rank loads it (the save: rank 0 once, as fast on either)
+    made, made_by_default = jemalloc.total_bytes_allocated(), mimalloc_default.total_bytes_allocated()
+    _same(index, TrainIndex.load(tmp_path / "index.parquet"))
+    assert jemalloc.total_bytes_allocated() - made > mimalloc_default.total_bytes_allocated() - made_by_default
+    assert pa.default_memory_pool().backend_name == "mimalloc"
 
 
 def test_overlapping_bulk_blocks_give_the_pool_back_when_the_last_ends(mimalloc_default, monkeypatch):

@@ -166,7 +166,7 @@ def load_or_build_index(cfg: TrainConfig, run: Path, rt: Runtime, progress: bool
             return
         from embedding_cache.store import EmbeddingStore
 
-        stale = TrainIndex.load(path).stale_for(EmbeddingStore(store).segment_ids())
+        stale = TrainIndex.stale_segments(path, EmbeddingStore(store).segment_ids())
         if stale:
             raise UserError(
                 f"{store} no longer holds {len(stale)} of the segments {path} reads (e.g. {stale[0]}): the store was "
