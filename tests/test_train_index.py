@@ -260,13 +260,20 @@ def test_the_index_needs_no_deep_learning_libraries():
     )
 
 
-def test_a_file_that_is_not_an_index_is_refused(tmp_path, synth_dir):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"source_id": ["a"]}), tmp_path / "index.parquet")
-    with pytest.raises(UserError, match="is not a tcjepa train index v2; delete it to rebuild the index"):
-        TrainIndex.load(tmp_path / "index.parquet")
+@pytest.mark.parametrize(
+    "content", ["another table", "metadata not JSON", "JSON not an object", "not Parquet", "empty"]
+)
+def test_a_file_that_is_not_an_index_is_refused(tmp_path, content):
+    path = tmp_path / "index.parquet"
+    if content == "not Parquet" or content == "empty":
+        path.write_bytes(b"" if content == "empty" else b"PAR1 not really")
+    else:
+        metadata = {"another table": None, "metadata not JSON": b"{oops", "JSON not an object": b"[1]"}[content]
+        table = pa.table({"source_id": ["a"]})
+        pq.write_table(table.replace_schema_metadata({"tcjepa": metadata} if metadata else None), path)
+    for read in (TrainIndex.load, TrainIndex.read_meta, lambda p: TrainIndex.stale_segments(p, [])):
+        with pytest.raises(UserError, match="is not a tcjepa train index v2; delete it to rebuild the index"):
+            read(path)
 
 
 def test_images_of_no_caption_and_left_out_images_survive_a_round_trip(tmp_path, synth_dir, mixed, store):
