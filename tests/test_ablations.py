@@ -116,7 +116,7 @@ def test_the_final_line_is_strict_json_with_null_for_one_seeds_spread():
 
 TINY = [
     "--images",
-    "40",
+    "24",
     "--t5-steps",
     "10",
     "--steps",

@@ -416,6 +416,7 @@ def test_eval_reports_every_probe_with_its_floors_and_caches_features(cross_run,
     done = _eval(cross_run, synth_dir / "images", "--labels", synth_dir / "labels.jsonl", timeout=2400)
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("step 12 | linear top1") and "dense patch_accuracy" in line and "attentive top1" in line
+    assert "| dense_shape patch_accuracy" in line and "| multilabel map" in line
     assert "(baseline " in line and ", pixels " in line
     report = json.loads((cross_run / "eval" / "labels.json").read_text())
     assert report["step"] == 12 and report["labelled"] == 40 and report["undecodable"] == 0
@@ -434,6 +435,12 @@ def test_eval_reports_every_probe_with_its_floors_and_caches_features(cross_run,
                 tried = sorted(float(k.removeprefix("l2=")) for k in result["validation"])
                 assert result["chosen"]["converged"], result
                 assert not result["chosen"]["at_edge"] or tried[0] <= 1e-9 or tried[-1] >= 1e2, result
+        # a dense probe per per-cell map (the 41-class cell map, the 6-class shape map), a multi-label one on the tags
+        assert set(part["probes"]["dense_shape"]["metrics"]) == {"patch_accuracy", "miou"}
+        multilabel = part["probes"]["multilabel"]["split"]
+        assert multilabel["labels"] <= 40 and multilabel["scored_labels"] > 0
+    # every patch of the 8×8 grid is labelled in both maps
+    assert report["probes"]["dense_shape"]["split"]["test_patches"] == report["split"]["test"] * 64
     (cached,) = sorted((cross_run / "features").iterdir())
     names = sorted(["encoder", "patch_pixels", "pixels", f"baseline-seed{report['floor_seed']}"])
     assert sorted(p.name for p in cached.iterdir()) == names
@@ -515,7 +522,7 @@ def test_the_random_floor_is_never_the_runs_starting_weights(cross_run):
 def test_eval_over_the_kept_checkpoints_draws_learning_curves_against_floors_measured_once(cross_run, synth_dir):
     """`--steps all` on the context encoder: one report per kept step (8 and 12 of the reference run), the floors
     measured with the first and lent to the next, and the curves (PNG and its table) beside them."""
-    labels = ("--labels", synth_dir / "labels.jsonl", "--probe", "linear", "--probe", "dense")
+    labels = ("--labels", synth_dir / "labels.jsonl", "--probe", "linear", "--probe", "knn")
     done = _eval(cross_run, synth_dir / "images", *labels, "--steps", "all", "--encoder", "context")
     lines = done.stdout.strip().splitlines()
     assert [line.split(" | ")[0] for line in lines[-2:]] == ["step 8", "step 12"]
@@ -658,27 +665,6 @@ def test_dense_probe_without_cell_maps_is_refused_and_dropped_by_default(tmp_pat
     assert refusal.returncode == 2 and '"tags"' in refusal.stderr
     _eval(cross_run, *plain, "--probe", "linear", "--report", tmp_path / "r.json")
     assert set(json.loads((tmp_path / "r.json").read_text())["probes"]) == {"linear"}
-
-
-def test_eval_runs_a_dense_probe_per_cell_map_and_the_multilabel_probe_beside_both_floors(
-    tmp_path, cross_run, synth_dir
-):
-    labels = ["--labels", synth_dir / "labels.jsonl", "--report", tmp_path / "r.json"]
-    done = _eval(cross_run, synth_dir / "images", *labels, "--probe", "dense", "--probe", "multilabel")
-    line = done.stdout.strip().splitlines()[-1]
-    assert "| dense_shape patch_accuracy" in line and "| multilabel map" in line and ", pixels " in line
-    report = json.loads((tmp_path / "r.json").read_text())
-    for part in (report, report["baseline"], report["pixels"]):
-        probes = part["probes"]
-        assert list(probes) == ["dense", "dense_shape", "multilabel"]
-        assert probes["dense_shape"]["probe"] == "dense_shape" and set(probes["dense_shape"]["metrics"]) == {
-            "patch_accuracy",
-            "miou",
-        }
-        assert probes["multilabel"]["split"]["labels"] <= 40 and probes["multilabel"]["split"]["scored_labels"] > 0
-        assert all(0 <= v <= 1 for result in probes.values() for v in result["metrics"].values())
-    # every patch of the 8×8 grid is labelled in both maps: the shape map has 6 classes, the class map 41
-    assert report["probes"]["dense_shape"]["split"]["test_patches"] == report["split"]["test"] * 64
 
 
 def test_floors_are_reused_from_a_report_measured_alike_and_refused_from_any_other(tmp_path, cross_run, synth_dir):
