@@ -222,9 +222,19 @@ def trained_t5(tmp_path_factory) -> tuple[Path, dict]:
     return out / "models", json.loads((out / "stdout").read_text().strip().splitlines()[-1])
 
 
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """End the session's vLLM engine as soon as the next test of this process does not use it: its idle worker
+    polls (~5% of a core), and its tests run first and together (one xdist group, handed out in one piece), so it
+    would otherwise idle through the rest of the session. A later user starts it again."""
+    if "vllm_engine" in item.fixturenames and (nextitem is None or "vllm_engine" not in nextitem.fixturenames):
+        for fixturedef in item._fixtureinfo.name2fixturedefs["vllm_engine"]:
+            fixturedef.finish(item._request)  # type: ignore[arg-type]  # its teardown, as at the session's end
+
+
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_models):
-    """One vLLM engine (CPU build) on the tiny Qwen2-VL for the whole session: a start costs ~20 s."""
+    """One vLLM engine (CPU build) on the tiny Qwen2-VL for the tests that share it (a start costs ~20 s), ended
+    when the last of them in a row is done (`pytest_runtest_teardown`)."""
     from captioning.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(str(tiny_models / "vlm"), dict(TINY_VLLM_ARGS))

@@ -62,3 +62,50 @@ def test_a_group_runs_in_one_worker_and_costly_tests_are_handed_out_first(tmp_pa
     listed = pytest_("--collect-only")
     order = [line.split("::")[1] for line in listed.stdout.splitlines() if "::" in line]
     assert len(order) == 11 and order[-1] == "test_unit", "the unit tier is handed out after the costly tiers"
+
+
+ENGINE_USERS = """
+import json, os
+import pytest
+
+def record(name):
+    with open(os.environ["RECORD"], "a") as f:
+        f.write(json.dumps(name) + "\\n")
+
+@pytest.fixture(scope="session")
+def vllm_engine():  # the conftest's session engine, as a record of its starts and ends
+    record("start")
+    yield "engine"
+    record("end")
+
+def test_a(vllm_engine):
+    record("a")
+
+def test_b(vllm_engine):
+    record("b")
+
+@pytest.mark.slow
+def test_c():
+    record("c")
+
+def test_d(vllm_engine):
+    record("d")
+"""
+
+
+def test_the_session_engine_ends_after_the_last_of_its_users_in_a_row_and_starts_again_for_a_later_one(tmp_path):
+    (tmp_path / "test_engine_users.py").write_text(ENGINE_USERS)
+    record = tmp_path / "record.jsonl"
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q"]
+    done = subprocess.run(
+        [*command, "test_engine_users.py"],
+        cwd=tmp_path,
+        env={**outer, "RECORD": str(record), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    ran = [json.loads(line) for line in record.read_text().splitlines()]
+    assert ran == ["start", "a", "b", "end", "c", "start", "d", "end"]
