@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if name in item.fixturenames or item.get_closest_marker(name) is not None:
                 item.add_marker(pytest.mark.xdist_group(group))
                 break
-    items.sort(key=_turn)
+    items.sort(key=lambda item: (_turn(item), "vllm_engine" not in item.fixturenames))  # the engine's users in a row
 
 
 TIER_MARKERS = ("slow", "vllm", "ray", "distributed", "s3")
@@ -222,13 +222,19 @@ def trained_t5(tmp_path_factory) -> tuple[Path, dict]:
     return out / "models", json.loads((out / "stdout").read_text().strip().splitlines()[-1])
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """End the session's vLLM engine as soon as the next test of this process does not use it: its idle worker
-    polls (~5% of a core), and its tests run first and together (one xdist group, handed out in one piece), so it
-    would otherwise idle through the rest of the session. A later user starts it again."""
-    if "vllm_engine" in item.fixturenames and (nextitem is None or "vllm_engine" not in nextitem.fixturenames):
-        for fixturedef in item._fixtureinfo.name2fixturedefs["vllm_engine"]:
-            fixturedef.finish(item._request)  # type: ignore[arg-type]  # its teardown, as at the session's end
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After pytest's own teardown of a test: end the session's vLLM engine if the next test of this process does not
+    use it. Its idle worker polls (~5% of a core), and its tests run first and together (one xdist group, handed out
+    in one piece; one run of `_turn` without xdist), so it would otherwise idle through the rest of the session. A
+    later user starts it again. pytest has no public call that ends a session fixture early: `FixtureDef.finish` is
+    what pytest runs at the session's end."""
+    try:
+        return (yield)
+    finally:
+        if "vllm_engine" in item.fixturenames and (nextitem is None or "vllm_engine" not in nextitem.fixturenames):
+            for fixturedef in item._fixtureinfo.name2fixturedefs["vllm_engine"]:
+                fixturedef.finish(item._request)  # type: ignore[arg-type]  # finish reads only the request's node
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ def test_demo_runs_every_stage_and_summarises_both_runs(tmp_path):
     assert none["val_true"] == none["val_shuffled"] == none["val_notext"]  # `none` cannot read captions
     assert cross["val_true"] != cross["val_notext"] and cross["ratio"] == cross["val_true"] / cross["val_shuffled"]
     # continuous figures: on 5 test images a top-1 accuracy often ties by chance
-    figures = ("dense_miou", "multilabel")
+    figures = ("dense_miou", "dense_shape_miou", "multilabel")
     assert [cross_context[k] for k in figures] != [cross[k] for k in figures], "the context encoder's are the target's"
     assert summary["train_config"]["val_images"] == 6, "a quarter of 24 scenes held out, not the default 64"
     table = (out / "summary.md").read_text()

@@ -436,6 +436,7 @@ def test_eval_reports_every_probe_with_its_floors_and_caches_features(cross_run,
                 assert result["chosen"]["converged"], result
                 assert not result["chosen"]["at_edge"] or tried[0] <= 1e-9 or tried[-1] >= 1e2, result
         # a dense probe per per-cell map (the 41-class cell map, the 6-class shape map), a multi-label one on the tags
+        assert part["probes"]["dense_shape"]["probe"] == "dense_shape"
         assert set(part["probes"]["dense_shape"]["metrics"]) == {"patch_accuracy", "miou"}
         multilabel = part["probes"]["multilabel"]["split"]
         assert multilabel["labels"] <= 40 and multilabel["scored_labels"] > 0
@@ -547,6 +548,30 @@ def test_eval_over_the_kept_checkpoints_draws_learning_curves_against_floors_mea
         "--eval-resize bent: choose auto, crop, whole"
         in refused("eval", cross_run, synth_dir / "images", *labels, "--eval-resize", "bent").stderr
     )
+
+
+def test_the_curves_hold_every_figure_of_every_probe_at_every_step_beside_the_lenders_floors(tmp_path):
+    """Dense probes give two figures per per-cell map: five figures in all here, drawn in two rows of panels."""
+    from evaluation.curves import plot_learning_curves
+
+    def probes(step: int) -> dict:
+        dense = {"metrics": {"patch_accuracy": 0.5 + step / 100, "miou": 0.2 + step / 100}}
+        return {"linear": {"metrics": {"top1": step / 100}}, "dense": dense, "dense_shape": dense}
+
+    floors = {floor: {"probes": probes(0)} for floor in ("baseline", "pixels", "patch_pixels")}
+    reports = [{"step": 8, "encoder": "context", "probes": probes(8), **floors}, {"step": 12, "probes": probes(12)}]
+    png = plot_learning_curves(reports, tmp_path / "labels.context.json")
+    table = json.loads((tmp_path / "labels.context.curves.json").read_text())
+    assert png == tmp_path / "labels.context.curves.png" and png.read_bytes()[:4] == b"\x89PNG"
+    assert table["steps"] == [8, 12] and table["encoder"] == "context"
+    assert table["probes"] == {
+        "dense_accuracy": [0.58, 0.62],
+        "dense_miou": [0.28, 0.32],
+        "dense_shape_accuracy": [0.58, 0.62],
+        "dense_shape_miou": [0.28, 0.32],
+        "linear": [0.08, 0.12],
+    }
+    assert table["floors"]["pixels"]["dense_shape_miou"] == 0.2 and set(table["floors"]) == set(floors)
 
 
 def _imagenet_layout(root: Path, synth_dir: Path) -> Path:

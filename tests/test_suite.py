@@ -91,21 +91,38 @@ def test_c():
 def test_d(vllm_engine):
     record("d")
 """
+# Run after the suite's conftest has ordered the tests: the order ORDER names, to place a user after a non-user.
+FORCED_ORDER = """
+import os
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    if os.environ.get("ORDER"):
+        order = os.environ["ORDER"].split(",")
+        items.sort(key=lambda item: order.index(item.name))
+"""
 
 
-def test_the_session_engine_ends_after_the_last_of_its_users_in_a_row_and_starts_again_for_a_later_one(tmp_path):
+def test_the_session_engine_runs_its_users_in_a_row_then_ends_and_starts_again_for_a_later_one(tmp_path):
     (tmp_path / "test_engine_users.py").write_text(ENGINE_USERS)
-    record = tmp_path / "record.jsonl"
+    (tmp_path / "conftest.py").write_text(FORCED_ORDER)
     outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q"]
-    done = subprocess.run(
-        [*command, "test_engine_users.py"],
-        cwd=tmp_path,
-        env={**outer, "RECORD": str(record), "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:]
-    ran = [json.loads(line) for line in record.read_text().splitlines()]
-    assert ran == ["start", "a", "b", "end", "c", "start", "d", "end"]
+
+    def ran(**env: str) -> list[str]:
+        record = tmp_path / "record.jsonl"
+        record.unlink(missing_ok=True)
+        done = subprocess.run(
+            [*command, "test_engine_users.py"],
+            cwd=tmp_path,
+            env={**outer, **env, "RECORD": str(record), "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout[-3000:]
+        return [json.loads(line) for line in record.read_text().splitlines()]
+
+    assert ran() == ["start", "a", "b", "d", "end", "c"]  # its users first and together: one start
+    assert ran(ORDER="test_a,test_b,test_c,test_d") == ["start", "a", "b", "end", "c", "start", "d", "end"]
