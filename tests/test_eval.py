@@ -6,6 +6,7 @@ import json
 import math
 import re
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -563,6 +564,7 @@ def test_the_curves_hold_every_figure_of_every_probe_at_every_step_beside_the_le
     png = plot_learning_curves(reports, tmp_path / "labels.context.json")
     table = json.loads((tmp_path / "labels.context.curves.json").read_text())
     assert png == tmp_path / "labels.context.curves.png" and png.read_bytes()[:4] == b"\x89PNG"
+    assert struct.unpack(">II", png.read_bytes()[16:24]) == (4 * 320, 2 * 240), "4 panels a row, 2 rows, at 80 dpi"
     assert table["steps"] == [8, 12] and table["encoder"] == "context"
     assert table["probes"] == {
         "dense_accuracy": [0.58, 0.62],

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,21 +38,30 @@ def test_costly(i):
 """
 
 
+def nested_pytest(cwd: Path, test_file: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """pytest in `cwd` on `test_file` with the suite's conftest as a plugin, as `make test` loads it, and `env` added
+    to this process's environment less its own pytest variables (its xdist worker, say)."""
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q", *args]
+    return subprocess.run(
+        [*command, test_file],
+        cwd=cwd,
+        env={**outer, **env, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.distributed
 def test_a_group_runs_in_one_worker_and_costly_tests_are_handed_out_first(tmp_path):
     """pytest-xdist 3.8 with pytest 9.2 lets every group fall apart without a word (pytest-xdist#1386): here the
     conftest's groups and order go through the same pytest, xdist and hooks as `make test`."""
     (tmp_path / "test_tiers.py").write_text(TESTS)
     record = tmp_path / "record.jsonl"
-    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # this run's xdist worker, say
-    env = {**outer, "RECORD": str(record), "PYTHONPATH": str(REPO)}
 
     def pytest_(*args: str) -> subprocess.CompletedProcess:
-        """pytest with the suite's conftest as a plugin, on the test file above."""
-        command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q", *args]
-        return subprocess.run(
-            [*command, "test_tiers.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
+        return nested_pytest(tmp_path, "test_tiers.py", *args, RECORD=str(record))
 
     done = pytest_("-n", "2", "--dist", "loadgroup")
     assert done.returncode == 0, done.stdout[-3000:]
@@ -107,20 +117,11 @@ def pytest_collection_modifyitems(items):
 def test_the_session_engine_runs_its_users_in_a_row_then_ends_and_starts_again_for_a_later_one(tmp_path):
     (tmp_path / "test_engine_users.py").write_text(ENGINE_USERS)
     (tmp_path / "conftest.py").write_text(FORCED_ORDER)
-    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q"]
 
     def ran(**env: str) -> list[str]:
         record = tmp_path / "record.jsonl"
         record.unlink(missing_ok=True)
-        done = subprocess.run(
-            [*command, "test_engine_users.py"],
-            cwd=tmp_path,
-            env={**outer, **env, "RECORD": str(record), "PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        done = nested_pytest(tmp_path, "test_engine_users.py", **env, RECORD=str(record))
         assert done.returncode == 0, done.stdout[-3000:]
         return [json.loads(line) for line in record.read_text().splitlines()]
 
