@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +30,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # What the commands say is checked as a user sees it by default: at INFO, rank 0's.
 os.environ.pop("TCJEPA_LOG_LEVEL", None)
+# Every process the session starts (workers, commands, torchrun, Ray, vLLM's engine) sees a user's install:
+# tests/support/user_site/sitecustomize.py hides the tests' own reference packages. The pytest processes keep them.
+USER_SITE = str(Path(__file__).parent / "support" / "user_site")
+if USER_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [USER_SITE, os.environ.get("PYTHONPATH")]))
+if "sklearn" in sys.modules and sys.modules["sklearn"] is None:  # a pytest-xdist worker, started with it hidden
+    del sys.modules["sklearn"]
 
 # The helpers' asserts explain their failures as a test's do: pytest rewrites tests/support when it imports it (below,
 # after this line, and in the test modules).

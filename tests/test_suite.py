@@ -127,3 +127,15 @@ def test_the_session_engine_runs_its_users_in_a_row_then_ends_and_starts_again_f
 
     assert ran() == ["start", "a", "b", "d", "end", "c"]  # its users first and together: one start
     assert ran(ORDER="test_a,test_b,test_c,test_d") == ["start", "a", "b", "end", "c", "start", "d", "end"]
+
+
+def test_the_processes_a_test_starts_lack_the_test_only_packages_which_the_test_itself_has():
+    """scikit-learn is a reference for the tests only; transformers imports it wherever it is installed (~2 s per
+    process that loads a model). The commands the tests run see a user's install, without it."""
+    import sklearn  # the reference tests import it in this process
+
+    assert sklearn.__version__
+    probe = "import importlib.util, sys; from transformers.utils import is_sklearn_available; "
+    probe += "print(importlib.util.find_spec('sklearn') is None, is_sklearn_available(), 'sklearn' in sys.modules)"
+    seen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert seen.stdout.split() == ["True", "False", "True"], seen  # absent, and the entry that hides it is the only one
