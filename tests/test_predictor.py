@@ -313,9 +313,11 @@ def test_the_regularisers_of_a_batch_of_no_images_are_zero():
 
 @pytest.mark.slow
 def test_the_compiled_regulariser_passes_equal_the_eager_ones():
-    """`--compile` runs the passes through inductor (C++ kernels on the CPU): the same terms and gradients, twice over
-    operands of other lengths, one graph per pass (dynamic shapes: no recompile). The backward runs on a thread of
-    its own, as autograd's engine runs it on CUDA: the backward pass is compiled and called there."""
+    """`--compile` runs the passes through inductor (C++ kernels on the CPU): the same terms and gradients, three times
+    over operands of other lengths, one graph per pass (dynamic lengths: no recompile). The first has as many target
+    tokens as the width, a later one as many as words: with duck sizing, or the width dynamic too, those equal dims
+    would be one symbol and the next lengths would compile again. The backward runs on a thread of its own, as
+    autograd's engine runs it on CUDA: the backward pass is compiled and called there."""
     import threading
 
     import torch._dynamo.utils
@@ -325,7 +327,7 @@ def test_the_compiled_regulariser_passes_equal_the_eager_ones():
     torch._dynamo.reset()  # graphs compiled earlier in this process would not be counted
     torch._dynamo.utils.counters.clear()
     compiled = compiled_regulariser_passes("inductor")
-    for tokens in (5, 7):
+    for tokens in (6, 5, 8):  # the width is 6 and the words 2 x 4 (`_regulariser_operands`)
         results = []
         for passes in (None, compiled):
             regularisers = text_regularisers if passes is None else functools.partial(text_regularisers, passes=passes)

@@ -14,13 +14,14 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
 from train.choices import LOSSES, REGULARISER_COSINES
+from train.dynamic_shapes import mark_dynamic, without_duck_sizing
 
 
 def gather_positions(features: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
@@ -202,14 +203,27 @@ class RegulariserPasses(NamedTuple):
 EAGER_PASSES = RegulariserPasses(_forward_pass, _backward_pass)
 
 
+def _lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """A pass (`queries, words, token_mask, word_mask, token_weight, word_weight, *grads`) called with its images,
+    queries and words dims marked dynamic; the widths and the depth stay static, so their kernels are specialised,
+    and without duck sizing (a caption length equal to the width when traced would compile again later)."""
+
+    def call(queries: list[torch.Tensor], words: list[torch.Tensor], *rest: torch.Tensor) -> tuple[Any, ...]:
+        for tensor in (*queries, *words, *rest[:4]):
+            mark_dynamic(tensor, 0, 1)
+        return without_duck_sizing(compiled, queries, words, *rest)
+
+    return call
+
+
 @functools.cache
 def compiled_regulariser_passes(backend: str = "inductor") -> RegulariserPasses:
     """The passes compiled by `backend`, which fuses each into a kernel that reads every layer's map once (bytes:
-    `benchmarks/regularisers.py`). Shapes are dynamic: one graph per pass for every step's context and caption
-    lengths. One pair per process and backend."""
+    `benchmarks/regularisers.py`). One graph per pass for every step's batch, context and caption lengths. One pair
+    per process and backend."""
     return RegulariserPasses(
-        torch.compile(_forward_pass, backend=backend, dynamic=True, fullgraph=True),
-        torch.compile(_backward_pass, backend=backend, dynamic=True, fullgraph=True),
+        _lengths_dynamic(torch.compile(_forward_pass, backend=backend, fullgraph=True)),
+        _lengths_dynamic(torch.compile(_backward_pass, backend=backend, fullgraph=True)),
     )
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from pipeline.core.errors import UserError
 from train.config import TrainConfig
+from train.dynamic_shapes import mark_dynamic, without_duck_sizing
 from train.jepa import JEPA
 from train.losses import EAGER_PASSES, RegulariserPasses, compiled_regulariser_passes
 from train.packing import TokenLayout
@@ -90,32 +91,24 @@ def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     `[B, L]`, slots `[T]`); in the predictor a layer's `LayerCaptions` (keys `[B, N, S, d]`: the batch and caption
     length S, the batch's longest rounded up to a multiple of 8, are dynamic; N is fixed) and the `TokenCaptions`
     (`[P, N]`). Duck sizing is off so that two dims that happen to be equal when a graph is traced (B·M = L on some
-    step) are not assumed equal forever, which would recompile.
+    step) are not assumed equal forever, which would recompile (`train.dynamic_shapes`).
     """
-    from torch._dynamo import maybe_mark_dynamic
-    from torch.fx.experimental import _config as shape_config
-
-    def mark(tensor: torch.Tensor | None, *dims: int) -> None:
-        if tensor is not None:
-            for dim in dims:
-                maybe_mark_dynamic(tensor, dim)
 
     def forward(x: torch.Tensor, layout: TokenLayout | None = None, *rest: Any) -> Any:
-        mark(x, *range(x.dim() - 1))
+        mark_dynamic(x, *range(x.dim() - 1))
         if layout is not None:
-            mark(layout.key_mask, 0, 1)
-            mark(layout.slots, 0)
+            mark_dynamic(layout.key_mask, 0, 1)
+            mark_dynamic(layout.slots, 0)
         for arg in rest:
             if isinstance(arg, LayerCaptions):
-                mark(arg.keys, 0, 2)
-                mark(arg.values, 0, 2)
-                mark(arg.attend, 0, 2)
+                mark_dynamic(arg.keys, 0, 2)
+                mark_dynamic(arg.values, 0, 2)
+                mark_dynamic(arg.attend, 0, 2)
             elif isinstance(arg, TokenCaptions):
-                mark(arg.rows, 0)
-                mark(arg.valid, 0)
-                mark(arg.keep, 0)
-        with shape_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set by install_config_module
-            return compiled(x, layout, *rest)
+                mark_dynamic(arg.rows, 0)
+                mark_dynamic(arg.valid, 0)
+                mark_dynamic(arg.keep, 0)
+        return without_duck_sizing(compiled, x, layout, *rest)
 
     return forward
 
