@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # What the commands say is checked as a user sees it by default: at INFO, rank 0's.
 os.environ.pop("TCJEPA_LOG_LEVEL", None)
-# Every process the session starts (workers, commands, torchrun, Ray, vLLM's engine) sees a user's install:
+# The processes the session starts (workers, commands, torchrun, Ray, vLLM's engine) see a user's install:
 # tests/support/user_site/sitecustomize.py hides the tests' own reference packages. The pytest processes keep them.
 USER_SITE = str(Path(__file__).parent / "support" / "user_site")
 if USER_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):

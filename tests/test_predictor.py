@@ -315,9 +315,9 @@ def test_the_regularisers_of_a_batch_of_no_images_are_zero():
 def test_the_compiled_regulariser_passes_equal_the_eager_ones():
     """`--compile` runs the passes through inductor (C++ kernels on the CPU): the same terms and gradients, three times
     over operands of other lengths, one graph per pass (dynamic lengths: no recompile). The first has as many target
-    tokens as the width, a later one as many as words: with duck sizing, or the width dynamic too, those equal dims
-    would be one symbol and the next lengths would compile again. The backward runs on a thread of its own, as
-    autograd's engine runs it on CUDA: the backward pass is compiled and called there."""
+    tokens as the width: compiled with every dim dynamic, as the passes once were, duck sizing gave the two one symbol
+    and the next lengths compiled each pass again (4 graphs). The backward runs on a thread of its own, as autograd's
+    engine runs it on CUDA: the backward pass is compiled and called there."""
     import threading
 
     import torch._dynamo.utils

@@ -130,8 +130,8 @@ def test_the_session_engine_runs_its_users_in_a_row_then_ends_and_starts_again_f
 
 
 def test_the_processes_a_test_starts_lack_the_test_only_packages_which_the_test_itself_has():
-    """scikit-learn is a reference for the tests only; transformers imports it wherever it is installed (~2 s per
-    process that loads a model). The commands the tests run see a user's install, without it."""
+    """scikit-learn is a reference for the tests only; transformers imports it wherever it is installed (0.7 CPU-s
+    more for each `tcjepa embed`). The commands the tests run see a user's install, without it."""
     import sklearn  # the reference tests import it in this process
 
     assert sklearn.__version__

@@ -205,8 +205,8 @@ EAGER_PASSES = RegulariserPasses(_forward_pass, _backward_pass)
 
 def _lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     """A pass (`queries, words, token_mask, word_mask, token_weight, word_weight, *grads`) called with its images,
-    queries and words dims marked dynamic; the widths and the depth stay static, so their kernels are specialised,
-    and without duck sizing (a caption length equal to the width when traced would compile again later)."""
+    queries and words dims marked dynamic and its widths and depth static (`train.dynamic_shapes`: compiled with
+    every dim dynamic, a caption length equal to the width on the traced step compiled each pass again)."""
 
     def call(queries: list[torch.Tensor], words: list[torch.Tensor], *rest: torch.Tensor) -> tuple[Any, ...]:
         for tensor in (*queries, *words, *rest[:4]):

@@ -90,8 +90,8 @@ def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     Blocks are called as `block(x, layout, *rest)`: `x` `[B, L, d]`, or packed `[T, d]`; a `TokenLayout` (key mask
     `[B, L]`, slots `[T]`); in the predictor a layer's `LayerCaptions` (keys `[B, N, S, d]`: the batch and caption
     length S, the batch's longest rounded up to a multiple of 8, are dynamic; N is fixed) and the `TokenCaptions`
-    (`[P, N]`). Duck sizing is off so that two dims that happen to be equal when a graph is traced (B·M = L on some
-    step) are not assumed equal forever, which would recompile (`train.dynamic_shapes`).
+    (`[P, N]`). Marked dims get symbols of their own, so two that happen to be equal when a graph is traced (B·M = L
+    on some step) are not taken to be equal later (`train.dynamic_shapes`).
     """
 
     def forward(x: torch.Tensor, layout: TokenLayout | None = None, *rest: Any) -> Any:
