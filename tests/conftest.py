@@ -261,7 +261,8 @@ def reference_run(tmp_path_factory, synth_dir, annotated_cache, annotated_store)
     """A finished run of `cross` (`REFERENCE_STEPS`), shared read-only: tests that write into a run copy it first
     (evaluation's feature cache and reports excepted: they are what `tcjepa eval` adds to a run)."""
     run = tmp_path_factory.mktemp("runs") / "reference"
-    tcjepa(*train_args(synth_dir / "images", annotated_cache, annotated_store, run, *REFERENCE_STEPS))
+    # fresh: the runs compared with it byte for byte are forked (tests.support.forked_commands: one hash seed)
+    tcjepa(*train_args(synth_dir / "images", annotated_cache, annotated_store, run, *REFERENCE_STEPS), fresh=True)
     return run
 
 

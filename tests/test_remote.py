@@ -222,7 +222,7 @@ def test_partitioned_nodes_read_only_their_segments_and_match_one_node_and_resum
     for later in (6, 8):
         for path in (run / "checkpoints").glob(f"step-{later:08d}.*"):
             path.unlink()
-    resumed = tcjepa(*args, "--out", run, env={**env, "HOME": str(tmp_path / "node0")})
+    resumed = tcjepa(*args, "--out", run, env={**env, "HOME": str(tmp_path / "node0")}, fresh=True)
     assert "resuming" in resumed.stderr and "2 new of 4 segments this run needs" in resumed.stderr
     assert_close_runs(metrics(tmp_path / "one"), metrics(run))
 
@@ -515,7 +515,7 @@ def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(tmp_path, s3, ann
     mirror_store_keys(url, tmp_path / "keys")
     assert listed == [], "a sync with nothing new published lists nothing, fitted arrays included"
 
-    tcjepa("embed", "--store", tmp_path / "local", *args, *small)
+    tcjepa("embed", "--store", tmp_path / "local", *args, *small, fresh=True)  # another string-hash seed
     local, mirrored = EmbeddingStore(tmp_path / "local"), EmbeddingStore(mirror_store(url, tmp_path / "reader"))
     assert local.encoder_hash == mirrored.encoder_hash and mirrored.width == 16
     assert tcjepa("store", "verify", mirrored.root, "--no-progress").stdout.startswith("ok: ")

@@ -328,7 +328,7 @@ def test_projection_is_fitted_once_deterministically_and_sets_the_width(tmp_path
 
     first = tcjepa("embed", "--store", tmp_path / "a", *args)
     assert "stored as float16, width 16 (PCA of 64, keeping" in first.stdout and "PCA 64 -> 16 keeps" in first.stderr
-    tcjepa("embed", "--store", tmp_path / "b", *args)
+    tcjepa("embed", "--store", tmp_path / "b", *args, fresh=True)  # another process, another string-hash seed
     a, b = EmbeddingStore(tmp_path / "a"), EmbeddingStore(tmp_path / "b")
     assert a.encoder_hash == b.encoder_hash and a.width == 16 and a.source_width == 64
     assert np.array_equal(a.transform.projection.components, b.transform.projection.components)

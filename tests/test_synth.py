@@ -47,7 +47,7 @@ def test_synth_labels_carry_the_shape_map_and_the_pairs_present(synth_dir):
 
 def test_synth_deterministic_and_prefix_stable(tmp_path):
     tcjepa("synth", "--out", tmp_path / "a", "--n-images", 5, "--seed", 1)
-    tcjepa("synth", "--out", tmp_path / "b", "--n-images", 8, "--seed", 1)
+    tcjepa("synth", "--out", tmp_path / "b", "--n-images", 8, "--seed", 1, fresh=True)  # another hash seed
     tcjepa("synth", "--out", tmp_path / "c", "--n-images", 5, "--seed", 2)
     a = (tmp_path / "a" / "captions.jsonl").read_text().splitlines()
     b = (tmp_path / "b" / "captions.jsonl").read_text().splitlines()
@@ -173,7 +173,7 @@ def test_free_scenes_label_the_object_on_top_at_each_cell_centre(tmp_path):
     assert objects > 12 * 5, "objects cover a share of the cells"
     again = tmp_path / "again"
     free_scenes_first = (out / "images" / "000003.png").read_bytes()
-    tcjepa("synth", "--out", again, "--n-images", 4, "--layout", "free", "--captions", "full")
+    tcjepa("synth", "--out", again, "--n-images", 4, "--layout", "free", "--captions", "full", fresh=True)
     assert (again / "images" / "000003.png").read_bytes() == free_scenes_first
     assert free_scenes.LABEL_GRID == 8
     bad = refused("synth", "--out", tmp_path / "x", "--n-images", 2, "--layout", "spiral")

@@ -10,6 +10,7 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
+from tests.support.forked_commands import forkable, run_forked
 from tests.support.processes import end_family, start
 from tests.support.repo import REPO
 
@@ -34,14 +35,19 @@ def two_nodes(name: str) -> tuple[str, ...]:
 
 
 def run_command(
-    command: list[str], check: bool = True, timeout: float = 600, **kwargs: Any
+    command: list[str], check: bool = True, timeout: float = 600, fresh: bool = False, **kwargs: Any
 ) -> subprocess.CompletedProcess:
     """Run `command` in the repository (or `cwd=`), capturing its text output; with `check`, a failure shows its
     stderr. Past `timeout` it is ended with every process it started (subprocess.run ends only the first), and
-    the test fails with its stderr."""
-    child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **{"cwd": REPO, **kwargs}
-    )
+    the test fails with its stderr. `python -m` of the CLI or a benchmark is forked from this process's warm
+    interpreter (`tests.support.forked_commands`) unless `fresh` or its options need a fresh one."""
+    options = {"cwd": REPO, **kwargs}
+    env = options.pop("env", None)
+    if not fresh and forkable(command, env, **options):
+        forked = run_forked(command, timeout, options["cwd"], env)
+        if forked is not None:  # else no server could start: fresh, as below
+            return _checked(subprocess.CompletedProcess(command, *forked), check)
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **options)
     try:
         out, err = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -50,17 +56,23 @@ def run_command(
             f"{' '.join(map(str, command[1:]))} still running after {timeout} s; its stderr:\n"
             f"{(child.communicate()[1] or '')[-3000:]}"
         ) from None
-    proc = subprocess.CompletedProcess(command, child.returncode, out, err)
+    return _checked(subprocess.CompletedProcess(command, child.returncode, out, err), check)
+
+
+def _checked(proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
+        command = " ".join(proc.args[1:])
         raise AssertionError(
-            f"{' '.join(command[1:])} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+            f"{command} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
         )
     return proc
 
 
-def tcjepa(*args: object, check: bool = True, timeout: float = 600, **kwargs: Any) -> subprocess.CompletedProcess:
-    """Run the real CLI (`python -m pipeline ...`) in a subprocess."""
-    return run_command(cli(*args), check=check, timeout=timeout, **kwargs)
+def tcjepa(
+    *args: object, check: bool = True, timeout: float = 600, fresh: bool = False, **kwargs: Any
+) -> subprocess.CompletedProcess:
+    """Run the real CLI (`python -m pipeline ...`) in a process of its own (forked, unless `fresh`: `run_command`)."""
+    return run_command(cli(*args), check=check, timeout=timeout, fresh=fresh, **kwargs)
 
 
 def refused(*args: object) -> subprocess.CompletedProcess:
@@ -86,10 +98,11 @@ def refused(*args: object) -> subprocess.CompletedProcess:
 
 
 def python_module(
-    module: str, *args: object, check: bool = True, timeout: float = 600, **kwargs: Any
+    module: str, *args: object, check: bool = True, timeout: float = 600, fresh: bool = False, **kwargs: Any
 ) -> subprocess.CompletedProcess:
     """Run `python -m MODULE ARGS` (a benchmark, say) in the repository, as `tcjepa` runs the CLI."""
-    return run_command([sys.executable, "-m", module, *map(str, args)], check=check, timeout=timeout, **kwargs)
+    command = [sys.executable, "-m", module, *map(str, args)]
+    return run_command(command, check=check, timeout=timeout, fresh=fresh, **kwargs)
 
 
 def start_tcjepa(*args: object, quiet: bool = False, **kwargs: Any) -> subprocess.Popen:

@@ -1,0 +1,332 @@
+"""`python -m MODULE ARGS` forked from a warm interpreter: a command a test runs to completion skips the imports of
+torch and `torch._dynamo` (~3 CPU-seconds a process here), as a DataLoader's forked workers do.
+
+One server per pytest process, started on first use: this file run as a script, which imports torch and
+`torch._dynamo` (no module of the repository's packages, no text model), then forks for each request an intermediate
+process, which forks the command, tells the test its pid, copies its output from pipes into files until every
+process holding them has closed them (as `communicate` waits for a fresh one), and tells the test its exit status.
+The command is a process of its own with the test's environment, working directory and `sys.path[0]`; it runs the
+module in a new `__main__` as `python -m` does (`runpy`) and exits through the interpreter's normal shutdown. Past
+its timeout the intermediate, which has not reaped it, kills it and what it started.
+
+What a forked command cannot have, and so runs in a fresh interpreter (`forkable` says which):
+- an environment that differs from the test process's in what Python, numpy, torch or OpenMP may read as they start
+  (`_READ_AT_START`: `TORCH_LOGS`, `OMP_NUM_THREADS`, `PYTHONPATH`, `LANG`, ...); the server is started again when the
+  test process's own environment changes in those (inductor sets its cache directory in-process, an OpenMP runtime
+  its KMP_*);
+- options of `subprocess.Popen` besides `cwd` and `env` (`preexec_fn`, `stdin`, `start_new_session`, ...);
+- coverage's measurement, or a torch started on more than one thread (`OMP_NUM_THREADS` not 1);
+- its own string-hash seed: every forked command has its server's, so a test that checks that two runs write the
+  same bytes runs one of them fresh (`tcjepa(..., fresh=True)`).
+Commands a test starts to watch, signal or kill (`tests.support.processes.start`) always start fresh. When the
+server cannot start (a torch import that leaves threads or loads CUDA's driver, say) every command runs fresh.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import importlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# Environment variables that Python, numpy, torch, inductor, OpenMP or a BLAS may read as they start (prefixes): a
+# command whose environment differs from the server's in one of these runs fresh, and the server is started again
+# when the test process's own environment changes in one (inductor sets its cache directory in-process, say).
+_READ_AT_START = (
+    "PYTHON",
+    "LANG",
+    "LC_",
+    "LD_",
+    "MALLOC",
+    "TMPDIR",
+    "NPY_",
+    "NUMPY_",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "GOTO_",
+    "TORCH",
+    "PYTORCH",
+    "INDUCTOR",
+    "AOT_INDUCTOR",
+    "CXX",
+    "CC",
+    "CUDA",
+    "NCCL",
+    "GLOO",
+    "TRITON",
+    "COVERAGE",
+)
+SERVED_MODULES = ("pipeline", "benchmarks.")  # the CLI and the benchmarks; not torchrun, not `-c` code
+
+
+def read_at_start(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `env` that Python, numpy, torch or OpenMP may read as they start (`_READ_AT_START`)."""
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
+
+
+def forkable(command: list[str], env: Mapping[str, str] | None, **options: Any) -> bool:
+    """Whether `command` (`[python, -m, MODULE, ...]`, run with `env` and `options`) may be forked: a module served,
+    no option but `cwd`, no coverage, one torch thread, a server that could start, and in `env` what is read at start
+    as in this process's environment (the server's)."""
+    if len(command) < 3 or command[0] != sys.executable or command[1] != "-m" or set(options) - {"cwd"}:
+        return False
+    if not (command[2] == SERVED_MODULES[0] or command[2].startswith(SERVED_MODULES[1])):
+        return False
+    current = read_at_start(os.environ)
+    if any(k.startswith("COVERAGE") for k in current) or current.get("OMP_NUM_THREADS") != "1":
+        return False  # coverage measures fresh processes; a fork is safe from a torch that runs one thread
+    return Server.failed is None and (env is None or read_at_start(env) == current)
+
+
+class Server:
+    """The warm interpreter of this pytest process (`Server.get()`), ended with the process."""
+
+    _this: Server | None = None
+    _lock = threading.Lock()
+    failed: str | None = None  # why the server could not start: every command then runs fresh
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"tcjepa-fork-{os.getpid()}-"))
+        self.socket = self.dir / "socket"
+        self.env = dict(os.environ)
+        with open(self.dir / "server.stderr", "wb") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, str(self.socket)],
+                cwd=Path(__file__).resolve().parents[2],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
+        deadline = time.monotonic() + 120
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((self.dir / "server.stderr").read_text().strip()[-2000:] or "no socket after 120 s")
+            time.sleep(0.05)
+
+    @classmethod
+    def get(cls) -> Server | None:
+        """The server, started again when this process's environment has changed in what is read at start since
+        it started; None, with a warning the first time, when it cannot start."""
+        with cls._lock:
+            this = cls._this
+            if this is not None and this.proc.poll() is None and read_at_start(this.env) == read_at_start(os.environ):
+                return this
+            cls._stop()
+            try:
+                cls._this = Server()
+            except (OSError, RuntimeError) as exc:
+                cls.failed = str(exc)
+                warnings.warn(f"commands run fresh: the fork server did not start: {exc}", stacklevel=2)
+            return cls._this
+
+    @classmethod
+    def _stop(cls) -> None:
+        """End this process's server (by its pid; commands it forked finish on their own)."""
+        if cls._this is not None and cls._this.proc.poll() is None:
+            cls._this.proc.kill()
+            cls._this.proc.wait()
+        cls._this = None
+
+    @classmethod
+    def stop_and_clean(cls) -> None:
+        """At the pytest process's exit: end its server and remove the directories of every server it started."""
+        with cls._lock:
+            cls._stop()
+        for path in Path(tempfile.gettempdir()).glob(f"tcjepa-fork-{os.getpid()}-*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_forked(
+    command: list[str], timeout: float, cwd: Path | str, env: Mapping[str, str] | None
+) -> tuple[int, str, str] | None:
+    """(exit status, stdout, stderr) of `command` forked from this process's server, or None when no server could
+    start. Past `timeout` the command and what it started are killed and AssertionError is raised with its stderr."""
+    server = Server.get()
+    if server is None:
+        return None
+    out = Path(tempfile.mkdtemp(prefix="cmd-", dir=server.dir))
+    request = {
+        "module": command[2],
+        "argv": command[3:],
+        "cwd": str(Path(cwd).resolve()),
+        "env": dict(os.environ if env is None else env),
+        "stdout": str(out / "stdout"),
+        "stderr": str(out / "stderr"),
+    }
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(str(server.socket))
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        conn.settimeout(timeout)
+        try:
+            with conn.makefile("r") as replies:
+                pid, status = replies.readline(), replies.readline()
+        except TimeoutError:
+            conn.settimeout(120)
+            conn.sendall(b"kill\n")  # the intermediate kills the command it has not reaped, and what it started
+            with contextlib.suppress(TimeoutError):
+                conn.recv(1 << 16)  # its exit status, once its output is closed
+            raise AssertionError(
+                f"{' '.join(map(str, command[1:]))} still running after {timeout} s; its stderr:\n"
+                f"{_read(out / 'stderr')[-3000:]}"
+            ) from None
+    if not pid or not status:
+        raise RuntimeError(
+            f"the fork server lost {' '.join(command[2:])}: {(server.dir / 'server.stderr').read_text()}"
+        )
+    texts = _read(out / "stdout"), _read(out / "stderr")
+    shutil.rmtree(out)
+    return int(status), *texts
+
+
+def _read(path: Path) -> str:
+    """A command's output as `subprocess.Popen(..., text=True)` reads a pipe (universal newlines)."""
+    with open(path) as f:
+        return f.read()
+
+
+if __name__ != "__main__":
+    atexit.register(Server.stop_and_clean)  # in the pytest process only, not in the server or its commands
+
+
+def _kill_family(pid: int) -> None:
+    """SIGSTOP then SIGKILL the command `pid` (this process's unreaped child) and every process under it."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for p in family:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _serve(path: str) -> tuple[dict[str, Any], int, int]:
+    """The server's loop; returns only in a forked command: its request and the write ends of its output pipes."""
+    import torch  # noqa: F401  (what the commands would import first)
+    import torch._dynamo  # noqa: F401  (imported by every torch optimizer's constructor)
+
+    if len(os.listdir("/proc/self/task")) != 1:
+        sys.exit("torch's import left threads running (OMP_NUM_THREADS=1 and OPENBLAS_NUM_THREADS=1 avoid them)")
+    if "libcuda" in Path("/proc/self/maps").read_text():
+        sys.exit("torch's import loaded the CUDA driver, which a forked process cannot use")
+    parent = os.getppid()
+    gc.collect()
+    gc.freeze()  # the objects imported so far stay out of the children's collections (no copy-on-write of them)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".part")
+    listener.listen(16)
+    os.rename(path + ".part", path)
+    listener.settimeout(1.0)
+    while True:
+        while True:  # reap the intermediate processes that have ended
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if os.getppid() != parent:
+            os._exit(0)  # the pytest process is gone
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            conn.settimeout(60)
+            with conn.makefile("r") as lines:
+                request = json.loads(lines.readline())
+        except (OSError, ValueError):
+            conn.close()  # a test that went away before asking
+            continue
+        conn.settimeout(None)
+        if os.fork() != 0:
+            conn.close()
+            continue
+        listener.close()
+        pipes = os.pipe(), os.pipe()
+        command = os.fork()
+        if command == 0:
+            conn.close()
+            os.close(pipes[0][0])
+            os.close(pipes[1][0])
+            return request, pipes[0][1], pipes[1][1]
+        try:
+            _intermediate(conn, command, request, (pipes[0][0], pipes[1][0]), (pipes[0][1], pipes[1][1]))
+        finally:
+            os._exit(0)  # never back into the loop, also when the test has gone (a closed connection)
+
+
+def _intermediate(conn: socket.socket, command: int, request: dict, reads: tuple, writes: tuple) -> None:
+    """Tell the test the command's pid; copy its output into the request's files until every holder of its pipes
+    has closed them, killing it and what it started if the test asks; then wait for it and tell its exit status."""
+    for fd in writes:
+        os.close(fd)
+    conn.sendall(f"{command}\n".encode())
+    files = {reads[0]: open(request["stdout"], "wb"), reads[1]: open(request["stderr"], "wb")}
+    with selectors.DefaultSelector() as selector:
+        for fd in reads:
+            selector.register(fd, selectors.EVENT_READ)
+        selector.register(conn, selectors.EVENT_READ)
+        while len(selector.get_map()) > 1:
+            for key, _ in selector.select():
+                if key.fileobj is conn:
+                    selector.unregister(conn)
+                    _kill_family(command)  # the test asked (past its timeout) or has gone
+                    continue
+                chunk = os.read(key.fd, 1 << 16)
+                if chunk:
+                    files[key.fd].write(chunk)
+                    files[key.fd].flush()
+                else:
+                    selector.unregister(key.fd)
+                    files[key.fd].close()
+    _, status = os.waitpid(command, 0)
+    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _become(request: dict[str, Any], stdout: int, stderr: int) -> None:
+    """Turn this forked process into `python -m MODULE ARGS` as the test would have started it."""
+    import runpy
+
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in enumerate((devnull, stdout, stderr)):
+        os.dup2(target, fd)
+        os.close(target)
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()  # the legacy global state, fresh as in a new interpreter
+    importlib.invalidate_caches()
+    sys.path[0] = request["cwd"]
+    sys.argv = [request["module"], *request["argv"]]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    runpy._run_module_as_main(request["module"], alter_argv=True)  # type: ignore[attr-defined]  (`python -m`'s own)
+
+
+if __name__ == "__main__":
+    _become(*_serve(sys.argv[1]))

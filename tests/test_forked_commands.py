@@ -1,0 +1,109 @@
+"""The warm interpreter the tests fork their commands from (`tests.support.forked_commands`): a forked command sees
+what a fresh one does, exits as it would, is done when its output is, is killed with its children past its timeout,
+and a command that needs a fresh interpreter gets one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.support.commands import run_command, tcjepa
+from tests.support.forked_commands import Server, forkable, run_forked
+from tests.support.repo import REPO
+
+FACTS = [sys.executable, "-m", "tests.support.process_facts"]
+CLI = [sys.executable, "-m", "pipeline", "train"]
+
+pytestmark = pytest.mark.skipif(
+    not forkable(CLI, None), reason="every command runs fresh here (coverage, or OMP_NUM_THREADS is not 1)"
+)
+
+
+@pytest.fixture(autouse=True)
+def facts_importable(monkeypatch):
+    """`tests.support.process_facts` importable from any directory, in the server (started again) as in a fresh
+    process."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.environ["PYTHONPATH"], str(REPO)]))
+
+
+def fresh(args: list[str], cwd, env) -> tuple[int, str, str]:
+    done = subprocess.run([*FACTS, *args], cwd=cwd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("args", [["exit", "3"], ["signal", "SIGTERM"], ["linger", "0"]])
+def test_a_forked_command_sees_and_exits_as_a_fresh_one(tmp_path, args):
+    """Same facts, exit status (a signal's negative), and output: stderr read as a text pipe is, and stdout until
+    the child the command left behind has closed it too."""
+    env = {**os.environ, "TCJEPA_SOMETHING": "set by the test"}
+    forked = run_forked([*FACTS, *args], 120, tmp_path, env)
+    alone = fresh(args, tmp_path, env)
+    assert forked is not None
+    assert forked[0] == alone[0] == {"exit": 3, "signal": -15, "linger": 0}[args[0]]
+    assert forked[2] == alone[2] == "progress\ndone\n"
+    (seen, *late), (expected, *late_too) = forked[1].splitlines(), alone[1].splitlines()
+    assert late == late_too == (["written after the command exited"] if args[0] == "linger" else [])
+    seen, expected = json.loads(seen), json.loads(expected)
+    assert seen.pop("torch") and not expected.pop("torch"), "the server's imports are the one difference"
+    assert seen == expected and seen["env"] == {"TCJEPA_SOMETHING": "set by the test"}
+    assert seen["path0"] == seen["cwd"] == str(tmp_path.resolve()) and seen["name"] == "__main__"
+
+
+def test_a_forked_command_past_its_timeout_is_killed_with_its_children(tmp_path):
+    pids = tmp_path / "pids"
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="still running after 10 s"):
+        run_forked([*FACTS, "sleep", str(pids)], 10, tmp_path, None)
+    assert time.monotonic() - started < 60
+    command, child = map(int, pids.read_text().split())
+    server = Server.get()
+    assert server is not None and command not in (os.getpid(), server.proc.pid)
+    for pid in (command, child):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_commands_that_need_a_fresh_interpreter_get_one(monkeypatch):
+    base = dict(os.environ)
+    assert forkable(CLI, None) and forkable([sys.executable, "-m", "benchmarks.startup"], base)
+    read_later = {"TCJEPA_CACHE_DIR": "/x", "HF_HUB_OFFLINE": "0", "AWS_ACCESS_KEY_ID": "k", "HOME": "/tmp"}
+    assert forkable(CLI, {**base, **read_later}), "read at run time"
+    for name in ("TORCH_LOGS", "OMP_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "KMP_INIT_AT_FORK", "LANG", "CXX"):
+        assert not forkable(CLI, {**base, name: "+recompiles"}), f"{name} may be read when the interpreter starts"
+    assert not forkable(CLI, None, preexec_fn=print) and forkable(CLI, None, cwd="/")
+    assert not forkable([sys.executable, "-m", "torch.distributed.run", "-m", "pipeline"], None), "torchrun"
+    assert not forkable([sys.executable, "-c", "print()"], None)
+    assert not forkable(["python3", "-m", "pipeline"], None), "another interpreter"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not forkable(CLI, None), "a fork from a torch on several threads is unsafe"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("COVERAGE_PROCESS_START", "pyproject.toml")
+    assert not forkable(CLI, None), "coverage measures fresh processes"
+
+
+def test_the_server_starts_again_when_the_test_process_sets_what_is_read_at_start(monkeypatch):
+    first = Server.get()
+    assert first is not None and Server.get() is first
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/somewhere")  # as inductor does when it compiles in-process
+    second = Server.get()
+    assert second is not None and second is not first and first.proc.poll() is not None
+    assert second.env["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/somewhere"
+
+
+def test_without_a_server_commands_run_fresh(monkeypatch):
+    monkeypatch.setattr(Server, "failed", "could not start")
+    assert not forkable(CLI, None)
+    assert tcjepa("--version").stdout.startswith("tcjepa ")
+
+
+def test_the_cli_forked_and_fresh_says_the_same():
+    for args in (["--version"], ["train", "--no-such-option"]):
+        forked, alone = tcjepa(*args, check=False), tcjepa(*args, check=False, fresh=True)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (alone.returncode, alone.stdout, alone.stderr)
+    with pytest.raises(AssertionError, match="exited 2"):
+        run_command([sys.executable, "-m", "pipeline", "no-such-command"])
