@@ -218,10 +218,8 @@ def _kill_family(pid: int) -> None:
         return
     for sig in (signal.SIGSTOP, signal.SIGKILL):
         for p in family:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):  # one that ended by itself meanwhile
                 p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
 
 
 def _serve(path: str) -> tuple[dict[str, Any], int, int]:
@@ -290,7 +288,7 @@ def _intermediate(conn: socket.socket, command: int, request: dict, reads: tuple
         for fd in reads:
             selector.register(fd, selectors.EVENT_READ)
         selector.register(conn, selectors.EVENT_READ)
-        while len(selector.get_map()) > 1:
+        while files.keys() & selector.get_map().keys():  # a pipe still open (after a kill too)
             for key, _ in selector.select():
                 if key.fileobj is conn:
                     selector.unregister(conn)
