@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from tests.support.commands import run_command, tcjepa
-from tests.support.forked_commands import Server, forkable, run_forked, server_kind
+from tests.support.forked_commands import Server, forkable, run_forked
 from tests.support.repo import REPO
 
 FACTS = [sys.executable, "-m", "tests.support.process_facts"]
@@ -86,29 +86,6 @@ def test_commands_that_need_a_fresh_interpreter_get_one(monkeypatch):
     assert not forkable(CLI, None), "coverage measures fresh processes"
 
 
-def test_a_text_command_forks_from_a_server_that_imported_transformers_with_the_environment_it_read(
-    tmp_path, monkeypatch
-):
-    assert server_kind([*CLI[:3], "embed", "--help"]) == "text" and server_kind(CLI) == "torch"
-    assert server_kind([sys.executable, "-m", "benchmarks.embed"]) == "torch", "a benchmark imports what it needs"
-    text, plain = (run_forked(FACTS, 120, tmp_path, None, kind=kind) for kind in ("text", "torch"))
-    assert text is not None and plain is not None
-    assert json.loads(text[1])["transformers"] and not json.loads(plain[1])["transformers"], "train never has it"
-    server = Server.get("text")
-    assert server is not None and {"HF_HUB_OFFLINE", "HF_HOME", "HOME"} <= set(server.read), "read as it imports"
-    assert "PYTEST_CURRENT_TEST" not in server.read, "an import scanned the whole environment"
-    other = {**os.environ, "HF_HUB_OFFLINE": "1" if os.environ.get("HF_HUB_OFFLINE") != "1" else "0"}
-    moved = run_forked(FACTS, 120, tmp_path, other, kind="text")
-    assert moved is not None and not json.loads(moved[1])["transformers"], "forked from torch's: imports it itself"
-    monkeypatch.setitem(Server.failed, "text", "could not start")
-    assert not json.loads(run_forked(FACTS, 120, tmp_path, None, kind="text")[1])["transformers"]
-    monkeypatch.delitem(Server.failed, "text")
-    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")  # read by transformers' import
-    again = Server.get("text")
-    assert again is not None and again is not server and server.proc.poll() is not None
-    assert again.env["TRANSFORMERS_VERBOSITY"] == "error"
-
-
 def test_the_server_starts_again_when_the_test_process_sets_what_is_read_at_start(monkeypatch):
     first = Server.get()
     assert first is not None and Server.get() is first
@@ -119,7 +96,7 @@ def test_the_server_starts_again_when_the_test_process_sets_what_is_read_at_star
 
 
 def test_without_a_server_commands_run_fresh(monkeypatch):
-    monkeypatch.setattr(Server, "failed", {"torch": "could not start"})
+    monkeypatch.setattr(Server, "failed", "could not start")
     assert not forkable(CLI, None)
     assert tcjepa("--version").stdout.startswith("tcjepa ")
 

@@ -45,7 +45,7 @@ def run_command(
     env = options.pop("env", None)
     if not fresh and forkable(command, env, **options):
         forked = run_forked(command, timeout, options["cwd"], env)
-        if forked is not None:  # else no server could start or serve its environment: fresh, as below
+        if forked is not None:  # else no server could start: fresh, as below
             return _checked(subprocess.CompletedProcess(command, *forked), check)
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **options)
     try:

@@ -1,29 +1,24 @@
 """`python -m MODULE ARGS` forked from a warm interpreter: a command a test runs to completion skips the imports of
-torch and `torch._dynamo` (~3 CPU-seconds a process here), as a DataLoader's forked workers do, and a command that
-loads a text model (`TEXT_COMMANDS`) those of transformers too (~2.4 CPU-seconds more).
+torch and `torch._dynamo` (~3 CPU-seconds a process here), as a DataLoader's forked workers do.
 
-Two kinds of server per pytest process, each started on first use: this file run as a script, which imports
-`PRELOADS[kind]` (no module of the repository's packages; transformers only in the `text` kind, so that a command
-that must not import a text model, `train` say, still starts without one), then forks for each request an
-intermediate process, which forks the command, tells the test its pid, copies its output from pipes into files
-until every process holding them has closed them (as `communicate` waits for a fresh one), and tells the test its
-exit status.
+One server per pytest process, started on first use: this file run as a script, which imports torch and
+`torch._dynamo` (no module of the repository's packages, no text model), then forks for each request an intermediate
+process, which forks the command, tells the test its pid, copies its output from pipes into files until every
+process holding them has closed them (as `communicate` waits for a fresh one), and tells the test its exit status.
 The command is a process of its own with the test's environment, working directory and `sys.path[0]`; it runs the
 module in a new `__main__` as `python -m` does (`runpy`) and exits through the interpreter's normal shutdown. Past
 its timeout the intermediate, which has not reaped it, kills it and what it started.
 
-What a forked command cannot have, and so runs in a fresh interpreter (`forkable` says which; a text command whose
-environment the `text` server does not serve is forked from the `torch` one, and imports the rest itself):
+What a forked command cannot have, and so runs in a fresh interpreter (`forkable` says which):
 - an environment that differs from the test process's in what Python, numpy, torch or OpenMP may read as they start
-  (`_READ_AT_START`: `TORCH_LOGS`, `OMP_NUM_THREADS`, `PYTHONPATH`, `LANG`, ...); a server is started again when the
-  test process's own environment changes in those, or, for the `text` kind, in a variable that its imports beyond
-  torch's read (recorded as it imports them: `HF_HUB_OFFLINE`, `HOME`, `TRANSFORMERS_VERBOSITY`, ...; inductor sets
-  its cache directory in-process, an OpenMP runtime its KMP_*);
+  (`_READ_AT_START`: `TORCH_LOGS`, `OMP_NUM_THREADS`, `PYTHONPATH`, `LANG`, ...); the server is started again when the
+  test process's own environment changes in those (inductor sets its cache directory in-process, an OpenMP runtime
+  its KMP_*);
 - options of `subprocess.Popen` besides `cwd` and `env` (`preexec_fn`, `stdin`, `start_new_session`, ...);
 - coverage's measurement, or a torch started on more than one thread (`OMP_NUM_THREADS` not 1);
 - its own string-hash seed: every forked command has its server's, so a test that checks that two runs write the
   same bytes runs one of them fresh (`tcjepa(..., fresh=True)`).
-Commands a test starts to watch, signal or kill (`tests.support.processes.start`) always start fresh. When a
+Commands a test starts to watch, signal or kill (`tests.support.processes.start`) always start fresh. When the
 server cannot start (a torch import that leaves threads or loads CUDA's driver, say) every command runs fresh.
 """
 
@@ -79,33 +74,13 @@ _READ_AT_START = (
     "GLOO",
     "TRITON",
     "COVERAGE",
-    "TQDM_",  # tqdm reads its defaults as torch imports it
-    "FSSPEC_",
 )
 SERVED_MODULES = ("pipeline", "benchmarks.")  # the CLI and the benchmarks; not torchrun, not `-c` code
-# What each kind of server imports before it forks (modules, in order). `torch._dynamo`: every torch optimizer's
-# constructor imports it. The `text` kind adds what loading a T5 encoder and its tokenizer imports.
-PRELOADS = {
-    "torch": ("torch", "torch._dynamo"),
-    "text": (
-        "torch",
-        "torch._dynamo",
-        "transformers",
-        "transformers.models.auto.tokenization_auto",
-        "transformers.models.t5.modeling_t5",
-    ),
-}
-TEXT_COMMANDS = ("embed", "tiny-models", "demo", "viz")  # the CLI's commands that load a text model to do their work
 
 
 def read_at_start(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of `env` that Python, numpy, torch or OpenMP may read as they start (`_READ_AT_START`)."""
     return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
-
-
-def server_kind(command: list[str]) -> str:
-    """The kind of server that forks `command`: `text` for a CLI command of `TEXT_COMMANDS`, else `torch`."""
-    return "text" if command[2] == SERVED_MODULES[0] and command[3:4] and command[3] in TEXT_COMMANDS else "torch"
 
 
 def forkable(command: list[str], env: Mapping[str, str] | None, **options: Any) -> bool:
@@ -119,24 +94,23 @@ def forkable(command: list[str], env: Mapping[str, str] | None, **options: Any) 
     current = read_at_start(os.environ)
     if any(k.startswith("COVERAGE") for k in current) or current.get("OMP_NUM_THREADS") != "1":
         return False  # coverage measures fresh processes; a fork is safe from a torch that runs one thread
-    return "torch" not in Server.failed and (env is None or read_at_start(env) == current)
+    return Server.failed is None and (env is None or read_at_start(env) == current)
 
 
 class Server:
-    """A warm interpreter of this pytest process (`Server.get(kind)`), ended with the process."""
+    """The warm interpreter of this pytest process (`Server.get()`), ended with the process."""
 
-    _these: dict[str, Server] = {}
+    _this: Server | None = None
     _lock = threading.Lock()
-    failed: dict[str, str] = {}  # kind: why its server could not start (no `torch` one: every command runs fresh)
+    failed: str | None = None  # why the server could not start: every command then runs fresh
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix=f"tcjepa-fork-{os.getpid()}-"))
         self.socket = self.dir / "socket"
         self.env = dict(os.environ)
         with open(self.dir / "server.stderr", "wb") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, __file__, str(self.socket), kind],
+                [sys.executable, __file__, str(self.socket)],
                 cwd=Path(__file__).resolve().parents[2],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -147,62 +121,47 @@ class Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError((self.dir / "server.stderr").read_text().strip()[-2000:] or "no socket after 120 s")
             time.sleep(0.05)
-        # the variables its imports beyond the `torch` kind's read (the `text` kind: huggingface_hub's HF_*, HOME, ...)
-        self.read: list[str] = json.loads((self.dir / "read.json").read_text())
-
-    def serves(self, env: Mapping[str, str]) -> bool:
-        """Whether a command with `env` sees what this server's imports saw: the same in what is read at start, and
-        in every variable its own imports read."""
-        return read_at_start(env) == read_at_start(self.env) and all(env.get(k) == self.env.get(k) for k in self.read)
 
     @classmethod
-    def get(cls, kind: str = "torch") -> Server | None:
-        """The server of `kind`, started again when this process's environment has changed since it started in
-        what it read; None, with a warning the first time, when it cannot start."""
+    def get(cls) -> Server | None:
+        """The server, started again when this process's environment has changed in what is read at start since
+        it started; None, with a warning the first time, when it cannot start."""
         with cls._lock:
-            if kind in cls.failed:
-                return None
-            this = cls._these.get(kind)
-            if this is not None and this.proc.poll() is None and this.serves(os.environ):
+            this = cls._this
+            if this is not None and this.proc.poll() is None and read_at_start(this.env) == read_at_start(os.environ):
                 return this
-            cls._stop(kind)
+            cls._stop()
             try:
-                cls._these[kind] = Server(kind)
+                cls._this = Server()
             except (OSError, RuntimeError) as exc:
-                cls.failed[kind] = str(exc)
-                warnings.warn(f"the {kind} fork server did not start: {exc}", stacklevel=2)
-            return cls._these.get(kind)
+                cls.failed = str(exc)
+                warnings.warn(f"commands run fresh: the fork server did not start: {exc}", stacklevel=2)
+            return cls._this
 
     @classmethod
-    def _stop(cls, kind: str) -> None:
-        """End this process's server of `kind` (by its pid; commands it forked finish on their own)."""
-        this = cls._these.pop(kind, None)
-        if this is not None and this.proc.poll() is None:
-            this.proc.kill()
-            this.proc.wait()
+    def _stop(cls) -> None:
+        """End this process's server (by its pid; commands it forked finish on their own)."""
+        if cls._this is not None and cls._this.proc.poll() is None:
+            cls._this.proc.kill()
+            cls._this.proc.wait()
+        cls._this = None
 
     @classmethod
     def stop_and_clean(cls) -> None:
-        """At the pytest process's exit: end its servers and remove the directories of every server it started."""
+        """At the pytest process's exit: end its server and remove the directories of every server it started."""
         with cls._lock:
-            for kind in list(cls._these):
-                cls._stop(kind)
+            cls._stop()
         for path in Path(tempfile.gettempdir()).glob(f"tcjepa-fork-{os.getpid()}-*"):
             shutil.rmtree(path, ignore_errors=True)
 
 
 def run_forked(
-    command: list[str], timeout: float, cwd: Path | str, env: Mapping[str, str] | None, kind: str | None = None
+    command: list[str], timeout: float, cwd: Path | str, env: Mapping[str, str] | None
 ) -> tuple[int, str, str] | None:
-    """(exit status, stdout, stderr) of `command` forked from this process's server of `kind` (default:
-    `server_kind(command)`), or from the `torch` one when that cannot start or does not serve `env` (the command then
-    imports the rest itself, from its own environment); None when neither can (the caller runs it fresh). Past
-    `timeout` the command and what it started are killed and AssertionError is raised with its stderr."""
-    env = os.environ if env is None else env
-    server = Server.get(kind or server_kind(command))
-    if server is None or not server.serves(env):
-        server = Server.get("torch")
-    if server is None or not server.serves(env):
+    """(exit status, stdout, stderr) of `command` forked from this process's server, or None when no server could
+    start. Past `timeout` the command and what it started are killed and AssertionError is raised with its stderr."""
+    server = Server.get()
+    if server is None:
         return None
     out = Path(tempfile.mkdtemp(prefix="cmd-", dir=server.dir))
     request = {
@@ -263,40 +222,13 @@ def _kill_family(pid: int) -> None:
                 p.send_signal(sig)
 
 
-def _import_recording_reads(modules: tuple[str, ...]) -> list[str]:
-    """Import `modules`; the environment variables read meanwhile through `os.environ` (`os.getenv`, `.get`, `in`).
-    Not seen: reads through C's getenv, and variables a module finds by scanning the environment for a prefix (a
-    scan would record every variable set, `PYTEST_CURRENT_TEST` too: the test checks none happens)."""
-    environ = type(os.environ)
-    get, contains = environ.__getitem__, environ.__contains__
-    read: set[str] = set()
-
-    def recording_get(self: Any, key: str) -> str:
-        read.add(key)
-        return get(self, key)
-
-    def recording_contains(self: Any, key: object) -> bool:
-        read.add(str(key))
-        return contains(self, key)
-
-    environ.__getitem__, environ.__contains__ = recording_get, recording_contains  # type: ignore[method-assign]
-    try:
-        for name in modules:
-            importlib.import_module(name)
-    finally:
-        environ.__getitem__, environ.__contains__ = get, contains  # type: ignore[method-assign]
-    return sorted(read)
-
-
-def _serve(path: str, kind: str) -> tuple[dict[str, Any], int, int]:
+def _serve(path: str) -> tuple[dict[str, Any], int, int]:
     """The server's loop; returns only in a forked command: its request and the write ends of its output pipes."""
-    base = PRELOADS["torch"]
-    for name in base:
-        importlib.import_module(name)
-    read = _import_recording_reads(PRELOADS[kind][len(base) :])
-    (Path(path).parent / "read.json").write_text(json.dumps(read))
+    import torch  # noqa: F401  (what the commands would import first)
+    import torch._dynamo  # noqa: F401  (imported by every torch optimizer's constructor)
+
     if len(os.listdir("/proc/self/task")) != 1:
-        sys.exit("the server's imports left threads running (OMP_NUM_THREADS=1 and OPENBLAS_NUM_THREADS=1 avoid them)")
+        sys.exit("torch's import left threads running (OMP_NUM_THREADS=1 and OPENBLAS_NUM_THREADS=1 avoid them)")
     if "libcuda" in Path("/proc/self/maps").read_text():
         sys.exit("torch's import loaded the CUDA driver, which a forked process cannot use")
     parent = os.getppid()
@@ -395,4 +327,4 @@ def _become(request: dict[str, Any], stdout: int, stderr: int) -> None:
 
 
 if __name__ == "__main__":
-    _become(*_serve(sys.argv[1], sys.argv[2]))
+    _become(*_serve(sys.argv[1]))

@@ -24,7 +24,6 @@ if __name__ == "__main__":
         "env": {k: v for k, v in os.environ.items() if k.startswith("TCJEPA_")},
         "stdin": sys.stdin.read(),
         "torch": "torch" in sys.modules,
-        "transformers": "transformers" in sys.modules,
     }
     print(json.dumps(facts))
     print("progress\rdone", file=sys.stderr)
