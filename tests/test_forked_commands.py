@@ -73,7 +73,8 @@ def test_commands_that_need_a_fresh_interpreter_get_one(monkeypatch):
     assert forkable(CLI, None) and forkable([sys.executable, "-m", "benchmarks.startup"], base)
     read_later = {"TCJEPA_CACHE_DIR": "/x", "HF_HUB_OFFLINE": "0", "AWS_ACCESS_KEY_ID": "k", "HOME": "/tmp"}
     assert forkable(CLI, {**base, **read_later}), "read at run time"
-    for name in ("TORCH_LOGS", "OMP_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "KMP_INIT_AT_FORK", "LANG", "CXX"):
+    read_at_start = ("TORCH_LOGS", "OMP_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "KMP_INIT_AT_FORK", "LANG", "CXX")
+    for name in (*read_at_start, "TQDM_DISABLE"):  # tqdm's defaults: read as torch imports it
         assert not forkable(CLI, {**base, name: "+recompiles"}), f"{name} may be read when the interpreter starts"
     assert not forkable(CLI, None, preexec_fn=print) and forkable(CLI, None, cwd="/")
     assert not forkable([sys.executable, "-m", "torch.distributed.run", "-m", "pipeline"], None), "torchrun"

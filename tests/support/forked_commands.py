@@ -74,6 +74,7 @@ _READ_AT_START = (
     "GLOO",
     "TRITON",
     "COVERAGE",
+    "TQDM_",  # tqdm takes its defaults from TQDM_* as torch imports it
 )
 SERVED_MODULES = ("pipeline", "benchmarks.")  # the CLI and the benchmarks; not torchrun, not `-c` code
 
