@@ -8,6 +8,7 @@ besides fixtures (running the CLI, tiny training runs, stores, images, ...) live
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shlex
@@ -203,7 +204,11 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Without xdist: start `trained_t5`'s build once a selected test uses it (and is to run)."""
+    """Without xdist: start `trained_t5`'s build once a selected test uses it (and is to run). In every process: the
+    heap the collection made (the test modules' imports) leaves the collector's reach, as after each test
+    (`pytest_runtest_logfinish`)."""
+    gc.collect()
+    gc.freeze()
     if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
         return
     if any("trained_t5" in i.fixturenames for i in session.items):
@@ -228,6 +233,18 @@ def trained_t5(tmp_path_factory) -> tuple[Path, dict]:
         time.sleep(0.5)
     assert (out / "rc").read_text().strip() == "0", (out / "stderr").read_text()[-3000:]
     return out / "models", json.loads((out / "stdout").read_text().strip().splitlines()[-1])
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """After each test: collect its garbage, then freeze what is left (the modules imported so far, session fixtures,
+    pytest's reports) out of the cyclic collector's reach. A worker's heap grows to millions of objects as tests import
+    torch, transformers, vLLM, Ray and moto, and each full collection walked all of it: ~12% of the workers' CPU in
+    the unit tier (counted by `gc.callbacks`). `make test-fast`, one run beside the other: 144 against 125
+    core-seconds, 121 against 109-112. A collection now walks only what the running test made. Only what outlives a
+    test is frozen, and refcounting still frees it; a cycle that such an object later joins stays until the worker
+    ends."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(wrapper=True)
