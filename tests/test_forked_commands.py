@@ -55,6 +55,22 @@ def test_a_forked_command_sees_and_exits_as_a_fresh_one(tmp_path, args):
     assert seen["path0"] == seen["cwd"] == str(tmp_path.resolve()) and seen["name"] == "__main__"
 
 
+def test_a_forked_command_ends_as_the_interpreter_ends_a_fresh_one(tmp_path):
+    """A forked command skips the interpreter's teardown of its modules, not what anyone sees of its end: what the
+    SystemExit's frames held is finalized, the thread still running is joined, the atexit handler runs, C's buffered
+    output is written, and a SystemExit message is printed and exits 1, in the order a fresh process does them."""
+    forked = run_forked([*FACTS, "finish", "stopped: a message"], 120, tmp_path, dict(os.environ))
+    alone = fresh(["finish", "stopped: a message"], tmp_path, dict(os.environ))
+    assert forked is not None
+    assert forked[0] == alone[0] == 1
+    assert forked[2] == alone[2] == "progress\ndone\nstopped: a message\n"
+    assert (
+        forked[1].splitlines()[1:]
+        == alone[1].splitlines()[1:]
+        == ["finalized", "the thread ended", "atexit ran", "in C's buffer"]
+    )
+
+
 def test_a_forked_command_past_its_timeout_is_killed_with_its_children(tmp_path):
     pids = tmp_path / "pids"
     started = time.monotonic()

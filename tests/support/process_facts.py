@@ -1,17 +1,40 @@
-"""`python -m tests.support.process_facts [exit CODE | signal NAME | sleep FILE | linger CODE]`: what a command sees
-of its process, as one JSON line on stdout (a line with a carriage return on stderr), then an exit as told; `sleep`
-first starts a child that sleeps, writes both pids to FILE and sleeps itself; `linger` leaves a child that writes a
-line to the same stdout a second after the command has exited. What `tests/test_forked_commands.py`
-compares between a forked command and a fresh one."""
+"""`python -m tests.support.process_facts [exit CODE | signal NAME | sleep FILE | linger CODE | finish MESSAGE]`: what a
+command sees of its process, as one JSON line on stdout (a line with a carriage return on stderr), then an exit as
+told; `sleep` first starts a child that sleeps, writes both pids to FILE and sleeps itself; `linger` leaves a child
+that writes a line to the same stdout a second after the command has exited; `finish` leaves what the interpreter
+finishes as it ends (a thread still running, an atexit handler, a line in C's stdout buffer) and exits with MESSAGE.
+What `tests/test_forked_commands.py` compares between a forked command and a fresh one."""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+
+
+class Finalized:
+    def __del__(self) -> None:
+        print("finalized", flush=True)
+
+
+def finish(message: str) -> None:
+    """Leave what the interpreter finishes as it ends, then exit with `message`."""
+    _held = Finalized()  # alive in this frame, which the SystemExit's traceback holds until the exit is handled
+    threading.Thread(target=lambda: (time.sleep(0.5), print("the thread ended", flush=True))).start()
+    atexit.register(print, "atexit ran")
+    libc = ctypes.CDLL(None)
+    libc.fdopen.restype = ctypes.c_void_p
+    c_stdout = ctypes.c_void_p(libc.fdopen(1, b"w"))  # a C stream of its own on a pipe: fully buffered
+    assert c_stdout.value, "fdopen failed"
+    libc.fputs(b"in C's buffer\n", c_stdout)  # written when the C library flushes its streams, at exit()
+    sys.exit(message)
+
 
 if __name__ == "__main__":
     facts = {
@@ -40,4 +63,6 @@ if __name__ == "__main__":
         sys.stdout.flush()
         late = "import time; time.sleep(1); print('written after the command exited')"
         subprocess.Popen([sys.executable, "-c", late])
+    elif what == "finish":
+        finish(sys.argv[2])
     sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
