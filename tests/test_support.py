@@ -105,7 +105,7 @@ def test_what_the_collection_and_earlier_tests_left_is_out_of_the_collectors_rea
     assert gc.get_freeze_count() > 10_000, "pytest's and the test modules' objects are frozen"
 
     class Node:
-        pass
+        """An object that can refer to itself (a plain list could not be referred to weakly)."""
 
     cycle = Node()
     cycle.itself = cycle

@@ -2,7 +2,8 @@
 command sees of its process, as one JSON line on stdout (a line with a carriage return on stderr), then an exit as
 told; `sleep` first starts a child that sleeps, writes both pids to FILE and sleeps itself; `linger` leaves a child
 that writes a line to the same stdout a second after the command has exited; `finish` leaves what the interpreter
-finishes as it ends (a thread still running, an atexit handler, a line in C's stdout buffer) and exits with MESSAGE.
+finishes as it ends (an object only the exiting frame holds, a thread still running, an atexit handler, a line in
+C's stdout buffer) and exits with MESSAGE.
 What `tests/test_forked_commands.py` compares between a forked command and a fresh one."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 
 
 class Finalized:
+    """Says when it is finalized."""
+
     def __del__(self) -> None:
         print("finalized", flush=True)
 
