@@ -27,10 +27,11 @@ def _args(synth_dir: Path, cache: Path, store: Path, run: Path, *extra: str) -> 
 @pytest.mark.parametrize("accum_steps", [1, 2])
 def test_ddp_on_two_processes_equals_one(tmp_path, synth_dir, annotated_cache, annotated_store, exact_run, accum_steps):
     """DDP (gradients as bucket views, no buffer broadcast), with a static graph, or each rank's 4 rows in 2
-    micro-batches and one all-reduce."""
+    micro-batches and one all-reduce. The first with fresh workers (`torchrun -m pipeline`, as users run it): ranks
+    whose string-hash seeds differ, as a forked worker's do not."""
     run = tmp_path / "ddp"
     args = _args(synth_dir, annotated_cache, annotated_store, run, "--accum-steps", str(accum_steps))
-    run_command(torchrun(*args), timeout=900)
+    run_command(torchrun(*args, fresh=accum_steps == 1), timeout=900)
     assert_close_runs(metrics(exact_run), metrics(run))
     assert (run / "checkpoint.pt").exists() and not (run / SHARDED).exists()
 

@@ -4,8 +4,10 @@ and a command that needs a fresh interpreter gets one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +16,8 @@ import psutil
 import pytest
 
 from tests.support.commands import run_command, tcjepa
-from tests.support.forked_commands import Server, forkable, run_forked
+from tests.support.forked_commands import WORKER, Server, forkable, run_forked
+from tests.support.processes import kill_tree, start
 from tests.support.repo import REPO
 
 FACTS = [sys.executable, "-m", "tests.support.process_facts"]
@@ -124,3 +127,112 @@ def test_the_cli_forked_and_fresh_says_the_same():
         assert (forked.returncode, forked.stdout, forked.stderr) == (alone.returncode, alone.stdout, alone.stderr)
     with pytest.raises(AssertionError, match="exited 2"):
         run_command([sys.executable, "-m", "pipeline", "no-such-command"])
+
+
+def _torchrun_facts(forked: bool, *args: str) -> list[str]:
+    """`torchrun --standalone --nproc-per-node 1 -m tests.support.process_facts ARGS`, its worker forked from this
+    process's server or fresh."""
+    module = "tests.support.process_facts"
+    server = Server.get()
+    assert server is not None
+    worker = (
+        ["--no-python", sys.executable, "-S", str(WORKER), str(server.socket), module] if forked else ["-m", module]
+    )
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *worker, *args]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("args", "reported"),
+    [(["exit", "3"], ["exitcode  : 3"]), (["signal", "SIGTERM"], ["exitcode  : -15"])],
+)
+def test_a_forked_torchrun_worker_sees_and_ends_as_a_fresh_one(tmp_path, args, reported):
+    """torchrun's worker forked or fresh: the same facts (torchrun's environment, the module run as `__main__`, the
+    working directory) and output, and torchrun reports the same end: a status, or a signal. (One worker: two would
+    write their lines into one pipe at once, and with two a failure's report depends on which ends first.)"""
+    env = {**os.environ, "TCJEPA_SOMETHING": "set by the test"}
+    runs = {}
+    for forked in (True, False):
+        done = subprocess.run(
+            _torchrun_facts(forked, *args),
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+        )
+        facts = [json.loads(line) for line in sorted(done.stdout.splitlines())]
+        ends = [line.split("(pid")[0].strip() for line in done.stderr.splitlines() if "exitcode  :" in line]
+        runs[forked] = done.returncode, facts, ends, done.stderr.count("progress\ndone\n")
+    (code, facts, ends, progress), fresh_run = runs[True], runs[False]
+    assert all(f.pop("torch") for f in facts) and not any(f.pop("torch") for f in fresh_run[1]), "forked, and fresh"
+    assert (code, facts, ends, progress) == fresh_run
+    assert code == 1 and ends == reported and len(facts) == progress == 1
+    assert facts[0]["env"] == {"TCJEPA_SOMETHING": "set by the test"} and facts[0]["cwd"] == str(tmp_path.resolve())
+
+
+def _sleeping_worker(tmp_path) -> tuple[subprocess.Popen, psutil.Process, int, int]:
+    """torchrun with one forked worker whose command sleeps beside a child it started: (torchrun, the worker that
+    torchrun started, the command's pid, its child's pid)."""
+    tmp_path.mkdir()
+    pids = tmp_path / "pids"
+    agent = start(_torchrun_facts(True, "sleep", str(pids)), stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not pids.exists() or not pids.read_text():
+        if agent.poll() is not None or time.monotonic() > deadline:
+            kill_tree(agent)
+            raise AssertionError("torchrun ended, or its worker did not sleep within 120 s")
+        time.sleep(0.05)
+    (worker,) = psutil.Process(agent.pid).children()
+    command, child = map(int, pids.read_text().split()[:2])
+    assert command != worker.pid and "forked_worker.py" in " ".join(worker.cmdline())
+    return agent, worker, command, child
+
+
+def _gone(*pids: int) -> bool:
+    return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+
+@pytest.mark.distributed
+def test_signals_reach_a_forked_torchrun_worker_as_they_reach_a_fresh_one(tmp_path):
+    """torchrun told to stop signals its worker's whole group: the command gets SIGTERM and ends, and so does the
+    child it started. A signal to the worker alone (a test's) reaches the command alone. A killed worker takes its
+    command and child with it."""
+
+    def ended(agent: subprocess.Popen, command: int, child: int) -> tuple[bool, bool, str]:
+        """Whether the command and its child ended by themselves, then torchrun's stderr (what is left killed first:
+        the child holds torchrun's output pipes)."""
+        try:
+            agent.wait(timeout=120)
+            gone = _until(lambda: _gone(command)), _until(lambda: _gone(child), timeout=5)
+        finally:
+            for pid in (command, child):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    psutil.Process(pid).kill()
+            if agent.poll() is None:
+                kill_tree(agent)
+        return *gone, agent.communicate(timeout=120)[1]
+
+    agent, _, command, child = _sleeping_worker(tmp_path / "a")
+    agent.send_signal(signal.SIGTERM)
+    assert ended(agent, command, child)[:2] == (True, True), "torchrun's SIGTERM reached the command's group"
+    assert (tmp_path / "a" / "pids").read_text().split()[2:] == ["SIGTERM"], "the command got it (not a SIGKILL)"
+
+    agent, worker, command, child = _sleeping_worker(tmp_path / "b")
+    worker.send_signal(signal.SIGUSR1)
+    command_gone, child_gone, err = ended(agent, command, child)
+    assert command_gone and not child_gone and "exitcode  : -10 " in err, "the command alone got it, and died by it"
+
+    agent, worker, command, child = _sleeping_worker(tmp_path / "c")
+    worker.kill()
+    assert ended(agent, command, child)[:2] == (True, True), "the server ended what the killed worker stood for"
+
+
+def _until(condition, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

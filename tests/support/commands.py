@@ -10,7 +10,7 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
-from tests.support.forked_commands import forkable, run_forked
+from tests.support.forked_commands import forkable, forked_worker, run_forked
 from tests.support.processes import end_family, start
 from tests.support.repo import REPO
 
@@ -20,9 +20,13 @@ def cli(*args: object) -> list[str]:
     return [sys.executable, "-m", "pipeline", *map(str, args)]
 
 
-def torchrun(*args: object, launch: tuple[str, ...] = ("--standalone", "--nproc-per-node", "2")) -> list[str]:
-    """The command line of `torchrun LAUNCH -m pipeline ARGS` (default: two processes on this host)."""
-    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "pipeline", *map(str, args)]
+def torchrun(
+    *args: object, launch: tuple[str, ...] = ("--standalone", "--nproc-per-node", "2"), fresh: bool = False
+) -> list[str]:
+    """The command line of `torchrun LAUNCH -m pipeline ARGS` (default: two processes on this host), whose workers are
+    forked from this process's warm interpreter (`tests.support.forked_worker`) unless `fresh`."""
+    workers = ["-m", "pipeline"] if fresh else forked_worker("pipeline")
+    return [sys.executable, "-m", "torch.distributed.run", *launch, *workers, *map(str, args)]
 
 
 def two_nodes(name: str) -> tuple[str, ...]:

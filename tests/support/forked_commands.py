@@ -19,8 +19,10 @@ What a forked command cannot have, and so runs in a fresh interpreter (`forkable
 - coverage's measurement, or a torch started on more than one thread (`OMP_NUM_THREADS` not 1);
 - its own string-hash seed: every forked command has its server's, so a test that checks that two runs write the
   same bytes runs one of them fresh (`tcjepa(..., fresh=True)`).
-Commands a test starts to watch, signal or kill (`tests.support.processes.start`) always start fresh. When the
-server cannot start (a torch import that leaves threads or loads CUDA's driver, say) every command runs fresh.
+Commands a test starts to watch, signal or kill (`tests.support.processes.start`) always start fresh. torchrun's
+workers are forked too, through a stand-in torchrun starts in their place (`forked_worker`,
+`tests/support/forked_worker.py`), whose standard streams the server's fork takes over. When the server cannot start
+(a torch import that leaves threads or loads CUDA's driver, say) every command runs fresh.
 """
 
 from __future__ import annotations
@@ -79,11 +81,18 @@ _READ_AT_START = (
     "TQDM_",  # tqdm takes its defaults from TQDM_* as torch imports it
 )
 SERVED_MODULES = ("pipeline", "benchmarks.")  # the CLI and the benchmarks; not torchrun, not `-c` code
+# What torchrun sets for its workers besides their ranks, read by torch.distributed as it runs, not as it starts.
+_SET_BY_TORCHRUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def read_at_start(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of `env` that Python, numpy, torch or OpenMP may read as they start (`_READ_AT_START`)."""
     return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
+
+
+def _read_at_start_by_a_worker(env: Mapping[str, str]) -> dict[str, str]:
+    """`read_at_start` of a torchrun worker's environment, less what torchrun adds that is read as it runs."""
+    return read_at_start({k: v for k, v in env.items() if not k.startswith(_SET_BY_TORCHRUN)})
 
 
 def forkable(command: list[str], env: Mapping[str, str] | None, **options: Any) -> bool:
@@ -158,6 +167,18 @@ class Server:
             shutil.rmtree(path, ignore_errors=True)
 
 
+WORKER = Path(__file__).with_name("forked_worker.py")
+
+
+def forked_worker(module: str) -> list[str]:
+    """torchrun's options that start its workers as `python -u -m MODULE` would run, forked from this process's
+    server (`--no-python`, `tests/support/forked_worker.py`); `-m MODULE` where commands run fresh here."""
+    server = Server.get() if forkable([sys.executable, "-m", module], None) else None
+    if server is None:
+        return ["-m", module]
+    return ["--no-python", sys.executable, "-S", str(WORKER), str(server.socket), module]
+
+
 def run_forked(
     command: list[str], timeout: float, cwd: Path | str, env: Mapping[str, str] | None
 ) -> tuple[int, str, str] | None:
@@ -225,8 +246,10 @@ def _kill_family(pid: int) -> None:
                 p.send_signal(sig)
 
 
-def _serve(path: str) -> tuple[dict[str, Any], int, int]:
-    """The server's loop; returns only in a forked command: its request and the write ends of its output pipes."""
+def _serve(path: str) -> tuple[dict[str, Any], int, int, int]:
+    """The server's loop; returns only in a forked command: its request and its standard streams (a test's command:
+    /dev/null and the write ends of its output pipes; a torchrun worker's: the three it sent)."""
+    started_with = _read_at_start_by_a_worker(os.environ)  # the test process's, before torch's import adds to it
     import torch  # noqa: F401  (what the commands would import first)
     import torch._dynamo  # noqa: F401  (imported by every torch optimizer's constructor)
 
@@ -257,27 +280,102 @@ def _serve(path: str) -> tuple[dict[str, Any], int, int]:
             continue
         try:
             conn.settimeout(60)
-            with conn.makefile("r") as lines:
-                request = json.loads(lines.readline())
+            request, fds, pending = _receive(conn)
         except (OSError, ValueError):
-            conn.close()  # a test that went away before asking
+            conn.close()  # a test (or a worker) that went away before asking
             continue
         conn.settimeout(None)
+        if request.get("worker") and _read_at_start_by_a_worker(request["env"]) != started_with:
+            with contextlib.suppress(OSError):
+                conn.sendall(b"fresh\n")  # the worker becomes a fresh interpreter
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
         if os.fork() != 0:
+            for fd in fds:
+                os.close(fd)
             conn.close()
             continue
         listener.close()
+        if request.get("worker"):  # its own standard streams (torchrun's), and the signals it forwards
+            command = os.fork()
+            if command == 0:
+                os.setpgid(0, 0)  # a group of its own, as torchrun starts each worker in a session of its own
+                conn.close()
+                return request, *fds
+            for fd in fds:
+                os.close(fd)
+            try:
+                _intermediate_for_worker(conn, command, pending)
+            finally:
+                os._exit(0)
         pipes = os.pipe(), os.pipe()
         command = os.fork()
         if command == 0:
             conn.close()
             os.close(pipes[0][0])
             os.close(pipes[1][0])
-            return request, pipes[0][1], pipes[1][1]
+            return request, os.open(os.devnull, os.O_RDONLY), pipes[0][1], pipes[1][1]
         try:
             _intermediate(conn, command, request, (pipes[0][0], pipes[1][0]), (pipes[0][1], pipes[1][1]))
         finally:
             os._exit(0)  # never back into the loop, also when the test has gone (a closed connection)
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int], bytes]:
+    """A request (one JSON line), the descriptors sent with it (a worker's standard streams), and what came after it
+    (signals a worker forwarded before its command existed)."""
+    data, fds = b"", []
+    try:
+        while b"\n" not in data:
+            chunk, received, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+            fds += received
+            if not chunk:
+                raise OSError("closed before a whole request")
+            data += chunk
+        line, _, pending = data.partition(b"\n")
+        return json.loads(line), fds, pending
+    except BaseException:
+        for fd in fds:  # held here, torchrun's output pipes would never close
+            os.close(fd)
+        raise
+
+
+def _intermediate_for_worker(conn: socket.socket, command: int, pending: bytes) -> None:
+    """Tell the worker the command's pid; pass on the signals it forwards (to the command's group, or to the command
+    alone), and kill the command and what it started if the worker goes (killed: torchrun's last resort); then wait
+    for the command and tell its exit status."""
+    os.setpgid(command, command)  # as the command does itself: whichever runs first, the group exists from here on
+    ended = os.pidfd_open(command)
+    try:
+        conn.sendall(f"{command}\n".encode())
+        with selectors.DefaultSelector() as selector:
+            selector.register(ended, selectors.EVENT_READ)
+            selector.register(conn, selectors.EVENT_READ)
+            while True:
+                *lines, pending = pending.split(b"\n")
+                for line in lines:  # b"signal NUMBER group|process"; not reaped yet, the command's pid is its own
+                    _, number, scope = line.split()
+                    (os.killpg if scope == b"group" else os.kill)(command, int(number))
+                if ended in {key.fd for key, _ in selector.select()}:
+                    break
+                try:
+                    chunk = conn.recv(1 << 12)
+                except OSError:  # ECONNRESET: the worker was killed with a signal line unread
+                    chunk = b""
+                if not chunk:  # the worker has gone
+                    selector.unregister(conn)
+                    _kill_family(command)
+                pending += chunk
+    except BaseException:
+        _kill_family(command)  # never left running without the worker that stands for it
+        raise
+    finally:
+        os.close(ended)
+    _, status = os.waitpid(command, 0)
+    with contextlib.suppress(OSError):
+        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
 
 
 def _intermediate(conn: socket.socket, command: int, request: dict, reads: tuple, writes: tuple) -> None:
@@ -308,18 +406,29 @@ def _intermediate(conn: socket.socket, command: int, request: dict, reads: tuple
     conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
 
 
-def _become(request: dict[str, Any], stdout: int, stderr: int) -> None:
-    """Turn this forked process into `python -m MODULE ARGS` as the test would have started it."""
+def _become(request: dict[str, Any], stdin: int, stdout: int, stderr: int) -> None:
+    """Turn this forked process into `python -m MODULE ARGS` as the test would have started it (a torchrun worker:
+    `python -u -m MODULE ARGS`, as torchrun starts it)."""
+    import io
     import runpy
 
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in enumerate((devnull, stdout, stderr)):
-        os.dup2(target, fd)
-        os.close(target)
+    for fd, target in enumerate((stdin, stdout, stderr)):
+        if target != fd:
+            os.dup2(target, fd)
+            os.close(target)
+    if request.get("worker"):  # `-u`: unbuffered standard output and error
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            raw = io.FileIO(fd, "w", closefd=False)
+            raw.name = f"<{name}>"  # type: ignore[misc]  (as the interpreter names its own)
+            stream = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors, write_through=True)
+            stream.mode = "w"  # type: ignore[misc]
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()  # the legacy global state, fresh as in a new interpreter
     importlib.invalidate_caches()

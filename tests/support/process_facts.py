@@ -1,6 +1,7 @@
 """`python -m tests.support.process_facts [exit CODE | signal NAME | sleep FILE | linger CODE | finish MESSAGE]`: what a
 command sees of its process, as one JSON line on stdout (a line with a carriage return on stderr), then an exit as
-told; `sleep` first starts a child that sleeps, writes both pids to FILE and sleeps itself; `linger` leaves a child
+told; `sleep` first starts a child that sleeps, writes both pids to FILE and sleeps itself (a SIGTERM it gets is
+noted in FILE before it ends by it); `linger` leaves a child
 that writes a line to the same stdout a second after the command has exited; `finish` leaves what the interpreter
 finishes as it ends (an object only the exiting frame holds, a thread still running, an atexit handler, a line in
 C's stdout buffer) and exits with MESSAGE.
@@ -59,6 +60,14 @@ if __name__ == "__main__":
         os.kill(os.getpid(), getattr(signal, sys.argv[2]))
     elif what == "sleep":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+        def noted(number: int, _: object) -> None:
+            with open(sys.argv[2], "a") as f:
+                f.write(f" {signal.Signals(number).name}")
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+
+        signal.signal(signal.SIGTERM, noted)
         with open(sys.argv[2], "w") as f:
             f.write(f"{os.getpid()} {child.pid}")
         time.sleep(600)
