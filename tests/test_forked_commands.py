@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.support.commands import run_command, tcjepa
-from tests.support.forked_commands import WORKER, Server, forkable, run_forked
+from tests.support.forked_commands import Server, forkable, run_forked, stand_in
 from tests.support.processes import kill_tree, start
 from tests.support.repo import REPO
 
@@ -135,9 +135,7 @@ def _torchrun_facts(forked: bool, *args: str) -> list[str]:
     module = "tests.support.process_facts"
     server = Server.get()
     assert server is not None
-    worker = (
-        ["--no-python", sys.executable, "-S", str(WORKER), str(server.socket), module] if forked else ["-m", module]
-    )
+    worker = stand_in(server, module) if forked else ["-m", module]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *worker, *args]
 
 
@@ -172,9 +170,9 @@ def test_a_forked_torchrun_worker_sees_and_ends_as_a_fresh_one(tmp_path, args, r
     assert facts[0]["env"] == {"TCJEPA_SOMETHING": "set by the test"} and facts[0]["cwd"] == str(tmp_path.resolve())
 
 
-def _sleeping_worker(tmp_path) -> tuple[subprocess.Popen, psutil.Process, int, int]:
+def _sleeping_worker(tmp_path) -> tuple[subprocess.Popen, psutil.Process, psutil.Process, psutil.Process]:
     """torchrun with one forked worker whose command sleeps beside a child it started: (torchrun, the worker that
-    torchrun started, the command's pid, its child's pid)."""
+    torchrun started, the command, its child; psutil signals neither once its pid is another process's)."""
     tmp_path.mkdir()
     pids = tmp_path / "pids"
     agent = start(_torchrun_facts(True, "sleep", str(pids)), stdin=subprocess.DEVNULL)
@@ -185,13 +183,19 @@ def _sleeping_worker(tmp_path) -> tuple[subprocess.Popen, psutil.Process, int, i
             raise AssertionError("torchrun ended, or its worker did not sleep within 120 s")
         time.sleep(0.05)
     (worker,) = psutil.Process(agent.pid).children()
-    command, child = map(int, pids.read_text().split()[:2])
-    assert command != worker.pid and "forked_worker.py" in " ".join(worker.cmdline())
+    command, child = (psutil.Process(int(pid)) for pid in pids.read_text().split()[:2])
+    assert command.pid != worker.pid and "forked_worker.py" in " ".join(worker.cmdline())
     return agent, worker, command, child
 
 
-def _gone(*pids: int) -> bool:
-    return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+def _gone(*procs: psutil.Process) -> bool:
+    def ended(p: psutil.Process) -> bool:
+        try:
+            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    return all(ended(p) for p in procs)
 
 
 @pytest.mark.distributed
@@ -200,16 +204,16 @@ def test_signals_reach_a_forked_torchrun_worker_as_they_reach_a_fresh_one(tmp_pa
     child it started. A signal to the worker alone (a test's) reaches the command alone. A killed worker takes its
     command and child with it."""
 
-    def ended(agent: subprocess.Popen, command: int, child: int) -> tuple[bool, bool, str]:
+    def ended(agent: subprocess.Popen, command: psutil.Process, child: psutil.Process) -> tuple[bool, bool, str]:
         """Whether the command and its child ended by themselves, then torchrun's stderr (what is left killed first:
         the child holds torchrun's output pipes)."""
         try:
             agent.wait(timeout=120)
             gone = _until(lambda: _gone(command)), _until(lambda: _gone(child), timeout=5)
         finally:
-            for pid in (command, child):
+            for p in (command, child):
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    psutil.Process(pid).kill()
+                    p.kill()
             if agent.poll() is None:
                 kill_tree(agent)
         return *gone, agent.communicate(timeout=120)[1]

@@ -170,13 +170,17 @@ class Server:
 WORKER = Path(__file__).with_name("forked_worker.py")
 
 
-def forked_worker(module: str) -> list[str]:
-    """torchrun's options that start its workers as `python -u -m MODULE` would run, forked from this process's
-    server (`--no-python`, `tests/support/forked_worker.py`); `-m MODULE` where commands run fresh here."""
-    server = Server.get() if forkable([sys.executable, "-m", module], None) else None
-    if server is None:
-        return ["-m", module]
+def stand_in(server: Server, module: str) -> list[str]:
+    """torchrun's options that start each worker through the stand-in (`--no-python`,
+    `tests/support/forked_worker.py`), which has `server` fork `python -u -m MODULE`."""
     return ["--no-python", sys.executable, "-S", str(WORKER), str(server.socket), module]
+
+
+def forked_worker(module: str) -> list[str]:
+    """torchrun's options for workers `python -u -m MODULE` forked from this process's server (`stand_in`); `-m
+    MODULE` where commands run fresh here."""
+    server = Server.get() if forkable([sys.executable, "-m", module], None) else None
+    return ["-m", module] if server is None else stand_in(server, module)
 
 
 def run_forked(
