@@ -16,10 +16,16 @@ over). The same encoder, masks and captions serve every mode:
   cross8_before_cut  the same with the cut
   none_rows, cross8_before_rows  none and cross8_before on padded rows with a key mask, every layer computing the
                 padding, as the step ran before issue 32's packing (`train.packing`)
+  cross8_mha, cross8_before_mha  cross8 and cross8_before with the multi-head conditioner (`--conditioner mha`:
+                biases, an output projection), whatever `--conditioner` says: what the _ref modes compare with
   cross8_ref, cross8_before_ref  cross8 and cross8_before run by the cross-attention and regularisers as they were
-                before issue 17 B (`benchmarks/reference_predictor.py`), in the multi-head form they had (biases,
-                output projection); compared with the lean code on the same weights and batch under
-                `--conditioner mha` only (the default, the paper's form, has no biases and no output projection)
+                before issue 17 B (`benchmarks/reference_predictor.py`), in the multi-head form they had; compared
+                with the _mha modes on the same weights and batch (the default, the paper's form, has no biases and
+                no output projection)
+  cross8_before_regref  cross8_before with the text regularisers as they were before issue 32 point 1
+                (`benchmarks/reference_regularisers.py`: each layer's float32 map remade for every pass)
+  cross8_before_noreg   cross8_before with no text regularisers at all: what the step costs without them, so that
+                the difference to cross8_before (and to _regref) is the regularisers' share of the step
   sequence      N=8 captions' words appended to every predictor sequence (not run by default: with 8 captions of
                 128 words every predictor sequence is ~1,000 tokens longer, about a minute a step here)
 
@@ -51,8 +57,14 @@ its own memory pool). s/step is the median of a mode's timed steps. Peak
 memory: on CPU the rise of the process's peak RSS (VmHWM) over the steps,
 on CUDA `torch.cuda.max_memory_allocated`. Prints progress to stderr and one
 JSON line on stdout; `goal_met` holds issue 17's goals: cross8's time ratio to
-`none` over its FLOP ratio ≤ 1.2, and the old cross-attention saving ≥ 2× the
-bytes the new one does (both pools).
+`none` over its FLOP ratio ≤ 1.2, and the old cross-attention (`_ref`) saving
+≥ 2× the bytes the new one (`_mha`, the same form) does (both pools).
+
+The regularisers' share of the `cross8_before` step (with `cross8_before_noreg` among the modes): of its time,
+1 - t(noreg) / t(mode), and of the bytes its aten ops read and write in one eager step (every op's tensor inputs
+and outputs, views not, `benchmarks.regularisers.OpBytes`), B(mode) - B(noreg), for today's regularisers and for
+`cross8_before_regref`'s. Eager only: under `--compile` the trainer compiles the regularisers' passes, and inductor's
+count of those bytes (0.10x the reference's at issue 32's shapes) is `benchmarks/regularisers.py`'s.
 
 CPU default (`--preset cpu_tiny`): tiny ViT (192 wide, depth 6, 3 heads, patch 8,
 64×64 images), predictor 192 wide, depth 4, batch 64, one torch thread (see
@@ -83,6 +95,8 @@ class Mode:
     pool: str = "after_mlp"
     context_equalise: str = "pad"
     reference: bool = False  # the cross-attention and regularisers as they were before issue 17 B
+    conditioner: str | None = None  # the conditioner's form; None: --conditioner's
+    regularisers: str = "today"  # the text regularisers: "today", "reference" (before issue 32 point 1) or "off"
     packed: bool = True  # padded contexts and words left out of the per-token layers; False: padded rows, masked
 
 
@@ -96,10 +110,16 @@ MODES: dict[str, Mode] = {
     "cross8_before": Mode("cross", 8, "before_mlp"),
     "cross8_before_cut": Mode("cross", 8, "before_mlp", context_equalise="cut"),
     "cross8_before_rows": Mode("cross", 8, "before_mlp", packed=False),
-    "cross8_ref": Mode("cross", 8, "after_mlp", reference=True),
-    "cross8_before_ref": Mode("cross", 8, "before_mlp", reference=True),
+    "cross8_mha": Mode("cross", 8, "after_mlp", conditioner="mha"),
+    "cross8_before_mha": Mode("cross", 8, "before_mlp", conditioner="mha"),
+    "cross8_ref": Mode("cross", 8, "after_mlp", reference=True, conditioner="mha"),
+    "cross8_before_ref": Mode("cross", 8, "before_mlp", reference=True, conditioner="mha"),
+    "cross8_before_regref": Mode("cross", 8, "before_mlp", regularisers="reference"),
+    "cross8_before_noreg": Mode("cross", 8, "before_mlp", regularisers="off"),
 }
 DEFAULT_MODES = [name for name in MODES if name != "sequence"]
+# The regularisers' share of a cross step: today's, the reference's, and the step without them (last).
+REGULARISER_SHARE_MODES = ("cross8_before", "cross8_before_regref", "cross8_before_noreg")
 
 PRESETS = {
     # What the prototype measured on 2 CPU cores: an 8×8 grid, so a smaller context block.
@@ -159,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--conditioner",
         default="paper",
         choices=("paper", "mha"),
-        help="the cross modes' conditioner form (the _ref modes are always mha; lean vs ref is compared under mha)",
+        help="the cross modes' conditioner form (the _mha and _ref modes are always mha, and compared together)",
     )
     ap.add_argument("--model", help="encoder size name (vit_tiny … vit_giant)")
     ap.add_argument("--width", type=int)
@@ -230,8 +250,7 @@ def train_config(args: argparse.Namespace, mode: Mode):
         predictor_depth=args.predictor_depth,
         conditioning=mode.conditioning,
         pool=mode.pool,
-        # The reference implements the multi-head form (biases, output projection) it had.
-        conditioner="mha" if mode.reference else args.conditioner,
+        conditioner=mode.conditioner or args.conditioner,
         captions_per_image=max(mode.captions, 1),
         batch_size=args.batch,
         context_scale=args.context_scale,
@@ -491,6 +510,24 @@ class SavedBytes:
         self.region = region
 
 
+def reference_text_regularisers(queries, keys, word_mask, valid, token_valid=None, **_):
+    """The regularisers as they were before issue 32 point 1 (the full cosine, the only one they had)."""
+    from benchmarks.reference_regularisers import regularisers
+
+    return regularisers(queries, keys, word_mask, valid, token_valid)
+
+
+def no_text_regularisers(queries, keys, word_mask, valid, token_valid=None, **_):
+    """No regularisers: zero terms that reach no parameter, so the step is the cross step without them."""
+    from train.losses import TextRegularisers
+
+    zero = queries[0].new_zeros((), dtype=queries[0].dtype)
+    return TextRegularisers(zero, zero, queries[0].new_zeros(len(queries)), zero)
+
+
+REGULARISERS = {"reference": reference_text_regularisers, "off": no_text_regularisers}
+
+
 def setup(args: argparse.Namespace, name: str) -> Setup:
     """Models, optimizer and the synthetic batch of one mode; the step exactly as the trainer runs it."""
     import numpy as np
@@ -517,6 +554,10 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     if mode.reference:  # the same weights in the old layout, run by the old code
         model.predictor = reference.ReferencePredictor.like(model.predictor, model.encoder.grid)
     compute_losses = reference.compute_losses if mode.reference else train.objective.compute_losses
+    if mode.regularisers != "today":  # this process runs this one mode: the objective's call is replaced for good
+        if cfg.regulariser_cosine != "full":
+            raise SystemExit(f"mode {name}: the reference regularisers have the full cosine only")
+        train.objective.text_regularisers = REGULARISERS[mode.regularisers]
     model.to(device)
     target.to(device)
     optimizer = torch.optim.AdamW(param_groups(model, cfg.text_lr_scale), lr=cfg.lr, betas=cfg.betas)
@@ -627,6 +668,12 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
             reply({"flops_counter": counted_step()})
         elif command == "saved":
             reply(SavedBytes().measure(job))
+        elif command == "bytes":
+            from benchmarks.regularisers import OpBytes
+
+            with OpBytes() as counter:
+                step()
+            reply({"step_bytes": counter.bytes})
         elif command == "done":
             out = {}
             if cuda:
@@ -717,6 +764,8 @@ def main() -> None:
                         w.ask("warmup")
             for name, w in workers.items():  # one more untimed step: what autograd saves for backward
                 info[name].update(w.ask("saved"))
+                if name in REGULARISER_SHARE_MODES and REGULARISER_SHARE_MODES[-1] in group:
+                    info[name].update(w.ask("bytes"))  # and one more: the bytes its ops move
             log(f"warm: {', '.join(group)} ({time.perf_counter() - started:.0f} s)")
             for r in range(args.steps):
                 order = group[r % len(group) :] + group[: r % len(group)]
@@ -805,9 +854,9 @@ def main() -> None:
     goals = []
     if "cross8" in modes and "none" in modes:
         goals.append(result["time_ratio_over_flop_ratio"] <= 1.2)
-    for lean in ("cross8", "cross8_before"):  # the lean cross-attention against the old, same weights and batch
-        ref = f"{lean}_ref"
-        if lean in modes and ref in modes and args.conditioner == "mha":
+    for plain in ("cross8", "cross8_before"):  # the lean cross-attention against the old, same weights and batch
+        lean, ref = f"{plain}_mha", f"{plain}_ref"
+        if lean in modes and ref in modes:
             saved_ratio = info[ref]["cross_attention_saved_bytes"] / max(info[lean]["cross_attention_saved_bytes"], 1)
             result[f"{lean}_cross_attention_saved_ref_over_lean"] = round(saved_ratio, 2)
             result[f"{lean}_saved_ref_over_lean"] = round(info[ref]["saved_bytes"] / info[lean]["saved_bytes"], 2)
@@ -817,6 +866,25 @@ def main() -> None:
             goals.append(saved_ratio >= 2)
     if goals:
         result["goal_met"] = all(goals)
+    today, reference, without = REGULARISER_SHARE_MODES
+    if today in modes and without in modes:
+        shares = {}
+        for name, key in ((today, "today"), (reference, "reference")):
+            if name not in modes:
+                continue
+            moved = info[name]["step_bytes"] - info[without]["step_bytes"]
+            shares[key] = {
+                "time_share": round(1 - medians[without] / medians[name], 3),
+                "mib_per_step": round(moved / 2**20, 1),
+                "bytes_share": round(moved / info[name]["step_bytes"], 3),
+            }
+            if not args.device.startswith("cuda"):
+                shares[key]["cpu_time_share"] = round(1 - cpu_medians[without] / cpu_medians[name], 3)
+        result["cross8_before_regularisers"] = shares
+        if len(shares) == 2:
+            result["cross8_before_regularisers_bytes_today_over_reference"] = round(
+                shares["today"]["mib_per_step"] / shares["reference"]["mib_per_step"], 3
+            )
     for packed in ("none", "cross8_before"):  # the step packed against the step on padded rows, side by side
         if packed in modes and f"{packed}_rows" in modes:
             rows = f"{packed}_rows"
