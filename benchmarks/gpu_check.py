@@ -17,8 +17,9 @@ prints them with their expected time, each under 4 minutes cold on one H200, mea
 - `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
   predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds;
 - `smoke`: 100 compiled training steps over a few fixed batches: the loss must fall;
-- `torchrun`: one process under `torchrun` with NCCL, two steps with DDP and two with FSDP2, and the trainer's
-  sharded checkpoint (written in the background on a gloo group beside NCCL) published and resumed.
+- `torchrun`: one process under `torchrun` with NCCL (joined as the trainer joins it), two clipped steps with DDP and
+  two with FSDP2 (their losses compared), and the trainer's sharded checkpoint (written in the background on a gloo
+  group beside NCCL) published and resumed.
 
 `--dry-run` does all of it on the CPU with tiny shapes, a few steps, gloo, and torch.compile's `aot_eager` backend
 (a test runs it). Exit status 1 when a check fails.
@@ -50,7 +51,7 @@ from train.jepa import build_models
 from train.masks import padded_length, sample_masks
 from train.optim import make_optimizer
 from train.parallel import regulariser_passes, wrap_models
-from train.runtime import precision_on
+from train.runtime import join_process_group, precision_on
 from train.schedules import WarmupCosine
 from train.step import TrainStep, choose_cuda_kernels, on_device
 
@@ -144,6 +145,8 @@ PHASES = {
         False,
     ),
 }
+# The operators SDPA dispatches to, by kernel family, forward and backward (compiled code calls them too).
+ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention", "aten::_cudnn")
 # The step's parts, as train.jepa, train.objective and train.step label them for a profiler.
 PARTS = (
     "target_encoder",
@@ -493,7 +496,8 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
     time of the kernels each launched, per step (`backward` also holds the kernels of autograd's own thread, less the
     regularisers' backward, labelled apart), and of the kernels no label holds; on the CPU each part's time (which
     includes its backward). Then the `top` kernels (CPU: operators) by their own time per step, which say where a
-    part's time goes inside compiled code."""
+    part's time goes inside compiled code, and the calls per step of each attention kernel (flash, memory-efficient,
+    cuDNN or math: which one SDPA chose, masked or not, issue 32 point 3)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
@@ -528,6 +532,9 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         ranked = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)
         heaviest = {e.key: e.self_cpu_time_total / 1e3 / steps for e in ranked[:top]}
     missing = [p for p in PARTS if p not in labels and (p not in TEXT_PARTS or rig.text_dim)]
+    attention = {
+        e.key: e.count / steps for e in events if e.device_type == DeviceType.CPU and e.key.startswith(ATTENTION_OPS)
+    }
     return {
         "check": "profile",
         "config": spec.name,
@@ -537,6 +544,7 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         "device_ms_per_step": round(total, 3) if total is not None else None,
         "wall_ms_per_step": round(wall * 1e3, 3),
         "top_ms_per_step": {k: round(v, 3) for k, v in heaviest.items()},
+        "attention_calls_per_step": attention,
         "ok": not missing,
         "missing_parts": missing,
     }
@@ -575,26 +583,28 @@ def smoke(shapes: Shapes, device: torch.device) -> dict:
 
 
 def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
-    """Inside torchrun: two steps under DDP and two under FSDP2 with this backend, and the FSDP model checkpointed
-    as the trainer does (`Checkpointer`: shards written in the background on a gloo group of their own, published
-    once written) and resumed into a fresh one (the equal losses of the next step say it loaded)."""
+    """Inside torchrun, the process group joined as the trainer joins it: two steps under DDP and two under FSDP2 with
+    this backend, the gradients clipped (FSDP's as DTensor shards), the losses of the two compared, and the FSDP model
+    checkpointed as the trainer does (`Checkpointer`: shards written in the background on a gloo group of their own,
+    published once written) and resumed into a fresh one (the equal losses of the next step say it loaded)."""
     import torch.distributed as dist
 
     from train.checkpoint import Checkpointer, sharded_checkpoint
 
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
-    )
+    join_process_group(device)  # as the trainer joins it: its backend, device and collective timeout
     main = dist.get_rank() == 0
     out: dict = {"check": "torchrun", "backend": dist.get_backend(), "world": dist.get_world_size()}
     try:
         base = config(
             Spec("torchrun", "vit_base", "cross", "before_mlp", True), replace(shapes, batch=shapes.batch // 4 or 1)
         )
+        base = replace(base, grad_clip=1.0)  # the norm over DDP's gradients and over FSDP's sharded ones
+        out["grad_clip"] = base.grad_clip
         for name, cfg in (("ddp", base), ("fsdp", replace(base, fsdp=True))):
             rig = Rig(cfg, shapes, device)
-            losses = torch.stack(rig.run(rig.batches(range(2))))[:, 0].tolist()
-            out[f"{name}_losses"] = [round(v, 4) for v in losses]
+            parts = torch.stack(rig.run(rig.batches(range(2))))
+            out[f"{name}_losses"] = [round(v, 4) for v in parts[:, 0].tolist()]
+            out[f"{name}_grad_norms"] = [round(v, 4) for v in parts[:, -1].tolist()]  # before clipping at 1
             if cfg.fsdp:
                 with tempfile.TemporaryDirectory() as tmp:
                     saver = Checkpointer(Path(tmp), rig.model, rig.target, rig.optimizer, main)
@@ -607,7 +617,11 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
                 probe = rig.batches(range(2, 3))
                 a, b = rig.run(probe)[0][0].item(), again.run(probe)[0][0].item()
                 out["fsdp_checkpoint_roundtrip"] = abs(a - b) <= 1e-3 * abs(a) and resumed == 2
-        out["ok"] = all(np.isfinite(out["ddp_losses"] + out["fsdp_losses"])) and out["fsdp_checkpoint_roundtrip"]
+        # The same seed, batches and clipping: FSDP's float32 residual stream should give DDP's losses.
+        differences = [abs(a - b) / max(abs(a), 1e-6) for a, b in zip(out["ddp_losses"], out["fsdp_losses"])]
+        out["fsdp_vs_ddp_loss_rel_diff"] = round(max(differences), 5)
+        figures = out["ddp_losses"] + out["fsdp_losses"] + out["ddp_grad_norms"] + out["fsdp_grad_norms"]
+        out["ok"] = all(np.isfinite(figures)) and out["fsdp_checkpoint_roundtrip"]
     finally:
         dist.destroy_process_group()
     return out

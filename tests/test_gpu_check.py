@@ -73,6 +73,7 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     for profile in (none, cross):
         assert all(v > 0 for v in profile["ms_per_step"].values())  # each label is reached in a step
         assert len(profile["top_ms_per_step"]) == 15 and all(v > 0 for v in profile["top_ms_per_step"].values())
+        assert profile["attention_calls_per_step"] and all(v > 0 for v in profile["attention_calls_per_step"].values())
     (regs,) = [r for r in records if r["check"] == "regularisers"]
     assert (
         regs["ok"]
@@ -90,6 +91,10 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     (torchrun,) = [r for r in records if r["check"] == "torchrun"]
     assert torchrun["ok"] and torchrun["backend"] == "gloo" and torchrun["fsdp_checkpoint_roundtrip"]
     assert torchrun["fsdp_checkpoint_published"] and torchrun["fsdp_checkpoint_resumed_step"] == 2
+    assert torchrun["grad_clip"] == 1 and min(torchrun["ddp_grad_norms"] + torchrun["fsdp_grad_norms"]) > 1, (
+        "clipping at 1 acted on every step"
+    )
+    assert torchrun["fsdp_vs_ddp_loss_rel_diff"] <= 1e-3, "FSDP's steps are DDP's: one residual stream, one clipping"
 
 
 def test_the_phases_are_listed_with_times_that_fit_a_device_call(capsys):

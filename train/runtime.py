@@ -73,15 +73,17 @@ def start_runtime(cfg: TrainConfig) -> Runtime:
     control = None
     if world > 1:
         if not dist.is_initialized():
-            # With the device named, NCCL sets its communicators up now rather than at the first collective, and
-            # barriers know which device to use.
-            dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo",
-                timeout=STEP_TIMEOUT,
-                device_id=device if device.type == "cuda" else None,
-            )
+            join_process_group(device)
         control = dist.new_group(backend="gloo", timeout=AGREEMENT_TIMEOUT)
     return Runtime(rank, world, device, control)
+
+
+def join_process_group(device: torch.device) -> None:
+    """The training process group (torchrun's environment): NCCL on a GPU, gloo on the CPU, collectives that give up
+    after `STEP_TIMEOUT`. With the device named, NCCL sets its communicators up now rather than at the first
+    collective, and barriers know which device to use."""
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=STEP_TIMEOUT, device_id=device if cuda else None)
 
 
 def precision_on(cfg: TrainConfig, device: torch.device) -> TrainConfig:
