@@ -71,6 +71,7 @@ bench: venv
 	$(PY) -m benchmarks.store_codecs
 	$(PY) -m benchmarks.caption
 	$(PY) -m benchmarks.train_step
+	$(PY) -m benchmarks.train_step --modes references
 	$(PY) -m benchmarks.faults
 	$(PY) -m benchmarks.scaleout
 	$(PY) -m benchmarks.startup

@@ -53,7 +53,7 @@ from train.optim import make_optimizer
 from train.parallel import regulariser_passes, wrap_models
 from train.runtime import join_process_group, precision_on
 from train.schedules import WarmupCosine
-from train.step import TrainStep, choose_cuda_kernels, on_device
+from train.step import TrainStep, choose_cuda_kernels, on_device, whole
 
 # Dense bf16 peak per GPU, by name as torch reports it.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
@@ -145,8 +145,9 @@ PHASES = {
         False,
     ),
 }
-# The operators SDPA dispatches to, by kernel family, forward and backward (compiled code calls them too).
-ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention", "aten::_cudnn")
+# The operators SDPA dispatches to, one per kernel family (flash, efficient, cudnn, math), forward and backward
+# (compiled code calls them too); not the kernels' own ops nested inside them, which would count each call twice.
+ATTENTION_OPS = ("aten::_scaled_dot_product_",)
 # The step's parts, as train.jepa, train.objective and train.step label them for a profiler.
 PARTS = (
     "target_encoder",
@@ -319,10 +320,10 @@ class Rig:
         self.target.load_state_dict(target_state)
         return counter.get_total_flops()
 
-    def run(self, batches: list[Batch], lr: bool = True) -> list[torch.Tensor]:
-        """One step per batch; the loss parts of each, left on the device."""
+    def run(self, batches: list[Batch], lr: bool = True, first: int = 0) -> list[torch.Tensor]:
+        """One step per batch, the first at the schedule's step `first`; the loss parts of each, left on the device."""
         out = []
-        for i, (_, micro) in enumerate(on_device(batches, self.device, self.cfg.accum_steps)):
+        for i, (_, micro) in enumerate(on_device(batches, self.device, self.cfg.accum_steps), start=first):
             if lr:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.lr(i) * group["lr_scale"]
@@ -497,7 +498,7 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
     regularisers' backward, labelled apart), and of the kernels no label holds; on the CPU each part's time (which
     includes its backward). Then the `top` kernels (CPU: operators) by their own time per step, which say where a
     part's time goes inside compiled code, and the calls per step of each attention kernel (flash, memory-efficient,
-    cuDNN or math: which one SDPA chose, masked or not, issue 32 point 3)."""
+    cuDNN or math: which ones SDPA chose, issue 32 point 3; flash takes no mask, so its calls are the unmasked ones)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
@@ -588,6 +589,7 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
     checkpointed as the trainer does (`Checkpointer`: shards written in the background on a gloo group of their own,
     published once written) and resumed into a fresh one (the equal losses of the next step say it loaded)."""
     import torch.distributed as dist
+    from torch.nn.utils import get_total_norm
 
     from train.checkpoint import Checkpointer, sharded_checkpoint
 
@@ -602,9 +604,13 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
         out["grad_clip"] = base.grad_clip
         for name, cfg in (("ddp", base), ("fsdp", replace(base, fsdp=True))):
             rig = Rig(cfg, shapes, device)
-            parts = torch.stack(rig.run(rig.batches(range(2))))
-            out[f"{name}_losses"] = [round(v, 4) for v in parts[:, 0].tolist()]
-            out[f"{name}_grad_norms"] = [round(v, 4) for v in parts[:, -1].tolist()]  # before clipping at 1
+            parts, clipped = [], []
+            for i, batch in enumerate(rig.batches(range(2))):
+                parts.append(rig.run([batch], first=i)[0])
+                clipped.append(whole(get_total_norm([p.grad for p in rig.model.parameters() if p.grad is not None])))
+            out[f"{name}_losses"] = [round(float(p[0]), 4) for p in parts]
+            out[f"{name}_grad_norms"] = [round(float(p[-1]), 4) for p in parts]  # before clipping
+            out[f"{name}_clipped_grad_norms"] = [round(float(n), 4) for n in clipped]  # after: the step's update
             if cfg.fsdp:
                 with tempfile.TemporaryDirectory() as tmp:
                     saver = Checkpointer(Path(tmp), rig.model, rig.target, rig.optimizer, main)
@@ -621,7 +627,12 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
         differences = [abs(a - b) / max(abs(a), 1e-6) for a, b in zip(out["ddp_losses"], out["fsdp_losses"])]
         out["fsdp_vs_ddp_loss_rel_diff"] = round(max(differences), 5)
         figures = out["ddp_losses"] + out["fsdp_losses"] + out["ddp_grad_norms"] + out["fsdp_grad_norms"]
-        out["ok"] = all(np.isfinite(figures)) and out["fsdp_checkpoint_roundtrip"]
+        clipped_to = [min(n, base.grad_clip) for n in out["ddp_grad_norms"] + out["fsdp_grad_norms"]]
+        out["clipped_as_asked"] = all(
+            abs(n - c) <= 1e-3 * c
+            for n, c in zip(out["ddp_clipped_grad_norms"] + out["fsdp_clipped_grad_norms"], clipped_to)
+        )
+        out["ok"] = all(np.isfinite(figures)) and out["fsdp_checkpoint_roundtrip"] and out["clipped_as_asked"]
     finally:
         dist.destroy_process_group()
     return out

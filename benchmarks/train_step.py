@@ -68,7 +68,8 @@ count of those bytes (0.10x the reference's at issue 32's shapes) is `benchmarks
 
 CPU default (`--preset cpu_tiny`): tiny ViT (192 wide, depth 6, 3 heads, patch 8,
 64×64 images), predictor 192 wide, depth 4, batch 64, one torch thread (see
-PRESETS), about 12 minutes on 2 cores. `--profile MODE` prints torch.profiler's
+PRESETS), ~10 minutes on 2 cores for either set of modes (`--modes references`: 609 s on 2026-12-06).
+`--profile MODE` prints torch.profiler's
 top ops for one step of MODE instead. On a GPU (images/s and MFU against
 --peak-tflops, default 989 = H100/H200 bf16 dense):
   python -m benchmarks.train_step --preset vit_b16 --device cuda
@@ -117,7 +118,15 @@ MODES: dict[str, Mode] = {
     "cross8_before_regref": Mode("cross", 8, "before_mlp", regularisers="reference"),
     "cross8_before_noreg": Mode("cross", 8, "before_mlp", regularisers="off"),
 }
-DEFAULT_MODES = [name for name in MODES if name != "sequence"]
+# Named sets for --modes, each run as one interleaved group (on the CPU every mode's process alive at once, so a set
+# is what fits in memory): the step and what packing and the cut change (the default), and the step beside the
+# references (issue 17's cross-attention, issue 32's regularisers).
+MODE_SETS = {
+    "default": ["none", "none_cut", "none_rows", "cross1", "cross8", "cross8_before", "cross8_before_cut"]
+    + ["cross8_before_rows"],
+    "references": ["none", "cross8", "cross8_before", "cross8_before_regref", "cross8_before_noreg", "cross8_mha"]
+    + ["cross8_ref", "cross8_before_mha", "cross8_before_ref"],
+}
 # The regularisers' share of a cross step: today's, the reference's, and the step without them (last).
 REGULARISER_SHARE_MODES = ("cross8_before", "cross8_before_regref", "cross8_before_noreg")
 
@@ -174,7 +183,11 @@ def log(msg: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu_tiny", help="defaults for everything below")
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument(
+        "--modes",
+        default="default",
+        help=f"a set ({', '.join(MODE_SETS)}) or a comma-separated subset of {', '.join(MODES)}",
+    )
     ap.add_argument(
         "--conditioner",
         default="paper",
@@ -230,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.context_scale = tuple(args.context_scale)
+    args.modes = ",".join(MODE_SETS.get(args.modes, [args.modes]))
     unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
@@ -764,7 +778,7 @@ def main() -> None:
                         w.ask("warmup")
             for name, w in workers.items():  # one more untimed step: what autograd saves for backward
                 info[name].update(w.ask("saved"))
-                if name in REGULARISER_SHARE_MODES and REGULARISER_SHARE_MODES[-1] in group:
+                if name in REGULARISER_SHARE_MODES and REGULARISER_SHARE_MODES[-1] in modes:
                     info[name].update(w.ask("bytes"))  # and one more: the bytes its ops move
             log(f"warm: {', '.join(group)} ({time.perf_counter() - started:.0f} s)")
             for r in range(args.steps):

@@ -69,7 +69,8 @@ def test_the_step_benchmark_prints_the_regularisers_share_and_issue_17_s_ratios_
     assert set(shares) == {"today", "reference"}
     for share in shares.values():
         assert 0 < share["bytes_share"] < 1 and share["mib_per_step"] > 0 and share["time_share"] < 1, share
-    # each layer's float32 map remade for every pass moves more than today's maps, read once each way
+    # each layer's float32 map remade for every pass moves more than today's maps, read once each way (a count, not a
+    # time: 0.58 at these shapes, 0.689 at the CPU preset's)
     assert result["cross8_before_regularisers_bytes_today_over_reference"] < 0.8, shares
     modes = result["modes"]
     assert (
