@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.support.training_step import STEP_CONFIG, STEP_TEXT_DIM
@@ -107,3 +109,38 @@ def test_a_packed_step_computes_the_masked_step_s_losses_and_gradients_with_fewe
     # 18 of 36 context patches and 34 of 64 words are real; the target encoder's whole images are never padded
     # (measured: 0.85 of the masked step's FLOPs without text, 0.82 with).
     assert packed_flops < 0.9 * masked_flops, (packed_flops, masked_flops)
+
+
+class AttentionMasks(TorchFunctionMode):
+    """Whether each `scaled_dot_product_attention` call made under it had a mask, in call order (the calls run as
+    they are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masked: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.masked.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is not None)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_only_attention_over_padding_takes_a_mask_so_the_rest_may_run_on_the_flash_kernel(padded):
+    """Issue 32 point 3: SDPA's flash kernel takes no mask. The target encoder reads whole images, so none of its
+    attentions gets one; the context encoder's and the predictor's get one only when some context is padded."""
+    torch.manual_seed(0)
+    cfg = replace(STEP_CONFIG, conditioning="none")
+    model, target = build_models(ModelConfig.of(cfg), text_dim=None)
+    g = torch.Generator().manual_seed(2)
+    images = torch.randn(4, 3, 64, 64, generator=g)
+    keep, valid = _contexts(g, 64)
+    layout = TokenLayout.of(valid) if padded else None
+    if not padded:
+        keep = torch.stack([torch.randperm(64, generator=g)[:9] for _ in range(4)])  # four whole contexts of 9
+    targets = torch.stack([torch.randperm(64, generator=g)[:4].view(2, 2) for _ in range(4)])
+    with AttentionMasks() as calls:
+        compute_losses(model, target, images, keep, targets, None, cfg, layout)
+    encoder, predictor = len(target.blocks), len(model.predictor.blocks)
+    assert calls.masked == [False] * encoder + [padded] * (encoder + predictor)  # target encoder first

@@ -505,6 +505,27 @@ def test_every_residual_output_is_depth_scaled_the_cross_attention_too(form):
             assert float(weight.detach().std()) == pytest.approx(0.02, rel=0.05)
 
 
+@pytest.mark.parametrize("heads", [None, 4])
+def test_predictor_heads_sets_the_predictor_s_self_and_cross_attention_heads_and_none_keeps_the_encoder_s(heads):
+    from train.config import ModelConfig, TrainConfig
+    from train.jepa import build_models
+
+    cfg = TrainConfig(
+        model="vit_tiny",
+        width=64,
+        depth=2,
+        heads=2,
+        predictor_width=32,
+        predictor_depth=2,
+        predictor_heads=heads,
+        conditioning="cross",
+    )
+    model, _ = build_models(ModelConfig.of(cfg), text_dim=16)
+    expected = heads or 2
+    for block in model.predictor.blocks:
+        assert block.attn.heads == block.cross.heads == expected
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
