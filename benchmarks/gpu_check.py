@@ -8,9 +8,11 @@ prints them with their expected time, each under 4 minutes cold on one H200, mea
 `$OUT/gpu_check.jsonl`, and a `phase` line with each phase's seconds:
 
 - `throughput` lines (phases `throughput`, `after_mlp`, `vit_large`, `options`, `heads`): images/s; MFU on the
-  FLOPs computed (`FlopCounterMode` on the shapes run, padding included) and on the useful ones (the analytic count
-  at each image's real lengths over the padded one); peak allocated and reserved memory; graphs compiled, graph
-  breaks and recompiles during the timed steps (fresh masks every step: 0 is the goal); the host syncs of one step
+  FLOPs computed (`FlopCounterMode` on the first batch's shapes, padding included, carried over to the timed
+  batches' shapes by the analytic count's ratio), on the useful ones (the analytic count at each image's real
+  lengths) and on the padded ones (every layer on the padded rows, as before packing); peak allocated and reserved
+  memory; graphs compiled, graph breaks and recompiles during the timed steps (fresh masks every step: 0 is the
+  goal); the host syncs of one step
   (CUDA's sync debug mode: 0 is the goal);
 - `input`: the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local disk at start, decoded
   by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
@@ -360,10 +362,10 @@ def compile_counts() -> tuple[int, int, int]:
     return (counters["frames"]["total"], counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
 
 
-def useful_share(rig: Rig, batches: list[Batch]) -> tuple[float, float]:
-    """FLOPs at each image's real context length and mean caption length over FLOPs as the step computes them (the
-    real tokens packed, attention on padded rows) and over FLOPs with every layer on the padded rows, all counted
-    analytically (`benchmarks/train_step.py`'s count), over `batches`."""
+def analytic_flops(rig: Rig, batches: list[Batch]) -> tuple[float, float, float]:
+    """FLOPs per step over `batches`, counted analytically (`benchmarks/train_step.py`'s count): useful (at each
+    image's real context length and mean caption length), computed (as the step computes them: the real tokens
+    packed, attention on padded rows) and padded (every layer on the padded rows)."""
     from benchmarks.train_step import Mode, useful_and_computed_flops
 
     cfg = rig.cfg
@@ -384,7 +386,7 @@ def useful_share(rig: Rig, batches: list[Batch]) -> tuple[float, float]:
             cfg, mode, model.encoder, model.predictor, lt, m, rig.text_dim or 0, lengths, words, rows
         )
         useful, computed, padded = useful + counts[0], computed + counts[1], padded + counts[2]
-    return useful / computed, useful / padded
+    return useful / len(batches), computed / len(batches), padded / len(batches)
 
 
 def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
@@ -410,8 +412,11 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
-    mfu = rig.flops_per_step / seconds / peak if peak else None
-    useful, useful_padded = useful_share(rig, batches[shapes.warmup :])
+    # FlopCounterMode counted the first batch; the timed ones have other context and caption lengths, so its count
+    # is carried over by the analytic count's ratio between them.
+    useful, computed, padded = analytic_flops(rig, batches[shapes.warmup :])
+    flops = rig.flops_per_step * computed / analytic_flops(rig, batches[:1])[1]
+    mfu = flops / seconds / peak if peak else None
     cuda = device.type == "cuda"
     result = {
         "check": "throughput",
@@ -422,11 +427,13 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
         "options": dict(spec.options),
         "s_per_step": round(seconds, 5),
         "images_per_s": round(shapes.batch / seconds, 1),
-        "gflop_per_step": round(rig.flops_per_step / 1e9, 3),
+        "gflop_per_step": round(flops / 1e9, 3),  # the timed steps' mean, as computed (padding included)
         "mfu": round(mfu, 4) if mfu is not None else None,  # on the FLOPs computed, padding included
-        "useful_over_computed_flops": round(useful, 3),
-        "useful_over_padded_flops": round(useful_padded, 3),  # as if every layer ran on the padded rows
-        "mfu_useful": round(mfu * useful, 4) if mfu is not None else None,
+        "useful_over_computed_flops": round(useful / computed, 3),
+        "useful_over_padded_flops": round(useful / padded, 3),  # as if every layer ran on the padded rows
+        "mfu_useful": round(mfu * useful / computed, 4) if mfu is not None else None,
+        # what the MFU would read counting every layer on the padded rows, as before packing
+        "mfu_padded": round(mfu * padded / computed, 4) if mfu is not None else None,
         "warmup_s": round(warmup_s, 1),
         "graphs_compiled": graphs,
         "graph_breaks": breaks,

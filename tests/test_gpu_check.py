@@ -59,7 +59,8 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     assert [r["config"] for r in throughput] == [s.name for p in gpu_check.PHASES.values() for s in p.specs]
     for r in throughput:
         assert r["images_per_s"] > 0 and r["gflop_per_step"] > 0 and r["mfu"] is None  # no peak FLOPs on a CPU
-        assert 0 < r["useful_over_computed_flops"] < 1  # the synthetic batches carry padding
+        assert 0 < r["useful_over_padded_flops"] < r["useful_over_computed_flops"] < 1  # padding, packed in part
+        assert r["mfu_useful"] is None and r["mfu_padded"] is None
         assert r["graph_breaks"] == 0 and r["recompiles_in_timed_steps"] == 0  # fresh masks every timed step
     by_name = {r["config"]: r for r in throughput}
     assert by_name["vit_b16_cross8_before_mlp_compiled_int8"]["codec"] == "int8"
