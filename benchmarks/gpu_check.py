@@ -55,7 +55,7 @@ from train.optim import make_optimizer
 from train.parallel import regulariser_passes, wrap_models
 from train.runtime import join_process_group, precision_on
 from train.schedules import WarmupCosine
-from train.step import TrainStep, choose_cuda_kernels, on_device, whole
+from train.step import TrainStep, choose_cuda_kernels, micro_batches, on_device, whole
 
 # Dense bf16 peak per GPU, by name as torch reports it.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
@@ -315,7 +315,7 @@ class Rig:
         step = TrainStep(self.model, self.model, self.target, optimizer, self.cfg, self.device)
         state = {k: v.clone() for k, v in self.model.state_dict().items()}
         target_state = {k: v.clone() for k, v in self.target.state_dict().items()}
-        (_, micro), *_ = on_device(self.batches(range(1)), self.device, 1)
+        (_, micro), *_ = on_device(self.batches(range(1)), self.device, self.cfg.accum_steps)
         with FlopCounterMode(display=False) as counter:
             step(micro, 0.996)
         self.model.load_state_dict(state)
@@ -363,9 +363,10 @@ def compile_counts() -> tuple[int, int, int]:
 
 
 def analytic_flops(rig: Rig, batches: list[Batch]) -> tuple[float, float, float]:
-    """FLOPs per step over `batches`, counted analytically (`benchmarks/train_step.py`'s count): useful (at each
-    image's real context length and mean caption length), computed (as the step computes them: the real tokens
-    packed, attention on padded rows) and padded (every layer on the padded rows)."""
+    """An image's FLOPs in a step, the mean over `batches`' images, counted analytically (`benchmarks/train_step.py`'s
+    count): useful (at each image's real context length and mean caption length), computed (as the step computes
+    them: the real tokens packed, attention on padded rows) and padded (every layer on the padded rows), each
+    micro-batch on its own rows as the step cuts them (micro-batches are of one size)."""
     from benchmarks.train_step import Mode, useful_and_computed_flops
 
     cfg = rig.cfg
@@ -373,7 +374,8 @@ def analytic_flops(rig: Rig, batches: list[Batch]) -> tuple[float, float, float]
     mode = Mode(cfg.conditioning, captions, cfg.pool, cfg.context_equalise)
     model = rig.model
     useful = computed = padded = 0.0
-    for batch in batches:
+    micro = [part for step in batches for part in micro_batches(step, cfg.accum_steps)]
+    for batch in micro:
         m, lt = batch.targets.shape[1:]
         words = np.zeros(len(batch))
         padded_words = 0
@@ -386,7 +388,7 @@ def analytic_flops(rig: Rig, batches: list[Batch]) -> tuple[float, float, float]
             cfg, mode, model.encoder, model.predictor, lt, m, rig.text_dim or 0, lengths, words, rows
         )
         useful, computed, padded = useful + counts[0], computed + counts[1], padded + counts[2]
-    return useful / len(batches), computed / len(batches), padded / len(batches)
+    return useful / len(micro), computed / len(micro), padded / len(micro)
 
 
 def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
@@ -413,10 +415,13 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     seconds = statistics.median(times)
     peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
     # FlopCounterMode counted the first batch; the timed ones have other context and caption lengths, so its count
-    # is carried over by the analytic count's ratio between them.
-    useful, computed, padded = analytic_flops(rig, batches[shapes.warmup :])
-    flops = rig.flops_per_step * computed / analytic_flops(rig, batches[:1])[1]
-    mfu = flops / seconds / peak if peak else None
+    # is carried over to each by the analytic count's ratio, and MFU is each step's FLOPs over its own time (median).
+    counted = rig.flops_per_step / analytic_flops(rig, batches[:1])[1]
+    per_step = [analytic_flops(rig, [batch]) for batch in batches[shapes.warmup :]]
+    useful, computed, padded = (statistics.mean(counts) for counts in zip(*per_step))
+    flops = counted * computed
+    rates = [counted * counts[1] / t for counts, t in zip(per_step, times)]
+    mfu = statistics.median(rates) / peak if peak else None
     cuda = device.type == "cuda"
     result = {
         "check": "throughput",
