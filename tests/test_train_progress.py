@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -77,3 +78,47 @@ def test_wandb_offline_logs_the_run(tmp_path, synth_dir):
     tcjepa(*train_args(synth_dir / "images", None, None, run, *args), env=env)
     logged = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logged) == 1 and logged[0].stat().st_size > 0
+
+
+def _log_until(run, steps: int) -> None:
+    from train.metrics import MetricsLog
+
+    log = MetricsLog(run)
+    for step in range(1, steps + 1):
+        log.append({"step": step, "loss": 1 / step, "loss_predict": 1 / step})
+        log.append({"step": step, "val_loss_predict": 1 / step})
+
+
+def _within(seconds: float, done) -> bool:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return done()
+
+
+def test_curves_are_drawn_at_once_then_at_most_once_an_interval_and_what_is_left_at_close(tmp_path):
+    """A drawing takes the GIL from rank 0's thread: requests after every validation are thinned to one an interval,
+    and the last one is drawn, with the newest metrics, when the run closes."""
+    from train.metrics import CURVES, CurvePlotter
+
+    _log_until(tmp_path, 2)
+    plotter = CurvePlotter(every_s=3600)
+    plotter.draw(tmp_path)
+    assert _within(60, (tmp_path / CURVES).exists)  # written whole (a rename) by the plotter's thread
+    first = (tmp_path / CURVES).read_bytes()
+    _log_until(tmp_path, 6)
+    for _ in range(3):  # the first drawing is done: only the interval holds these back
+        plotter.draw(tmp_path)
+    assert plotter.drawings == 1
+    plotter.close()
+    assert plotter.drawings == 1 and (tmp_path / CURVES).read_bytes() != first, "the last request drawn at close"
+
+    # once the interval has passed (and the drawing under way is done), a request draws again
+    soon = CurvePlotter(every_s=0.2)
+
+    def asked_again() -> bool:
+        soon.draw(tmp_path)
+        return soon.drawings == 2
+
+    assert soon.drawings == 0 and _within(60, asked_again)
+    soon.close()
