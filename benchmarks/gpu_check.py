@@ -457,15 +457,22 @@ def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
     """The trainer itself (`run_training`, conditioning `none`, no store) for `input_steps` steps over JPEGs written to
     local disk: its DataLoader workers, pinned copies on a side stream and compiled step, the images decoded by the
     workers (`decode: cpu`) and then by nvJPEG on the device (`decode: gpu`). images/s of the loop, per log window
-    after the first (compilation, workers starting), beside the synthetic batches of the `throughput` phase."""
+    after the first (compilation, workers starting), beside the synthetic batches of the `throughput` phase. Then a
+    few uncompiled steps decoded on the device over the same JPEGs, every other one cut short after its scan's
+    header (a sound header, no body): the device decoder's failure must fall back image by image, and the
+    unreadable ones be counted as replaced, not crash the step."""
     from train.config import apply, automatic_num_workers
     from train.loop import run_training
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "images"
-        write_jpegs(folder, shapes.input_images, 0, shapes.input_sizes)
-        for decode in ("cpu", "gpu"):
+        jpegs = write_jpegs(folder, shapes.input_images, 0, shapes.input_sizes)
+        for decode in ("cpu", "gpu", "gpu_corrupt"):
+            if decode == "gpu_corrupt":
+                for path in jpegs[::2]:
+                    data = path.read_bytes()
+                    path.write_bytes(data[: data.index(b"\xff\xda") + 14])  # the header and the scan's, then nothing
             settings = {
                 **shapes.overrides,
                 "images": [str(folder)],
@@ -480,12 +487,26 @@ def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
                 "val_every": shapes.input_steps,
                 "val_images": 8,
                 "checkpoint_every": shapes.input_steps,
-                "compile": device.type == "cuda",
-                "decode": decode,
+                "compile": device.type == "cuda" and decode != "gpu_corrupt",
+                "decode": decode.removesuffix("_corrupt"),
                 "device": str(device),
             }
             start = time.perf_counter()
             metrics = run_training(apply(TrainConfig(), settings, "gpu_check"), Path(tmp) / f"run-{decode}", False)
+            if decode == "gpu_corrupt":
+                losses = [m["loss"] for m in metrics if "loss" in m]
+                replaced = sum(m["images_replaced"] for m in metrics if "images_replaced" in m)
+                out.append(
+                    {
+                        "check": "input_corrupt",
+                        "decode": "gpu",
+                        "corrupt_images": len(jpegs[::2]),
+                        "images_replaced": replaced,
+                        "seconds": round(time.perf_counter() - start, 1),
+                        "ok": bool(losses) and all(np.isfinite(losses)) and replaced > 0,
+                    }
+                )
+                continue
             windows = [m["images_per_s"] for m in metrics if "images_per_s" in m][1:]
             out.append(
                 {

@@ -67,6 +67,12 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     assert by_name["vit_b16_cross8_before_mlp_compiled_accum2"]["options"] == {"accum_steps": 2}
     inputs = [r for r in records if r["check"] == "input"]
     assert [r["decode"] for r in inputs] == ["cpu", "gpu"] and all(r["ok"] and r["images_per_s"] > 0 for r in inputs)
+    (corrupt,) = [r for r in records if r["check"] == "input_corrupt"]
+    assert (
+        corrupt["ok"]
+        and corrupt["images_replaced"] > 0
+        and corrupt["corrupt_images"] == gpu_check.DRY.input_images // 2
+    )
     none, cross = [r for r in records if r["check"] == "profile"]
     assert (none["config"], cross["config"]) == (gpu_check.NONE.name, gpu_check.CROSS.name)
     assert cross["ok"] and set(cross["ms_per_step"]) == set(gpu_check.PARTS)
