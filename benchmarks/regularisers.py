@@ -1,7 +1,8 @@
 """The text regularisers alone, today's autograd Function beside the one it replaced: bytes moved and time.
 
-Today (`train.losses`): every layer's cosine map from one batched GEMM, read once forward and once backward after
-recomputing it, in the GEMM's dtype. Reference (`benchmarks/reference_regularisers.py`, issue 32's "today"): each
+Today (`train.losses`): every layer's cosine map from one batched GEMM, over each image's real words alone (the
+padded ones left out, `image_words`), read once forward and once backward after recomputing it, in the GEMM's
+dtype. Reference (`benchmarks/reference_regularisers.py`, issue 32's "today"): each
 layer's map remade as float32 for every pass (two forward, three backward), ~10 elementwise passes over each.
 
 Shapes: issue 32's ViT-B/16 `before_mlp` step per image (predictor 384 wide, depth 6; 648 conditioned tokens, the
@@ -46,6 +47,7 @@ from train.losses import (  # noqa: E402
     compiled_regulariser_passes,
     text_regularisers,
 )
+from train.masks import padded_length  # noqa: E402
 
 CAPTIONS, WIDTH = 8, 384
 CPU = torch.device("cpu")
@@ -81,6 +83,13 @@ def operands(
     leaves = [x.to(device, torch.bfloat16).requires_grad_() for x in queries + keys]
     masks = (word_mask, lengths > 0, token_valid.expand(images, -1).contiguous())
     return leaves[:depth], leaves[depth:], tuple(m.to(device) for m in masks)
+
+
+def over_real_words(queries, keys, word_mask, valid, token_valid, passes: RegulariserPasses = EAGER_PASSES):
+    """Today's Function as the trainer calls it: the maps over each image's real words alone (`image_words`, which
+    the trainer counts on the host from the lengths; here read off the mask, one sync)."""
+    image_words = padded_length(int(word_mask.flatten(1).sum(1).max()))
+    return text_regularisers(queries, keys, word_mask, valid, token_valid, passes=passes, image_words=image_words)
 
 
 def forward_backward(regularisers: Regularisers, queries, keys, masks) -> torch.Tensor:
@@ -133,7 +142,7 @@ def bytes_outside_the_passes(shape: Shape, device: torch.device) -> int:
     passes = RegulariserPasses(paused(EAGER_PASSES.forward), paused(EAGER_PASSES.backward))  # type: ignore[arg-type]
     inputs = operands(shape, device=device)
     with counter:
-        forward_backward(partial(text_regularisers, passes=passes), *inputs)
+        forward_backward(partial(over_real_words, passes=passes), *inputs)
     return counter.bytes
 
 
@@ -147,7 +156,7 @@ def compiled(name: str, shape: Shape, device: torch.device, backend: str) -> tup
     if name == "reference":
         fn = torch.compile(reference_regularisers, fullgraph=True, dynamic=True, backend=backend)
     else:
-        fn = partial(text_regularisers, passes=compiled_regulariser_passes(backend))
+        fn = partial(over_real_words, passes=compiled_regulariser_passes(backend))
 
     def run(queries, keys, masks) -> torch.Tensor:
         return forward_backward(fn, queries, keys, masks)
@@ -187,7 +196,7 @@ def measure(shape: Shape, repeats: int, device: torch.device = CPU, backend: str
     torch._dynamo.reset()
     torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
     logging.getLogger("torch._inductor").setLevel(logging.WARNING)
-    eager = {"reference": reference_regularisers, "today": text_regularisers}
+    eager = {"reference": reference_regularisers, "today": over_real_words}
     loss = {name: float(forward_backward(fn, *operands(shape, device=device))) for name, fn in eager.items()}
     runs = {f"{name}_eager": partial(forward_backward, fn) for name, fn in eager.items()}
     nbytes = {f"{name}_eager": eager_bytes(fn, shape, device) for name, fn in eager.items()}

@@ -595,7 +595,9 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         tokens = rng.standard_normal((cfg.batch_size, mode.captions, s, args.text_dim)).astype(np.float16)
         tokens *= (np.arange(s) < lengths[..., None])[..., None]
         words = int(lengths.sum()) if mode.packed else None  # counted: the K/V projection runs on real words
-        text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64)), words)
+        # and the regularisers' maps on each image's real words (as the trainer counts them, on the host)
+        image_words = padded_length(int(lengths.sum(axis=1).max())) if mode.packed else None
+        text = TextBatch(torch.from_numpy(tokens), torch.from_numpy(lengths.astype(np.int64)), words, image_words)
         text = text.to(device, dtype=dtype)
     images = images.to(device)
     context = torch.from_numpy(masks.context).to(device)

@@ -248,3 +248,4 @@ def test_a_device_decoded_jpeg_with_a_corrupt_body_leaves_its_row_a_duplicate_wi
     assert torch.equal(moved.images[2], moved.images[0]), "the unreadable row repeats another row's pixels"
     assert moved.replaced == 1 and moved.images_with_text == 2 and batch.images_with_text() == 3
     assert moved.lengths is not None and moved.lengths.tolist() == [[3, 2], [4, 0], [0, 0]]
+    assert moved.image_words == 8, "the most real words of an image read (5), rounded up to 8"

@@ -304,6 +304,31 @@ def test_regularisers_from_all_layers_at_once_equal_the_per_layer_recomputation(
         assert _relative_error(new, exact) < 1.25 * _relative_error(old, exact) + 1e-2
 
 
+@pytest.mark.parametrize("cosine", ["full", "head_centred"])
+def test_regularisers_over_each_image_s_real_words_alone_equal_those_over_every_padded_word(cosine):
+    """`image_words`: each image's real words gathered to the front and the maps only that wide (5 here, the most
+    an image has, of N·S = 8): the same terms, positive share, pairs and gradients (zero on padded words)."""
+    from train.losses import RegulariserWeights, real_words_first
+
+    queries, keys, (word_mask, valid, token_valid) = _regulariser_operands(torch.float32)
+    weights = RegulariserWeights.of(word_mask, valid, token_valid, queries[0].shape[1])
+    packed_keys, packed = real_words_first(keys, weights, 5)
+    assert packed_keys[0].shape == (3, 1, 5, 6) and float(packed.word_mask.sum()) == float(weights.word_mask.sum())
+    results = []
+    for image_words in (None, 5):
+        queries, keys, masks = _regulariser_operands(torch.float32)
+        regs = text_regularisers(queries, keys, *masks, cosine=cosine, heads=2, image_words=image_words)
+        (3 * regs.sparse + 5 * regs.consistency).backward()
+        terms = [regs.sparse.detach(), regs.consistency.detach(), regs.positive_fraction, regs.pairs]
+        results.append((terms, [x.grad for x in queries + keys]))
+    (terms, grads), (packed_terms, packed_grads) = results
+    for got, want in zip(packed_terms, terms):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for got, want in zip(packed_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert float(grads[3][0, 1].abs().sum()) == 0, "the missing caption's words get no gradient"
+
+
 def test_the_regularisers_of_a_batch_of_no_images_are_zero():
     queries, keys = [torch.zeros(0, 5, 6, requires_grad=True)], [torch.zeros(0, 2, 4, 6, requires_grad=True)]
     regs = text_regularisers(queries, keys, torch.zeros(0, 2, 4, dtype=torch.bool), torch.zeros(0, 2, dtype=torch.bool))

@@ -379,6 +379,7 @@ def text_regularisers(
     cosine: str = "full",
     heads: int = 1,
     passes: RegulariserPasses = EAGER_PASSES,
+    image_words: int | None = None,
 ) -> TextRegularisers:
     """Sparsity and cross-layer consistency of rectified patch–word cosines.
 
@@ -389,7 +390,9 @@ def text_regularisers(
     `cosine` ``full``: the cosine of the full projected vectors (the formula as the seeds write it);
     ``head_centred``: per attention head (of `heads`), with the keys centred over each caption's valid words
     (`centred_heads`), the terms averaged over heads. `passes`: eager, or compiled where the blocks are
-    (`compiled_regulariser_passes`).
+    (`compiled_regulariser_passes`). `image_words`: at least the most real words one image has (all its captions;
+    `TextBatch.image_words`, counted on the host): each image's real words are gathered to the front and the maps
+    cover that many, so that padded words cost nothing (None: all N·S).
     """
     if cosine not in REGULARISER_COSINES:
         raise ValueError(f"cosine must be one of {', '.join(REGULARISER_COSINES)}, got {cosine!r}")
@@ -399,10 +402,27 @@ def text_regularisers(
         token_valid = None if token_valid is None else token_valid.repeat_interleave(heads, 0)
         # Each image's heads are `heads` images of the flat call, each weighted alike: the mean over heads, then
         # over the images with captions, as before.
-        return text_regularisers(queries, keys, word_mask, valid, token_valid, passes=passes)
+        return text_regularisers(queries, keys, word_mask, valid, token_valid, passes=passes, image_words=image_words)
     weights = RegulariserWeights.of(word_mask, valid, token_valid, queries[0].shape[1])
+    if image_words is not None:  # gathered even at full width: one layout (contiguous) for compiled passes
+        keys, weights = real_words_first(keys, weights, min(image_words, weights.word_mask.shape[1]))
     sparse, consistency, positive = _RectifiedCosineTerms.apply(passes, *weights.arguments(), *queries, *keys)
     return TextRegularisers(sparse, consistency, positive / weights.pairs.clamp_min(1), weights.pairs)
+
+
+def real_words_first(
+    keys: list[torch.Tensor], weights: RegulariserWeights, width: int
+) -> tuple[list[torch.Tensor], RegulariserWeights]:
+    """Each layer's keys `[B, N, S, d]` as `[B, 1, width, d]`: every image's real words (all its captions') first, in
+    order, then padding, cut to `width` (at least the most real words an image has), with the words' weights and
+    mask alike. The regularisers weigh pairs, not captions, so the order of words does not matter; the gather's
+    backward puts each word's gradient back in its place (zero on padding, as before). Indices are computed on the
+    device: no sync."""
+    order = torch.argsort((weights.word_mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width]
+    packed = [k.flatten(1, 2).gather(1, order[..., None].expand(-1, -1, k.shape[-1]))[:, None] for k in keys]
+    return packed, weights._replace(
+        word_weight=weights.word_weight.gather(1, order), word_mask=weights.word_mask.gather(1, order)
+    )
 
 
 class RegulariserWeights(NamedTuple):

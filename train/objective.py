@@ -98,6 +98,7 @@ def compute_losses(
             cosine=cfg.regulariser_cosine,
             heads=resolved_predictor_heads(cfg),
             passes=regulariser_passes,
+            image_words=text.image_words,
         )
     total = predict + cfg.lambda_sparse * regs.sparse + cfg.beta_consistency * regs.consistency + extra
     return StepLosses(

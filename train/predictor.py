@@ -65,6 +65,9 @@ class TextBatch:
     tokens: torch.Tensor  # [B, N, S, d_text]
     lengths: torch.Tensor  # [B, N] int64
     words: int | None = None  # the lengths' sum, counted on the host: the K/V projection runs on real words alone
+    # the most real words one image has (all its captions), rounded up to a multiple of 8, counted on the host: the
+    # regularisers' patch-word maps then cover that many words per image, not N·S (None: N·S)
+    image_words: int | None = None
 
     @property
     def word_mask(self) -> torch.Tensor:
@@ -82,6 +85,7 @@ class TextBatch:
             self.tokens.to(device, dtype=dtype, non_blocking=non_blocking),
             self.lengths.to(device, non_blocking=non_blocking),
             self.words,
+            self.image_words,
         )
 
 

@@ -52,6 +52,7 @@ class DeviceBatch:
     context_tokens: int  # real context patches, counted on the host: the packed length (`train.packing`)
     words: int  # real caption words, counted on the host: the K/V projection's packed length
     replaced: int = 0  # rows whose JPEG no decoder could read (`--decode gpu`): another row's pixels, no captions
+    image_words: int | None = None  # the most real words of one image, rounded up to 8, on the host (`TextBatch`)
 
     def __len__(self) -> int:
         return self.images.shape[0]
@@ -81,6 +82,7 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
         unread = decode_on_device(images, batch.encoded)
     images_with_text = batch.images_with_text()
     words = 0
+    image_words = None
     tokens = lengths = None
     if batch.tokens is not None and batch.lengths is not None:
         longest = padded_length(max(int(batch.lengths.max()) if batch.lengths.numel() else 0, 1))  # on the host
@@ -99,6 +101,9 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
             words -= int(batch.lengths[unread].sum())
             lengths = lengths.clone()  # on the CPU `move` hands back the host batch's own tensor
             lengths[unread] = 0
+        per_image = batch.lengths.sum(dim=1)
+        per_image[unread] = 0
+        image_words = padded_length(max(int(per_image.max()) if per_image.numel() else 0, 1))
     return DeviceBatch(
         images,
         move(batch.context),
@@ -110,6 +115,7 @@ def to_device(batch: Batch, device: torch.device) -> DeviceBatch:
         int(batch.context_lengths.sum()),
         words,
         len(unread),
+        image_words,
     )
 
 
@@ -206,7 +212,7 @@ def _ready(
 def without_captions(text: TextBatch) -> TextBatch:
     """The same batch with every caption marked missing: the unconditioned prediction, through the same graph (a
     compiled predictor is not traced again for text=None)."""
-    return TextBatch(text.tokens, torch.zeros_like(text.lengths), words=0)
+    return TextBatch(text.tokens, torch.zeros_like(text.lengths), words=0, image_words=padded_length(1))
 
 
 @contextmanager
@@ -266,7 +272,7 @@ class TrainStep:
         tokens = mb.tokens.to(self.dtype)
         # A fresh tensor, not a view of the loader's: a compiled graph guards on whether its inputs are views, and
         # the shuffled and caption-less controls of validation are not.
-        return TextBatch(tokens, mb.lengths.clone(), mb.words)
+        return TextBatch(tokens, mb.lengths.clone(), mb.words, mb.image_words)
 
     def losses(
         self, module: nn.Module, mb: DeviceBatch, text: TextBatch | None, directions: torch.Tensor | None = None

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from train.config import resolved_predictor_heads
 from train.data import Batch, StepBatches
 from train.losses import cosine_histogram, gather_positions, histogram_quantiles, prediction_loss
+from train.masks import padded_length
 from train.metrics import effective_rank_from_gram
 from train.partitions import node_partitions
 from train.predictor import TextBatch
@@ -88,9 +89,12 @@ def _shuffled(data: StepBatches, ids: np.ndarray, part: Chunk, step: TrainStep, 
     longest = max(first.tokens.shape[2], text.tokens.shape[2])
     tokens = [F.pad(t, (0, 0, 0, longest - t.shape[2])) for t in (first.tokens, text.tokens[:-1])]
     lengths = torch.cat([first.lengths, text.lengths[:-1]])
-    # counted for the packed K/V projection as the step counts its own (one sync a chunk, in validation alone)
-    words = None if first.words is None or text.words is None else int(lengths.sum())
-    return TextBatch(torch.cat(tokens), lengths, words)
+    # counted for the packed K/V projection and the regularisers as the step counts its own (one sync a chunk, in
+    # validation alone)
+    per_image = lengths.sum(dim=1).tolist()
+    words = None if first.words is None or text.words is None else sum(per_image)
+    image_words = None if text.image_words is None else padded_length(max(max(per_image, default=0), 1))
+    return TextBatch(torch.cat(tokens), lengths, words, image_words)
 
 
 @torch.no_grad()
