@@ -14,7 +14,8 @@ Bytes, per image:
   compiled  inductor's own count, for the compiled forward and backward graphs, of what each kernel reads and
             writes after fusion, the GEMMs included (`GraphLowering.count_bytes`, what the `inductor_metrics` log
             reports): the figure a GPU's memory traffic follows. Today's compiled figure adds the eager ops outside
-            its two passes (unit vectors and their backward), which `--compile` leaves eager. Goal of issue 32
+            its two passes (the weights and the order of each image's words), which `--compile` leaves eager.
+            Goal of issue 32
             point 1: ≤ 1/4 of the reference's bytes as the trainer ran it (eager).
   eager     every aten op's inputs plus outputs (a `TorchDispatchMode`; views not): the traffic if no operand stays
             in cache.
@@ -125,8 +126,8 @@ def eager_bytes(regularisers: Regularisers, shape: Shape, device: torch.device) 
 
 
 def bytes_outside_the_passes(shape: Shape, device: torch.device) -> int:
-    """Today's eager ops outside its two passes (unit vectors, their backward, the weights): under `--compile` they
-    stay eager, so they count beside inductor's bytes of the compiled passes."""
+    """Today's eager ops outside its two passes (the weights, the order of each image's words): under `--compile`
+    they stay eager, so they count beside inductor's bytes of the compiled passes."""
     counter = OpBytes()
 
     def paused(run: Callable[..., object]) -> Callable[..., object]:

@@ -312,8 +312,9 @@ def test_regularisers_over_each_image_s_real_words_alone_equal_those_over_every_
 
     queries, keys, (word_mask, valid, token_valid) = _regulariser_operands(torch.float32)
     weights = RegulariserWeights.of(word_mask, valid, token_valid, queries[0].shape[1])
-    packed_keys, packed = real_words_first(keys, weights, 5)
-    assert packed_keys[0].shape == (3, 1, 5, 6) and float(packed.word_mask.sum()) == float(weights.word_mask.sum())
+    order, packed = real_words_first(weights, 5)
+    assert order.shape == (3, 5) and float(packed.word_mask.sum()) == float(weights.word_mask.sum())
+    assert order[2].tolist() == [0, 1, 4, 5, 6], "image 2's words: 2 of caption 0, then 3 of caption 1"
     results = []
     for image_words in (None, 5):
         queries, keys, masks = _regulariser_operands(torch.float32)

@@ -135,6 +135,17 @@ def _summed(maps: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _gathered(words: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`words` `[b, J, d]` at `order` `[b, W]`: each image's real words first (`real_words_first`)."""
+    return words.gather(1, order[..., None].expand(-1, -1, words.shape[-1]))
+
+
+def _scattered(grad: torch.Tensor, order: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gradient at the gathered words `[b, W, d]` put back in their places of `like` `[b, J, d]` (zero
+    elsewhere: padding)."""
+    return torch.zeros_like(like).scatter(1, order[..., None].expand(-1, -1, like.shape[-1]), grad)
+
+
 def _forward_pass(
     queries: list[torch.Tensor],
     words: list[torch.Tensor],
@@ -142,10 +153,12 @@ def _forward_pass(
     word_mask: torch.Tensor,
     token_weight: torch.Tensor,
     word_weight: torch.Tensor,
+    order: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ w·Σ_l R^l, Σ w·Σ_l |R^l − R̄| and each layer's count of positive cosines, for a chunk of images (each
     layer's queries `[b, I, d]` and words `[b, J, d]`): every layer's map is read together, so compiled it is one
     kernel that reads each map once."""
+    words = [_gathered(w, order) for w in words]
     maps = _rectified_maps([_UnitLayer.of(q, w, token_mask, word_mask) for q, w in zip(queries, words)])
     counts = torch.stack([torch.count_nonzero(m) for m in maps])
     total = _summed(maps)
@@ -164,6 +177,7 @@ def _backward_pass(
     word_mask: torch.Tensor,
     token_weight: torch.Tensor,
     word_weight: torch.Tensor,
+    order: torch.Tensor,
     grad_sparse: torch.Tensor,
     grad_consistency: torch.Tensor,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -172,7 +186,8 @@ def _backward_pass(
     ∂/∂q̂_i = u_i Σ_j H_ij v_j k̂_j / L and ∂/∂k̂_j = v_j Σ_i H_ij u_i q̂_i / L (the weights go into the GEMMs'
     operands), then through the normalisation. Compiled, every H^l comes from one kernel that reads each map
     once."""
-    layers = [_UnitLayer.of(q, w, token_mask, word_mask) for q, w in zip(queries, words)]
+    full = words
+    layers = [_UnitLayer.of(q, _gathered(w, order), token_mask, word_mask) for q, w in zip(queries, words)]
     maps = _rectified_maps(layers)
     depth, dtype = len(maps), queries[0].dtype
     mean = _summed(maps).div_(depth)
@@ -190,7 +205,7 @@ def _backward_pass(
         grad_q, grad_k = torch.bmm(slope, weighted_words), torch.bmm(slope.transpose(1, 2), weighted_queries)
         grads_q.append(_unit_backward(grad_q, layer.queries, layer.query_rows, token_weight))
         grads_k.append(_unit_backward(grad_k, layer.words, layer.word_rows, word_weight))
-    return grads_q, grads_k
+    return grads_q, [_scattered(g, order, w) for g, w in zip(grads_k, full)]
 
 
 class RegulariserPasses(NamedTuple):
@@ -204,12 +219,12 @@ EAGER_PASSES = RegulariserPasses(_forward_pass, _backward_pass)
 
 
 def _lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """A pass (`queries, words, token_mask, word_mask, token_weight, word_weight, *grads`) called with its images,
-    queries and words dims marked dynamic and its widths and depth static (`train.dynamic_shapes`: compiled with
-    every dim dynamic, a caption length equal to the width on the traced step compiled each pass again)."""
+    """A pass (`queries, words, token_mask, word_mask, token_weight, word_weight, order, *grads`) called with its
+    images, queries and words dims marked dynamic and its widths and depth static (`train.dynamic_shapes`: compiled
+    with every dim dynamic, a caption length equal to the width on the traced step compiled each pass again)."""
 
     def call(queries: list[torch.Tensor], words: list[torch.Tensor], *rest: torch.Tensor) -> tuple[Any, ...]:
-        for tensor in (*queries, *words, *rest[:4]):
+        for tensor in (*queries, *words, *rest[:5]):
             mark_dynamic(tensor, 0, 1)
         return without_duck_sizing(compiled, queries, words, *rest)
 
@@ -236,7 +251,7 @@ def _chunks(queries_keys: tuple[torch.Tensor, ...]) -> list[slice]:
     size under MAP_CHUNK_BYTES."""
     depth = len(queries_keys) // 2
     b, i = queries_keys[0].shape[:2]
-    per_image = depth * i * math.prod(queries_keys[depth].shape[1:-1]) * 12  # the words: N·S
+    per_image = depth * i * math.prod(queries_keys[depth].shape[1:-1]) * 12  # the words: N·S, at most
     count = min(b, -(-b * per_image // MAP_CHUNK_BYTES))
     bounds = [b * k // max(count, 1) for k in range(count + 1)]
     return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
@@ -247,15 +262,16 @@ class _RectifiedCosineTerms(torch.autograd.Function):
 
     With weights w = token_weight ⊗ word_weight (zero on padding, missing captions and images without text):
         sparse = 1/L Σ_l Σ w·R^l,   consistency = 1/L Σ_l Σ w·|R^l − R̄|,   R̄ = 1/L Σ_l R^l.
-    Only the queries and keys are saved (the cross-attention keeps them anyway). Each pass (`_forward_pass`,
-    `_backward_pass`) takes a chunk of images from the queries and keys as given: their unit vectors, every
-    layer's map by one GEMM, read together, and (backward) the gradients through the normalisation, written
-    chunk by chunk into the gradients' final tensors. The third output, the count of valid positive cosines per
-    layer, has no gradient.
+    Only the queries and keys are saved (the cross-attention keeps them anyway), and the order of each image's
+    words (`real_words_first`). Each pass (`_forward_pass`, `_backward_pass`) takes a chunk of images from the
+    queries and keys as given and gathers each image's real words first: their unit vectors, every layer's map by
+    one GEMM over those words alone, read together, and (backward) the gradients through the normalisation, put
+    back in the words' places and written chunk by chunk into the gradients' final tensors. The third output, the
+    count of valid positive cosines per layer, has no gradient.
     """
 
     @staticmethod
-    def forward(ctx, passes, token_weight, word_weight, token_mask, word_mask, *queries_keys):
+    def forward(ctx, passes, token_weight, word_weight, token_mask, word_mask, order, *queries_keys):
         depth = len(queries_keys) // 2
         queries, words = queries_keys[:depth], [k.flatten(1, 2) for k in queries_keys[depth:]]
         sparse = consistency = token_weight.new_zeros(())
@@ -269,10 +285,11 @@ class _RectifiedCosineTerms(torch.autograd.Function):
                     word_mask[images],
                     token_weight[images],
                     word_weight[images],
+                    order[images],
                 )
                 sparse, consistency = sparse + chunk_sparse, consistency + chunk_consistency
                 counts = counts + chunk_counts
-        ctx.save_for_backward(token_weight, word_weight, token_mask, word_mask, *queries_keys)
+        ctx.save_for_backward(token_weight, word_weight, token_mask, word_mask, order, *queries_keys)
         ctx.passes = passes
         positive = counts.float()
         ctx.mark_non_differentiable(positive)
@@ -281,7 +298,7 @@ class _RectifiedCosineTerms(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_sparse, grad_consistency, _grad_positive):
-        token_weight, word_weight, token_mask, word_mask, *queries_keys = ctx.saved_tensors
+        token_weight, word_weight, token_mask, word_mask, order, *queries_keys = ctx.saved_tensors
         depth = len(queries_keys) // 2
         queries, words = queries_keys[:depth], [k.flatten(1, 2) for k in queries_keys[depth:]]
         chunks = _chunks(tuple(queries_keys))
@@ -297,6 +314,7 @@ class _RectifiedCosineTerms(torch.autograd.Function):
                     word_mask[images],
                     token_weight[images],
                     word_weight[images],
+                    order[images],
                     grad_sparse,
                     grad_consistency,
                 )
@@ -306,7 +324,7 @@ class _RectifiedCosineTerms(torch.autograd.Function):
                         grads[n], grads[depth + n] = grads_q[n], grad_k
                     else:
                         grads[n][images], grads[depth + n][images] = grads_q[n], grad_k
-        return None, None, None, None, None, *grads
+        return None, None, None, None, None, None, *grads
 
 
 def centred_heads(
@@ -404,25 +422,23 @@ def text_regularisers(
         # over the images with captions, as before.
         return text_regularisers(queries, keys, word_mask, valid, token_valid, passes=passes, image_words=image_words)
     weights = RegulariserWeights.of(word_mask, valid, token_valid, queries[0].shape[1])
-    if image_words is not None:  # gathered even at full width: one layout (contiguous) for compiled passes
-        keys, weights = real_words_first(keys, weights, min(image_words, weights.word_mask.shape[1]))
-    sparse, consistency, positive = _RectifiedCosineTerms.apply(passes, *weights.arguments(), *queries, *keys)
+    words = weights.word_mask.shape[1]
+    order, weights = real_words_first(weights, words if image_words is None else min(image_words, words))
+    sparse, consistency, positive = _RectifiedCosineTerms.apply(passes, *weights.arguments(), order, *queries, *keys)
     return TextRegularisers(sparse, consistency, positive / weights.pairs.clamp_min(1), weights.pairs)
 
 
-def real_words_first(
-    keys: list[torch.Tensor], weights: RegulariserWeights, width: int
-) -> tuple[list[torch.Tensor], RegulariserWeights]:
-    """Each layer's keys `[B, N, S, d]` as `[B, 1, width, d]`: every image's real words (all its captions') first, in
-    order, then padding, cut to `width` (at least the most real words an image has), with the words' weights and
-    mask alike. The regularisers weigh pairs, not captions, so the order of words does not matter; the gather's
-    backward puts each word's gradient back in its place (zero on padding, as before). Indices are computed on the
-    device: no sync."""
-    order = torch.argsort((weights.word_mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width]
-    packed = [k.flatten(1, 2).gather(1, order[..., None].expand(-1, -1, k.shape[-1]))[:, None] for k in keys]
-    return packed, weights._replace(
+def real_words_first(weights: RegulariserWeights, width: int) -> tuple[torch.Tensor, RegulariserWeights]:
+    """The order `[B, width]` that puts every image's real words (all its captions') first, in order, then padding,
+    cut to `width` (at least the most real words an image has), and the words' weights and mask in that order. The
+    passes gather the words by it, so each map covers `width` words, not N·S; the regularisers weigh pairs, not
+    captions, so the order does not matter, and the gradients go back to each word's place (zero on padding, as
+    before). Computed on the device: no sync."""
+    order = torch.argsort((weights.word_mask == 0).to(torch.uint8), dim=1, stable=True)[:, :width].contiguous()
+    packed = weights._replace(
         word_weight=weights.word_weight.gather(1, order), word_mask=weights.word_mask.gather(1, order)
     )
+    return order, packed
 
 
 class RegulariserWeights(NamedTuple):
