@@ -569,8 +569,6 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         model.predictor = reference.ReferencePredictor.like(model.predictor, model.encoder.grid)
     compute_losses = reference.compute_losses if mode.reference else train.objective.compute_losses
     if mode.regularisers != "today":  # this process runs this one mode: the objective's call is replaced for good
-        if cfg.regulariser_cosine != "full":
-            raise SystemExit(f"mode {name}: the reference regularisers have the full cosine only")
         train.objective.text_regularisers = REGULARISERS[mode.regularisers]
     model.to(device)
     target.to(device)

@@ -533,21 +533,15 @@ def test_every_residual_output_is_depth_scaled_the_cross_attention_too(form):
 
 @pytest.mark.parametrize("heads", [None, 4])
 def test_predictor_heads_sets_the_predictor_s_self_and_cross_attention_heads_and_none_keeps_the_encoder_s(heads):
-    from train.config import ModelConfig, TrainConfig
+    from dataclasses import replace
+
+    from tests.support.training_step import STEP_CONFIG, STEP_TEXT_DIM
+    from train.config import ModelConfig
     from train.jepa import build_models
 
-    cfg = TrainConfig(
-        model="vit_tiny",
-        width=64,
-        depth=2,
-        heads=2,
-        predictor_width=32,
-        predictor_depth=2,
-        predictor_heads=heads,
-        conditioning="cross",
-    )
-    model, _ = build_models(ModelConfig.of(cfg), text_dim=16)
-    expected = heads or 2
+    cfg = replace(STEP_CONFIG, predictor_heads=heads, conditioning="cross")
+    model, _ = build_models(ModelConfig.of(cfg), text_dim=STEP_TEXT_DIM)
+    expected = heads or STEP_CONFIG.heads
     for block in model.predictor.blocks:
         assert block.attn.heads == block.cross.heads == expected
 
