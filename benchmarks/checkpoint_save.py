@@ -4,10 +4,12 @@ One process in a gloo group of its own (a rank of an FSDP run, as far as DCP is 
 parameters (4/5 in its encoder, 1/5 in its predictor, as ViT-B/16's TC-JEPA roughly), an EMA target the encoder's
 size and AdamW state, saved `--repeats` times each way, alternating, by the trainer's `Checkpointer` into run
 directories on the same disk:
-- foreground (every save before): the encoders gathered and written as safetensors, then every shard, then
-  `latest.json`, all before the loop goes on;
-- background: the encoders as before, then the shards copied to host memory and the loop goes on while a thread
-  writes them; `wait` (the next save, the end of the run) publishes them.
+- foreground (every save, before the saves went to the background): the encoders gathered and written as
+  safetensors, then every shard, then `latest.json`, all before the loop goes on;
+- gathering (every save, before only the last gathered the encoders): the encoders as before, then the shards
+  copied to host memory and the loop goes on while a thread writes them; `wait` (the next save, the end of the run)
+  publishes them;
+- background (every save but a run's last, today): the shards alone, as in `gathering`.
 Medians of the seconds the loop is held each way, and of the background save's whole time. One JSON line.
 
   python -m benchmarks.checkpoint_save --params 100000000
@@ -64,17 +66,18 @@ def main(argv: list[str] | None = None) -> None:
         try:
             model = _Model(args.params, args.tensors)
             target = _Model(args.params * 4 // 5, args.tensors * 4 // 5, encoder_share=1.0)
+            ways = ("foreground", "gathering", "background")
             savers = {}
-            for way in ("foreground", "background"):
+            for way in ways:
                 (root / way).mkdir()
                 savers[way] = Checkpointer(root / way, model, target, _optimizer(model), main=True)
             savers["foreground"]._group = lambda: None  # type: ignore[method-assign]  # no gloo group: DCP's save
-            held: dict[str, list[float]] = {"foreground": [], "background": []}
+            held: dict[str, list[float]] = {way: [] for way in ways}
             written = []
             for step in range(1, args.repeats + 1):
                 for way, saver in savers.items():
                     start = time.perf_counter()
-                    saver.save(step, {}, sharded=True, keep=1, every_keep=0)
+                    saver.save(step, {}, sharded=True, keep=1, every_keep=0, last=way != "background")
                     held[way].append(time.perf_counter() - start)
                     saver.wait()
                     if way == "background":
@@ -87,10 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         "params": params,
         "bytes_written_per_save": (params * 3 + sum(p.numel() for p in target.parameters())) * 4,
         "repeats": args.repeats,
-        "foreground_held_s": round(statistics.median(held["foreground"]), 3),
-        "background_held_s": round(statistics.median(held["background"]), 3),
+        **{f"{way}_held_s": round(statistics.median(held[way]), 3) for way in ways},
         "background_written_s": round(statistics.median(written), 3),
         "loop_held_ratio": round(statistics.median(held["background"]) / statistics.median(held["foreground"]), 3),
+        "loop_held_over_gathering": round(
+            statistics.median(held["background"]) / statistics.median(held["gathering"]), 3
+        ),
     }
     print_result(result)
 

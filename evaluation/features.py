@@ -2,9 +2,9 @@
 
 Evaluation, export and visualisation start from one of the run's two encoders: the EMA target encoder (the one the
 paper evaluates, by default) or the context encoder (`--encoder context`), of the newest checkpoint or of one the
-run kept (`checkpoints/step-N.NAME.safetensors`). Images are resized as `evaluation/preprocess.py` says (the
-field's centre crop, or the whole image for scenes). One pass over the images gives up to four feature sets, so
-that no number is read without its floors:
+run kept (`checkpoints/step-N.NAME.safetensors`, or under FSDP its shards). Images are resized as
+`evaluation/preprocess.py` says (the field's centre crop, or the whole image for scenes). One pass over the images
+gives up to four feature sets, so that no number is read without its floors:
 
 - `encoder`: the run's encoder (pooled = mean over patches of the final LayerNorm's tokens);
 - `baseline`: a randomly initialised encoder of the same architecture, seeded apart from the run (its own
@@ -44,7 +44,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.images import decode
 from pipeline.core.refs import ImageRef
 from pipeline.core.sources import ImageReader
-from train.checkpoint import ENCODER_SUFFIX, HISTORY, load_checkpoint
+from train.checkpoint import CONTEXT_PREFIX, kept_encoder_steps, load_checkpoint, load_kept_encoders
 from train.choices import VIT_SIZES
 from train.config import ModelConfig, TrainConfig, apply, saved_config
 from train.data import image_policy, normalise
@@ -53,7 +53,6 @@ from train.vit import VisionTransformer, build_vit
 FEATURES_DIR = "features"
 ENCODERS = ("target", "context")
 FEATURE_SETS = ("encoder", "baseline", "pixels", "patch_pixels")
-_CONTEXT_PREFIX = "encoder."  # the context encoder inside the checkpoint's JEPA model
 _FLOOR_STREAM = 0xF1005  # the random floor's seed stream, apart from every run seed
 
 
@@ -89,30 +88,23 @@ def load_run(run: Path) -> TrainedRun:
 
 
 def kept_steps(run: Path) -> list[int]:
-    """The steps whose two encoders the run kept (`checkpoints/step-N.{target,context}_encoder.safetensors`)."""
-    found: dict[int, set[str]] = {}
-    for path in (Path(run) / HISTORY).glob(f"step-*{ENCODER_SUFFIX}"):
-        step, _, name = path.name.removesuffix(ENCODER_SUFFIX).partition(".")
-        if step.removeprefix("step-").isdigit():
-            found.setdefault(int(step.removeprefix("step-")), set()).add(name)
-    return sorted(step for step, names in found.items() if {f"{e}_encoder" for e in ENCODERS} <= names)
+    """The steps whose two encoders the run kept (`train.checkpoint.kept_encoder_steps`)."""
+    return kept_encoder_steps(Path(run))
 
 
 def at_step(trained: TrainedRun, run: Path, step: int) -> TrainedRun:
     """`trained` with the encoders the run kept at `step` in place of its newest checkpoint's."""
-    from safetensors.torch import load_file
-
     if step == trained.step:
         return trained
-    if step not in kept_steps(run):
+    encoders = load_kept_encoders(Path(run), step)
+    if encoders is None:
         kept = ", ".join(map(str, kept_steps(run))) or "none"
         raise UserError(
             f"--steps {step}: {run} kept no encoders of step {step} (kept: {kept}); train with "
             "checkpoint_every_keep to keep more"
         )
-    files = {e: Path(run) / HISTORY / f"step-{step:08d}.{e}_encoder{ENCODER_SUFFIX}" for e in ENCODERS}
-    context = {_CONTEXT_PREFIX + k: v for k, v in load_file(str(files["context"])).items()}
-    return TrainedRun({"target": load_file(str(files["target"])), "model": context}, trained.config, step)
+    context = {CONTEXT_PREFIX + k: v for k, v in encoders["context_encoder"].items()}
+    return TrainedRun({"target": encoders["target_encoder"], "model": context}, trained.config, step)
 
 
 def floor_seed(eval_seed: int, run_seed: int) -> int:
@@ -138,7 +130,7 @@ def run_encoder(trained: TrainedRun, which: str = "target") -> VisionTransformer
         weights = trained.state["target"]
     else:
         model = trained.state["model"]
-        weights = {k.removeprefix(_CONTEXT_PREFIX): v for k, v in model.items() if k.startswith(_CONTEXT_PREFIX)}
+        weights = {k.removeprefix(CONTEXT_PREFIX): v for k, v in model.items() if k.startswith(CONTEXT_PREFIX)}
     encoder.load_state_dict(weights)
     return encoder.eval().requires_grad_(False)
 

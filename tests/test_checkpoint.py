@@ -112,7 +112,7 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
     parameters changed after it. One process in a gloo group of its own, as a rank of a run is."""
     import torch.distributed as dist
 
-    from train.checkpoint import Checkpointer, sharded_checkpoint
+    from train.checkpoint import Checkpointer, kept_encoder_steps, load_kept_encoders, sharded_checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
     try:
@@ -139,15 +139,25 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
         saver.wait()
         torch.testing.assert_close(resumed_weight(), saved)
         saver.save(2, {"lr": 0.1}, sharded=True, keep=2, every_keep=0)
-        saver.save(3, {"lr": 0.1}, sharded=True, keep=2, every_keep=0)  # publishes step 2 first
+        assert not (run / "target_encoder.safetensors").exists(), "no save but the last gathers the encoders"
+        assert not any((run / "checkpoints").glob("*")), "no save but the last gathers the encoders"
+        saver.save(3, {"lr": 0.1}, sharded=True, keep=2, every_keep=0, last=True)  # publishes step 2 first
         assert sharded_checkpoint(run)[1] == 2
         saver.wait()
         assert sharded_checkpoint(run)[1] == 3
         assert sorted(p.name for p in (run / "sharded_checkpoint").glob("step-*")) == ["step-00000002", "step-00000003"]
-        assert (
-            sorted(p.name.split(".")[0] for p in (run / "checkpoints").iterdir())
-            == ["step-00000002"] * 2 + ["step-00000003"] * 2
-        ), "the encoders' history is pruned with the shards"
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+            "step-00000003.context_encoder.safetensors",
+            "step-00000003.target_encoder.safetensors",
+        ]
         torch.testing.assert_close(resumed_weight(), saved + 1.0)
+        # The kept steps' encoders, read from the shards where no safetensors were written, else from those.
+        assert kept_encoder_steps(run) == [2, 3]
+        for step in (2, 3):
+            encoders = load_kept_encoders(run, step)
+            torch.testing.assert_close(encoders["context_encoder"]["weight"], saved + 1.0)
+            torch.testing.assert_close(encoders["target_encoder"]["weight"], target.weight.detach())
+            assert set(encoders["context_encoder"]) == {"weight", "bias"}, "the predictor is not the context encoder"
+        assert load_kept_encoders(run, 1) is None, "pruned"
     finally:
         dist.destroy_process_group()

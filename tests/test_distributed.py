@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from tests.support.commands import run_command, tcjepa, torchrun
 from tests.support.processes import finish, start
 from tests.support.training import EXACT_CLIP, EXACT_STEPS, assert_close_runs, metrics, train_args
-from train.checkpoint import LATEST, SHARDED, load_checkpoint
+from train.checkpoint import ENCODERS, LATEST, SHARDED, kept_encoder_steps, load_checkpoint, load_kept_encoders
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -105,8 +107,19 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_serves_eval_and_export(
     proc.wait(timeout=120)
     stopped_at = json.loads((run / SHARDED / LATEST).read_text())["step"]
     assert stopped_at < 8
+    assert not (run / "target_encoder.safetensors").exists(), "no sharded save but the last gathers the encoders"
     tcjepa(*args)
     assert_close_runs(metrics(exact_run), metrics(run))
+    with safe_open(str(run / "target_encoder.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "8", "the last save writes the encoders as safetensors"
+    # A kept step's encoders come from its shards; the one-process run kept the same step as safetensors.
+    assert kept_encoder_steps(run) == kept_encoder_steps(exact_run) == [6, 8]
+    sharded, whole = load_kept_encoders(run, 6), load_kept_encoders(exact_run, 6)
+    assert not (run / "checkpoints" / "step-00000006.target_encoder.safetensors").exists()
+    for encoder in ENCODERS:
+        assert sorted(sharded[encoder]) == sorted(whole[encoder])
+        for key, tensor in whole[encoder].items():
+            torch.testing.assert_close(sharded[encoder][key], tensor, rtol=1e-3, atol=1e-5, msg=f"{encoder} {key}")
 
     state = load_checkpoint(run)
     reference = load_checkpoint(exact_run)

@@ -9,8 +9,10 @@ Two formats, one per run:
   complete one (with its step and config) and is written only after every shard is. DCP reshards on load, so such
   a run resumes on any number of processes.
 
-Either way the two encoders also go to `target_encoder.safetensors` and `context_encoder.safetensors` beside them
-(and `checkpoints/step-N.NAME.safetensors`), readable without torch.
+The two encoders also go to `target_encoder.safetensors` and `context_encoder.safetensors` beside them (and
+`checkpoints/step-N.NAME.safetensors`), readable without torch: at every checkpoint of a whole-state run, and at the
+end of a sharded one only, for they must be gathered to rank 0 to be written. Under FSDP the kept steps' encoders
+are read from their shards (`kept_encoder_steps`, `load_kept_encoders`), so no checkpoint gathers anything.
 
 `load_checkpoint` gives full state dicts whatever the format (evaluation reads runs through it). A checkpoint that
 exists but cannot be read stops the run with a clear message (the reference code swallowed such errors and
@@ -45,6 +47,8 @@ HISTORY = "checkpoints"  # step-N.pt (and step-N.NAME.safetensors): the checkpoi
 ENCODERS = ("target_encoder", "context_encoder")
 ENCODER_SUFFIX = ".safetensors"
 ENCODER_FORMAT = "tcjepa-encoder-state"
+CONTEXT_PREFIX = "encoder."  # the context encoder's names inside the JEPA model's state dict
+DCP_METADATA = ".metadata"  # DCP's file system writer names its index so, and writes it last
 
 
 class _WriteErrorKeeper:
@@ -185,6 +189,41 @@ def _latest_sharded(run: Path) -> dict[str, Any] | None:
         raise _damaged(path, exc) from None
 
 
+def sharded_steps(run: Path) -> list[int]:
+    """The steps of the run's complete sharded checkpoints, published or not yet: `sharded_checkpoint/step-N/` with
+    DCP's `.metadata`, which is written after every rank's shards."""
+    steps = (_history_step(path) for path in (run / SHARDED).glob("step-*") if (path / DCP_METADATA).is_file())
+    return sorted(step for step in steps if step is not None)
+
+
+def kept_encoder_steps(run: Path) -> list[int]:
+    """The steps whose two encoders the run kept: as safetensors (`checkpoints/step-N.NAME.safetensors`), or in a
+    complete sharded checkpoint."""
+    found: dict[int, set[str]] = {}
+    for path in (run / HISTORY).glob(f"step-*{ENCODER_SUFFIX}"):
+        step, _, name = path.name.removesuffix(ENCODER_SUFFIX).partition(".")
+        if step.removeprefix("step-").isdigit():
+            found.setdefault(int(step.removeprefix("step-")), set()).add(name)
+    saved = {step for step, names in found.items() if set(ENCODERS) <= names}
+    return sorted(saved | set(sharded_steps(run)))
+
+
+def load_kept_encoders(run: Path, step: int) -> dict[str, dict[str, torch.Tensor]] | None:
+    """The two encoders the run kept at `step` (`target_encoder`, `context_encoder`: state dicts on CPU), from their
+    safetensors or else their shards; None when it kept neither."""
+    files = {name: run / HISTORY / f"step-{step:08d}.{name}{ENCODER_SUFFIX}" for name in ENCODERS}
+    if all(path.is_file() for path in files.values()):
+        from safetensors.torch import load_file
+
+        return {name: load_file(str(path)) for name, path in files.items()}
+    directory = run / SHARDED / f"step-{step:08d}"
+    if step not in sharded_steps(run):
+        return None
+    state = _read_sharded(directory)
+    context = {k.removeprefix(CONTEXT_PREFIX): v for k, v in state["model"].items() if k.startswith(CONTEXT_PREFIX)}
+    return {"target_encoder": state["target"], "context_encoder": context}
+
+
 def sharded_checkpoint(run: Path) -> tuple[Path, int] | None:
     """(directory, step) of the run's newest complete sharded checkpoint, or None."""
     latest = _latest_sharded(run)
@@ -302,6 +341,17 @@ def load_sharded_into(run: Path, state: dict[str, Any]) -> int:
     return step
 
 
+def _read_sharded(directory: Path) -> dict[str, Any]:
+    """The model and target of the sharded checkpoint in `directory`, whole, in this process (on CPU)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    try:
+        with _one_process_meant():
+            return _load_state_dict_from_keys({"model", "target"}, checkpoint_id=directory)
+    except Exception as exc:
+        raise _damaged(directory, exc) from None
+
+
 def load_checkpoint(run: Path) -> dict[str, Any] | None:
     """The run's checkpoint as full state dicts on CPU: `model`, `target`, `step`, `config` (and `optimizer` from a
     `checkpoint.pt`, memory-mapped: only the tensors used are read), whatever the format; None when it has none yet.
@@ -313,14 +363,8 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
     sharded = sharded_checkpoint(run)
     if sharded is None or (full is not None and int(full["step"]) >= sharded[1]):
         return full
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
     directory, step = sharded
-    try:
-        with _one_process_meant():
-            state = _load_state_dict_from_keys({"model", "target"}, checkpoint_id=directory)
-    except Exception as exc:
-        raise _damaged(directory, exc) from None
+    state = _read_sharded(directory)
     latest = _latest_sharded(run)
     assert latest is not None
     return {"model": state["model"], "target": state["target"], "step": step, "config": latest["config"]}
@@ -331,8 +375,8 @@ class Checkpointer:
 
     Under FSDP every process writes its own shards (no gather), in a background thread once they are copied to host
     memory: the training goes on, and the checkpoint is published (`latest.json`) when the next save or the end of
-    the run (`wait`) finds it written. Otherwise rank 0 writes full state dicts. Either way rank 0 also writes the two
-    encoders as safetensors (under FSDP gathered to it, on CPU).
+    the run (`wait`) finds it written. Otherwise rank 0 writes full state dicts. Rank 0 also writes the two encoders
+    as safetensors: at every save of full state dicts, and at the last save of a sharded run (gathered to it, on CPU).
     Resuming takes the newer of the two formats, into whatever this process holds (whole or sharded).
 
     DCP's state-dict functions are imported by the methods that use them: evaluation and export read checkpoints
@@ -378,8 +422,11 @@ class Checkpointer:
         set_optimizer_state_dict(self.model, self.optimizer, full["optimizer"], options=options)
         return int(full["step"])
 
-    def save(self, step: int, config: dict[str, Any], sharded: bool, keep: int, every_keep: int) -> None:
-        """Checkpoint `step` (a collective: every process calls it), with the run's `config`."""
+    def save(
+        self, step: int, config: dict[str, Any], sharded: bool, keep: int, every_keep: int, last: bool = False
+    ) -> None:
+        """Checkpoint `step` (a collective: every process calls it), with the run's `config`; `last`: the run's final
+        step, whose encoders a sharded run also writes as safetensors."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -388,29 +435,31 @@ class Checkpointer:
 
         self.wait()
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        # Sharded, only what the safetensors hold is gathered (the encoders, not the predictor); else all of it.
-        whole = cast(nn.Module, self.model.encoder) if sharded else self.model
-        model = cast(dict[str, torch.Tensor], get_model_state_dict(whole, options=full))
-        target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
-        if self.main:
-            context = (
-                model
-                if sharded
-                else {k.removeprefix("encoder."): v for k, v in model.items() if k.startswith("encoder.")}
-            )
-            save_encoders(self.run, {"target_encoder": target, "context_encoder": context}, step, config)
         if sharded:
-            state = self._sharded_state()
-            self._pending = start_sharded_checkpoint(self.run, state, step, config, keep, every_keep, self._group())
-        elif self.main:
-            state = {
-                "model": model,
-                "target": target,
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
-                "step": step,
-                "config": config,
-            }
-            save_checkpoint(self.run, state, keep, every_keep)
+            self._pending = start_sharded_checkpoint(
+                self.run, self._sharded_state(), step, config, keep, every_keep, self._group()
+            )
+            if last:  # only what the safetensors hold is gathered: the encoders, not the predictor
+                context = cast(
+                    dict[str, torch.Tensor], get_model_state_dict(cast(nn.Module, self.model.encoder), options=full)
+                )
+                target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
+                if self.main:
+                    save_encoders(self.run, {"target_encoder": target, "context_encoder": context}, step, config)
+        else:
+            model = cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=full))
+            target = cast(dict[str, torch.Tensor], get_model_state_dict(self.target, options=full))
+            if self.main:
+                context = {k.removeprefix(CONTEXT_PREFIX): v for k, v in model.items() if k.startswith(CONTEXT_PREFIX)}
+                save_encoders(self.run, {"target_encoder": target, "context_encoder": context}, step, config)
+                state = {
+                    "model": model,
+                    "target": target,
+                    "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=full),
+                    "step": step,
+                    "config": config,
+                }
+                save_checkpoint(self.run, state, keep, every_keep)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 

@@ -268,7 +268,8 @@ class Trainer:
         if not bool(torch.isfinite(self._mean_across_ranks(sums[:5].clone())).all()):
             self._stop_non_finite(step)
         cfg = self.cfg
-        self.checkpoints.save(step, to_dict(cfg), cfg.fsdp, cfg.checkpoint_keep, cfg.checkpoint_every_keep)
+        last = step == cfg.steps
+        self.checkpoints.save(step, to_dict(cfg), cfg.fsdp, cfg.checkpoint_keep, cfg.checkpoint_every_keep, last)
 
     def _finish(self, progress: Progress | None) -> None:
         """Publish the checkpoint being written, close the progress display and loggers, wait for the curves being
