@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -624,7 +625,7 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
     import torch.distributed as dist
     from torch.nn.utils import get_total_norm
 
-    from train.checkpoint import Checkpointer, sharded_checkpoint
+    from train.checkpoint import HISTORY, Checkpointer, load_kept_encoders, sharded_checkpoint
 
     join_process_group(device)  # as the trainer joins it: its backend, device and collective timeout
     main = dist.get_rank() == 0
@@ -647,9 +648,22 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
             if cfg.fsdp:
                 with tempfile.TemporaryDirectory() as tmp:
                     saver = Checkpointer(Path(tmp), rig.model, rig.target, rig.optimizer, main)
-                    saver.save(2, {}, sharded=True, keep=2, every_keep=0)
+                    saver.save(2, {}, sharded=True, keep=2, every_keep=0, last=True)  # shards, gathered encoders
                     saver.wait()
                     out["fsdp_checkpoint_published"] = sharded_checkpoint(Path(tmp)) is not None
+                    if main:  # the encoders gathered into safetensors (rank 0's) against those read from the shards
+                        gathered = load_kept_encoders(Path(tmp), 2)
+                        shutil.rmtree(Path(tmp) / HISTORY)
+                        sharded = load_kept_encoders(Path(tmp), 2)
+                        out["fsdp_gathered_encoders_match"] = (
+                            gathered is not None
+                            and sharded is not None
+                            and all(
+                                sorted(gathered[e]) == sorted(sharded[e])
+                                and all(torch.equal(t, sharded[e][k]) for k, t in gathered[e].items())
+                                for e in gathered
+                            )
+                        )
                     again = Rig(cfg, shapes, device)
                     resumed = Checkpointer(Path(tmp), again.model, again.target, again.optimizer, main).resume()
                     out["fsdp_checkpoint_resumed_step"] = resumed
@@ -665,7 +679,12 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
             abs(n - c) <= 1e-3 * c
             for n, c in zip(out["ddp_clipped_grad_norms"] + out["fsdp_clipped_grad_norms"], clipped_to)
         )
-        out["ok"] = all(np.isfinite(figures)) and out["fsdp_checkpoint_roundtrip"] and out["clipped_as_asked"]
+        out["ok"] = (
+            all(np.isfinite(figures))
+            and out["fsdp_checkpoint_roundtrip"]
+            and out["clipped_as_asked"]
+            and out.get("fsdp_gathered_encoders_match", True)  # rank 0's check
+        )
     finally:
         dist.destroy_process_group()
     return out

@@ -4,6 +4,7 @@ refused in one line. The disk fills for real: the soft file-size limit of this p
 from __future__ import annotations
 
 import resource
+import shutil
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -159,5 +160,13 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
             torch.testing.assert_close(encoders["target_encoder"]["weight"], target.weight.detach())
             assert set(encoders["context_encoder"]) == {"weight", "bias"}, "the predictor is not the context encoder"
         assert load_kept_encoders(run, 1) is None, "pruned"
+        # A step whose shards are not all written yet (DCP writes its index, `.metadata`, after every rank's) is not
+        # kept, and a step left by a killed run loses its index before its shards when saved again.
+        partial = run / "sharded_checkpoint" / "step-00000009"
+        partial.mkdir()
+        (partial / "__0_0.distcp").write_bytes(b"shards being written")
+        assert kept_encoder_steps(run) == [2, 3] and load_kept_encoders(run, 9) is None
+        shutil.copytree(run / "sharded_checkpoint" / "step-00000003", partial, dirs_exist_ok=True)
+        assert kept_encoder_steps(run) == [2, 3, 9]
     finally:
         dist.destroy_process_group()

@@ -5,6 +5,7 @@ and `export`."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import time
@@ -59,6 +60,27 @@ def test_fsdp_on_two_processes_with_checkpointed_blocks_equals_one(
     assert not (run / "checkpoint.pt").exists()
     sizes = _shard_sizes(run)
     assert len(sizes) == 2 and 0.3 < sizes[0] / sum(sizes) <= 0.5, sizes
+    _assert_kept_encoders_from_shards(run, exact_run)
+
+
+def _assert_same_encoders(a: dict, b: dict) -> None:
+    for encoder in ENCODERS:
+        assert sorted(a[encoder]) == sorted(b[encoder])
+        for key, tensor in b[encoder].items():
+            torch.testing.assert_close(a[encoder][key], tensor, rtol=1e-3, atol=1e-5, msg=f"{encoder} {key}")
+
+
+def _assert_kept_encoders_from_shards(run: Path, exact_run: Path) -> None:
+    """An FSDP run (`checkpoint_every=2`, 8 steps) kept steps 6 and 8 as the one-process run did: step 6's encoders
+    read from its shards alone, and the last step's also gathered into safetensors, equal to its shards."""
+    assert kept_encoder_steps(run) == kept_encoder_steps(exact_run) == [6, 8]
+    assert not (run / "checkpoints" / "step-00000006.target_encoder.safetensors").exists(), "gathered at the last only"
+    _assert_same_encoders(load_kept_encoders(run, 6), load_kept_encoders(exact_run, 6))
+    with safe_open(str(run / "target_encoder.safetensors"), "pt") as f:
+        assert f.metadata()["step"] == "8", "the last save writes the encoders as safetensors"
+    gathered = load_kept_encoders(run, 8)
+    shutil.rmtree(run / "checkpoints")  # step 8's encoders from its shards now
+    _assert_same_encoders(load_kept_encoders(run, 8), gathered)
 
 
 def _free_port() -> int:
@@ -110,16 +132,7 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_serves_eval_and_export(
     assert not (run / "target_encoder.safetensors").exists(), "no sharded save but the last gathers the encoders"
     tcjepa(*args)
     assert_close_runs(metrics(exact_run), metrics(run))
-    with safe_open(str(run / "target_encoder.safetensors"), "pt") as f:
-        assert f.metadata()["step"] == "8", "the last save writes the encoders as safetensors"
-    # A kept step's encoders come from its shards; the one-process run kept the same step as safetensors.
-    assert kept_encoder_steps(run) == kept_encoder_steps(exact_run) == [6, 8]
-    sharded, whole = load_kept_encoders(run, 6), load_kept_encoders(exact_run, 6)
-    assert not (run / "checkpoints" / "step-00000006.target_encoder.safetensors").exists()
-    for encoder in ENCODERS:
-        assert sorted(sharded[encoder]) == sorted(whole[encoder])
-        for key, tensor in whole[encoder].items():
-            torch.testing.assert_close(sharded[encoder][key], tensor, rtol=1e-3, atol=1e-5, msg=f"{encoder} {key}")
+    _assert_kept_encoders_from_shards(run, exact_run)
 
     state = load_checkpoint(run)
     reference = load_checkpoint(exact_run)

@@ -98,6 +98,7 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     (torchrun,) = [r for r in records if r["check"] == "torchrun"]
     assert torchrun["ok"] and torchrun["backend"] == "gloo" and torchrun["fsdp_checkpoint_roundtrip"]
     assert torchrun["fsdp_checkpoint_published"] and torchrun["fsdp_checkpoint_resumed_step"] == 2
+    assert torchrun["fsdp_gathered_encoders_match"], "the last save's safetensors hold what its shards hold"
     assert torchrun["grad_clip"] == 1 and min(torchrun["ddp_grad_norms"] + torchrun["fsdp_grad_norms"]) > 1
     assert torchrun["clipped_as_asked"], "every step's gradients clipped to norm 1, FSDP's sharded ones too"
     assert torchrun["fsdp_vs_ddp_loss_rel_diff"] <= 1e-3, "FSDP's steps are DDP's: one residual stream, one clipping"

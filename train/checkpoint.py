@@ -12,7 +12,8 @@ Two formats, one per run:
 The two encoders also go to `target_encoder.safetensors` and `context_encoder.safetensors` beside them (and
 `checkpoints/step-N.NAME.safetensors`), readable without torch: at every checkpoint of a whole-state run, and at the
 end of a sharded one only, for they must be gathered to rank 0 to be written. Under FSDP the kept steps' encoders
-are read from their shards (`kept_encoder_steps`, `load_kept_encoders`), so no checkpoint gathers anything.
+are read from their shards (`kept_encoder_steps`, `load_kept_encoders`), so no checkpoint but the last gathers
+anything (a sharded run stopped before its end has no such files until it ends).
 
 `load_checkpoint` gives full state dicts whatever the format (evaluation reads runs through it). A checkpoint that
 exists but cannot be read stops the run with a clear message (the reference code swallowed such errors and
@@ -219,7 +220,14 @@ def load_kept_encoders(run: Path, step: int) -> dict[str, dict[str, torch.Tensor
     directory = run / SHARDED / f"step-{step:08d}"
     if step not in sharded_steps(run):
         return None
-    state = _read_sharded(directory)
+    try:
+        state = _read_sharded(directory)
+    except UserError:
+        if step not in sharded_steps(run):  # DCP reads shard after shard: a trainer may prune the step meanwhile
+            raise UserError(
+                f"{directory} was pruned by the run's trainer while it was read; it is no longer kept"
+            ) from None
+        raise
     context = {k.removeprefix(CONTEXT_PREFIX): v for k, v in state["model"].items() if k.startswith(CONTEXT_PREFIX)}
     return {"target_encoder": state["target"], "context_encoder": context}
 
@@ -300,7 +308,10 @@ def start_sharded_checkpoint(
     name = f"step-{step:08d}"
     target = root / name
     if main:
-        shutil.rmtree(target, ignore_errors=True)  # left by a run killed while saving this very step
+        # Left by a run killed while saving this very step, or before publishing it: its index goes first, so that no
+        # reader counts it complete (`sharded_steps`) while its shards are removed.
+        (target / DCP_METADATA).unlink(missing_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     if distributed:
         dist.barrier()
