@@ -17,7 +17,8 @@ prints them with their expected time, each under 4 minutes cold on one H200, mea
 - `input`: the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local disk at start, decoded
   by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
 - `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
-  predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds;
+  predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds, and the backward's time split
+  by the part whose forward made each of its nodes;
 - `smoke`: 100 compiled training steps over a few fixed batches: the loss must fall;
 - `torchrun`: one process under `torchrun` with NCCL (joined as the trainer joins it), two clipped steps with DDP and
   two with FSDP2 (their losses compared), and the trainer's sharded checkpoint (written in the background on a gloo
@@ -43,6 +44,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -164,6 +166,8 @@ PARTS = (
 )
 TEXT_PARTS = ("regularisers", "regularisers_backward")  # labelled only where a step has captions
 ON_AUTOGRAD_THREAD = ("regularisers_backward",)  # labels inside a backward: on CUDA on autograd's own thread
+FORWARD_PARTS = ("target_encoder", "context_encoder", "predictor", "regularisers")  # what a backward node came from
+BACKWARD_NODE = "autograd::engine::evaluate_function: "  # the profiler's name for one node of a backward pass
 
 
 @dataclass(frozen=True)
@@ -530,9 +534,10 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
     """A profile of `steps` compiled steps of `spec`, split by the parts the trainer labels (PARTS): on CUDA the device
     time of the kernels each launched, per step (`backward` also holds the kernels of autograd's own thread, less the
     regularisers' backward, labelled apart), and of the kernels no label holds; on the CPU each part's time (which
-    includes its backward). Then the `top` kernels (CPU: operators) by their own time per step, which say where a
-    part's time goes inside compiled code, and the calls per step of each attention kernel (flash, memory-efficient,
-    cuDNN or math: which ones SDPA chose, issue 32 point 3; flash takes no mask, so its calls are the unmasked ones)."""
+    includes its backward). The backward split by part (`backward_by_part`). Then the `top` kernels (CPU: operators)
+    by their own time per step, which say where a part's time goes inside compiled code, and the calls per step of
+    each attention kernel (flash, memory-efficient, cuDNN or math: which ones SDPA chose, issue 32 point 3; flash
+    takes no mask, so its calls are the unmasked ones)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
@@ -566,6 +571,7 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         operators = [e for e in events if e.device_type == DeviceType.CPU and e.key not in PARTS]
         ranked = sorted(operators, key=lambda e: e.self_cpu_time_total, reverse=True)
         heaviest = {e.key: e.self_cpu_time_total / 1e3 / steps for e in ranked[:top]}
+    by_part = backward_by_part(prof.events(), device=cuda)
     missing = [p for p in PARTS if p not in labels and (p not in TEXT_PARTS or rig.text_dim)]
     attention = {
         e.key: e.count / steps for e in events if e.device_type == DeviceType.CPU and e.key.startswith(ATTENTION_OPS)
@@ -576,6 +582,7 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         "steps": steps,
         "time": "device" if cuda else "cpu",
         "ms_per_step": {k: round(v, 3) for k, v in parts.items()},
+        "backward_ms_per_step": {k: round(v / steps, 3) for k, v in by_part.items()},
         "device_ms_per_step": round(total, 3) if total is not None else None,
         "wall_ms_per_step": round(wall * 1e3, 3),
         "top_ms_per_step": {k: round(v, 3) for k, v in heaviest.items()},
@@ -583,6 +590,40 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         "ok": not missing,
         "missing_parts": missing,
     }
+
+
+def backward_by_part(events: list, device: bool = True) -> dict[str, float]:
+    """The backward's time (device time, or CPU time with `device` False) split by the part whose forward made each
+    node: a backward node carries the sequence number (and thread) of the forward operator that recorded it, and that
+    operator ran inside a part's label (the innermost one). Compiled, a node is a whole compiled region, so the split
+    holds wherever the regions do not straddle two parts. Nodes of no labelled forward (the loss, SIGReg) and those
+    without a number (gradient accumulation into the parameters) come under `other`. Any thread: on CUDA autograd's
+    own runs the backward, outside every label."""
+    from torch.autograd import DeviceType
+
+    def part_of(event: Any) -> str | None:
+        while event is not None and event.name not in FORWARD_PARTS:
+            event = event.cpu_parent
+        return None if event is None else event.name
+
+    def nested_in_a_node(event: Any) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(BACKWARD_NODE):
+            parent = parent.cpu_parent
+        return parent is not None
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    made_by = {
+        (e.thread, e.sequence_nr): part
+        for e in cpu
+        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE) and (part := part_of(e)) is not None
+    }
+    out: dict[str, float] = {}
+    for e in cpu:
+        if e.name.startswith(BACKWARD_NODE) and not nested_in_a_node(e):
+            part = made_by.get((e.fwd_thread, e.sequence_nr), "other") if e.sequence_nr >= 0 else "other"
+            out[part] = out.get(part, 0.0) + (e.device_time_total if device else e.cpu_time_total) / 1e3
+    return out
 
 
 def off_thread_ms(events: list, device: bool = True) -> float:

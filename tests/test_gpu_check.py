@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from benchmarks import gpu_check
 from tests.support.repo import REPO
@@ -81,6 +82,11 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
         assert all(v > 0 for v in profile["ms_per_step"].values())  # each label is reached in a step
         assert len(profile["top_ms_per_step"]) == 15 and all(v > 0 for v in profile["top_ms_per_step"].values())
         assert profile["attention_calls_per_step"] and all(v > 0 for v in profile["attention_calls_per_step"].values())
+        backward = profile["backward_ms_per_step"]
+        assert backward["context_encoder"] > 0 and backward["predictor"] > 0 and "target_encoder" not in backward
+        labelled = profile["ms_per_step"]["backward"] + profile["ms_per_step"].get("regularisers_backward", 0)
+        assert 0.7 < sum(backward.values()) / labelled < 1.3, (backward, labelled)  # the same backward, split
+    assert cross["backward_ms_per_step"]["regularisers"] > 0 and "regularisers" not in none["backward_ms_per_step"]
     (regs,) = [r for r in records if r["check"] == "regularisers"]
     assert (
         regs["ok"]
@@ -128,6 +134,26 @@ def test_work_launched_from_another_thread_is_counted_apart_from_the_labels():
     regularisers = FunctionEvent(4, "regularisers_backward", thread=7, start_us=30, end_us=1030)
     regularisers.cpu_parent = engine
     assert gpu_check.off_thread_ms([label, own, engine, inner, regularisers], device=False) == 4.0
+
+
+def test_the_backward_is_split_by_the_part_whose_forward_made_each_node():
+    """A real profile: two labelled parts, the first ~32 times the second's work, and an unlabelled loss. On the CPU
+    the backward runs on the caller's thread (on CUDA on autograd's own, where the profiler follows it but a test
+    thread's would not): its nodes are found by their forward operators' thread and number either way."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.manual_seed(0)
+    wide, narrow = torch.nn.Linear(512, 512), torch.nn.Linear(512, 16)
+    x = torch.randn(1024, 512)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("context_encoder"):
+            h = wide(x).relu()
+        with record_function("predictor"):
+            y = narrow(h)
+        (y**2).mean().backward()  # the loss has no label: its nodes are `other`
+    split = gpu_check.backward_by_part(prof.events(), device=False)
+    assert set(split) == {"context_encoder", "predictor", "other"}, split
+    assert split["context_encoder"] > 4 * split["predictor"] > 0, split
 
 
 def test_a_phase_reports_each_measurement_as_it_finishes(tmp_path, monkeypatch):
