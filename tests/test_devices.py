@@ -65,3 +65,24 @@ def test_training_on_the_cpu_keeps_bf16_only_where_the_cpu_has_bf16_instructions
     assert ran.bf16 == again.bf16 == native and asked.bf16, "the asked-for config is left as it was"
     assert caplog.text.count("training in float32") == (0 if native else 1), "said once per process"
     assert precision_on(replace(asked, bf16=False), torch.device("cpu")).bf16 is False
+
+
+def test_the_training_process_group_gives_up_on_a_collective_after_15_minutes(monkeypatch):
+    """Issue 32 point 5: a hung collective costs 15 minutes on every node, not the 2 hours agreements may take. The
+    group joined as the trainer joins it (`join_process_group`, one process here) carries that timeout."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    runtime.join_process_group(torch.device("cpu"))
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        assert group._get_backend(torch.device("cpu")).options._timeout == runtime.STEP_TIMEOUT
+        assert runtime.STEP_TIMEOUT.total_seconds() == 15 * 60 < runtime.AGREEMENT_TIMEOUT.total_seconds()
+    finally:
+        dist.destroy_process_group()
