@@ -159,6 +159,7 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
             torch.testing.assert_close(encoders["context_encoder"]["weight"], saved + 1.0)
             torch.testing.assert_close(encoders["target_encoder"]["weight"], target.weight.detach())
             assert set(encoders["context_encoder"]) == {"weight", "bias"}, "the predictor is not the context encoder"
+            assert set(encoders["context_encoder"]) == {"weight", "bias"}, "the predictor is not the context encoder"
         assert load_kept_encoders(run, 1) is None, "pruned"
         # A step whose shards are not all written yet (DCP writes its index, `.metadata`, after every rank's) is not
         # kept, and a step left by a killed run loses its index before its shards when saved again.

@@ -221,7 +221,7 @@ def load_kept_encoders(run: Path, step: int) -> dict[str, dict[str, torch.Tensor
     if step not in sharded_steps(run):
         return None
     try:
-        state = _read_sharded(directory)
+        state = _read_sharded(directory, (f"model.{CONTEXT_PREFIX}", "target."))
     except UserError:
         if step not in sharded_steps(run):  # DCP reads shard after shard: a trainer may prune the step meanwhile
             raise UserError(
@@ -352,13 +352,18 @@ def load_sharded_into(run: Path, state: dict[str, Any]) -> int:
     return step
 
 
-def _read_sharded(directory: Path) -> dict[str, Any]:
-    """The model and target of the sharded checkpoint in `directory`, whole, in this process (on CPU)."""
+def _read_sharded(directory: Path, prefixes: tuple[str, ...] = ("model.", "target.")) -> dict[str, Any]:
+    """The tensors of the sharded checkpoint in `directory` whose flat names (`model.encoder.…`) start with one of
+    `prefixes`, whole, in this process (on CPU), nested as saved: {"model": {...}, "target": {...}}. The others (the
+    optimizer's moments, or the predictor where only the encoders are wanted) are not read."""
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     try:
         with _one_process_meant():
-            return _load_state_dict_from_keys({"model", "target"}, checkpoint_id=directory)
+            names = FileSystemReader(directory).read_metadata().state_dict_metadata
+            keys = {name for name in names if name.startswith(prefixes)}
+            return _load_state_dict_from_keys(keys, checkpoint_id=directory)
     except Exception as exc:
         raise _damaged(directory, exc) from None
 
