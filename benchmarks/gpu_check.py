@@ -587,7 +587,7 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         "wall_ms_per_step": round(wall * 1e3, 3),
         "top_ms_per_step": {k: round(v, 3) for k, v in heaviest.items()},
         "attention_calls_per_step": attention,
-        "ok": not missing,
+        "ok": not missing and {"context_encoder", "predictor"} <= set(by_part),  # the backward found its parts
         "missing_parts": missing,
     }
 
@@ -613,16 +613,20 @@ def backward_by_part(events: list, device: bool = True) -> dict[str, float]:
         return parent is not None
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    # Every operator run with gradients records the number its thread would give the next node, so several share one:
+    # the last of them, in order of start, builds the node. Unlabelled operators count too (as None), so that a node
+    # built outside every label is not given to the label whose operators ran before it.
     made_by = {
-        (e.thread, e.sequence_nr): part
+        (e.thread, e.sequence_nr): part_of(e)
         for e in cpu
-        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE) and (part := part_of(e)) is not None
+        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE) and not nested_in_a_node(e)
     }
     out: dict[str, float] = {}
     for e in cpu:
         if e.name.startswith(BACKWARD_NODE) and not nested_in_a_node(e):
-            part = made_by.get((e.fwd_thread, e.sequence_nr), "other") if e.sequence_nr >= 0 else "other"
-            out[part] = out.get(part, 0.0) + (e.device_time_total if device else e.cpu_time_total) / 1e3
+            part = made_by.get((e.fwd_thread, e.sequence_nr)) if e.sequence_nr >= 0 else None
+            key = part or "other"
+            out[key] = out.get(key, 0.0) + (e.device_time_total if device else e.cpu_time_total) / 1e3
     return out
 
 

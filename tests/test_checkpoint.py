@@ -113,7 +113,13 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
     parameters changed after it. One process in a gloo group of its own, as a rank of a run is."""
     import torch.distributed as dist
 
-    from train.checkpoint import Checkpointer, kept_encoder_steps, load_kept_encoders, sharded_checkpoint
+    from train.checkpoint import (
+        Checkpointer,
+        _read_sharded,
+        kept_encoder_steps,
+        load_kept_encoders,
+        sharded_checkpoint,
+    )
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
     try:
@@ -159,7 +165,13 @@ def test_a_sharded_checkpoint_is_written_in_the_background_and_published_once_wr
             torch.testing.assert_close(encoders["context_encoder"]["weight"], saved + 1.0)
             torch.testing.assert_close(encoders["target_encoder"]["weight"], target.weight.detach())
             assert set(encoders["context_encoder"]) == {"weight", "bias"}, "the predictor is not the context encoder"
-            assert set(encoders["context_encoder"]) == {"weight", "bias"}, "the predictor is not the context encoder"
+        read = _read_sharded(run / "sharded_checkpoint" / "step-00000002", ("model.encoder.", "target."))
+        assert {k: set(v) for k, v in read.items()} == {
+            "model": {"encoder.weight", "encoder.bias"},
+            "target": {"weight", "bias"},
+        }
+        with pytest.raises(UserError, match="no tensor named model.head."):
+            _read_sharded(run / "sharded_checkpoint" / "step-00000002", ("model.head.",))
         assert load_kept_encoders(run, 1) is None, "pruned"
         # A step whose shards are not all written yet (DCP writes its index, `.metadata`, after every rank's) is not
         # kept, and a step left by a killed run loses its index before its shards when saved again.

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -154,6 +155,29 @@ def test_the_backward_is_split_by_the_part_whose_forward_made_each_node():
     split = gpu_check.backward_by_part(prof.events(), device=False)
     assert set(split) == {"context_encoder", "predictor", "other"}, split
     assert split["context_encoder"] > 4 * split["predictor"] > 0, split
+
+
+def test_backward_nodes_are_matched_to_their_forward_by_its_thread_and_the_last_operator_to_take_the_number():
+    """Events as torch's profiler makes them on CUDA: the forward on thread 1, the backward on autograd's thread 9. A
+    node goes to the part whose forward operator took its number on the forward's thread (not on the node's own), and
+    an unlabelled operator that takes a number after a labelled one that built no node owns the node."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    node = gpu_check.BACKWARD_NODE
+
+    def event(i: int, name: str, thread: int, start: int, end: int, seq: int = -1, fwd: int | None = None) -> Any:
+        return FunctionEvent(i, name, thread=thread, start_us=start, end_us=end, sequence_nr=seq, fwd_thread=fwd)
+
+    label = event(0, "predictor", 1, 0, 100)
+    mm = event(1, "aten::mm", 1, 10, 50, seq=7)
+    view = event(2, "aten::view", 1, 60, 70, seq=8)  # builds no node: the number stays 8
+    mm.cpu_parent = view.cpu_parent = label
+    mean = event(3, "aten::mean", 1, 100, 110, seq=8)  # no label: builds node 8
+    mm_node = event(4, f"{node}MmBackward0", 9, 200, 600, seq=7, fwd=1)
+    mean_node = event(5, f"{node}MeanBackward0", 9, 150, 200, seq=8, fwd=1)
+    own_thread = event(6, "aten::add", 9, 120, 140, seq=7)  # number 7 of thread 9, not the node's forward
+    events = [label, mm, view, mean, own_thread, mean_node, mm_node]
+    assert gpu_check.backward_by_part(events, device=False) == {"predictor": 0.4, "other": 0.05}
 
 
 def test_a_phase_reports_each_measurement_as_it_finishes(tmp_path, monkeypatch):

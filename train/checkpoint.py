@@ -363,6 +363,9 @@ def _read_sharded(directory: Path, prefixes: tuple[str, ...] = ("model.", "targe
         with _one_process_meant():
             names = FileSystemReader(directory).read_metadata().state_dict_metadata
             keys = {name for name in names if name.startswith(prefixes)}
+            for prefix in prefixes:
+                if not any(key.startswith(prefix) for key in keys):
+                    raise ValueError(f"no tensor named {prefix}* in its index")
             return _load_state_dict_from_keys(keys, checkpoint_id=directory)
     except Exception as exc:
         raise _damaged(directory, exc) from None
