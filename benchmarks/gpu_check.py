@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -41,8 +42,9 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,9 @@ from train.step import TrainStep, choose_cuda_kernels, micro_batches, on_device,
 
 # Dense bf16 peak per GPU, by name as torch reports it.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+# The torchrun phase's child gives up after this, within the 240 s each phase is given (`timeout -k 20 240`).
+TORCHRUN_LIMIT_S = 200
+FLOP_COUNT_ROWS = 16  # rows of a micro-batch whose eager step FlopCounterMode counts (`Rig._count_flops`)
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,7 @@ class Rig:
         self.target.to(device)
         self.grid = self.model.encoder.grid
         # Counted before compiling: FlopCounterMode does not see inside compiled kernels.
+        self.flops_batch: Batch | None = None  # the rows counted
         self.flops_per_step = self._count_flops() if count_flops else 0
         self.module = wrap_models(self.model, self.target, cfg, device, shapes.compile_backend)
         self.optimizer = make_optimizer(self.model, cfg, device)
@@ -313,14 +319,18 @@ class Rig:
         return [b.pin_memory() for b in made] if self.device.type == "cuda" else made
 
     def _count_flops(self) -> int:
-        """FLOPs of one eager step on this config's first batch (the model and target are put back as they were)."""
+        """FLOPs of one eager step on the first `FLOP_COUNT_ROWS` rows (per micro-batch) of this config's first batch,
+        `flops_batch` (the model and target are put back as they were): an eager step on the whole batch, without
+        compiled fusion or activation checkpointing, would need more memory than the compiled runs it measures."""
         from torch.utils.flop_counter import FlopCounterMode
 
         optimizer = make_optimizer(self.model, self.cfg, self.device)
         step = TrainStep(self.model, self.model, self.target, optimizer, self.cfg, self.device)
         state = {k: v.clone() for k, v in self.model.state_dict().items()}
         target_state = {k: v.clone() for k, v in self.target.state_dict().items()}
-        (_, micro), *_ = on_device(self.batches(range(1)), self.device, self.cfg.accum_steps)
+        first = self.batches(range(1))[0]
+        self.flops_batch = first.rows(0, min(len(first), FLOP_COUNT_ROWS * self.cfg.accum_steps))
+        (_, micro), *_ = on_device([self.flops_batch], self.device, self.cfg.accum_steps)
         with FlopCounterMode(display=False) as counter:
             step(micro, 0.996)
         self.model.load_state_dict(state)
@@ -347,7 +357,7 @@ def host_syncs(rig: Rig, batch: Batch) -> int | None:
     """Host syncs one step makes, counted by CUDA's sync debug mode (None on CPU, which has none to count)."""
     if rig.device.type != "cuda":
         return None
-    (_, micro), *_ = on_device([batch], rig.device, 1)
+    (_, micro), *_ = on_device([batch], rig.device, rig.cfg.accum_steps)
     synchronize(rig.device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -401,8 +411,8 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
 
     cfg = config(spec, shapes)
     rig = Rig(cfg, shapes, device, count_flops=True, codec=spec.codec)
+    release_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     batches = rig.batches(range(shapes.warmup + shapes.timed))
     counters.clear()
@@ -419,9 +429,11 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
-    # FlopCounterMode counted the first batch; the timed ones have other context and caption lengths, so its count
-    # is carried over to each by the analytic count's ratio, and MFU is each step's FLOPs over its own time (median).
-    counted = rig.flops_per_step / analytic_flops(rig, batches[:1])[1]
+    # FlopCounterMode counted some rows of the first batch; the timed batches have other context and caption lengths,
+    # so its count is carried over to each by the analytic count's ratio, and MFU is each step's FLOPs over its own
+    # time (median).
+    assert rig.flops_batch is not None
+    counted = rig.flops_per_step / analytic_flops(rig, [rig.flops_batch])[1]
     per_step = [analytic_flops(rig, [batch]) for batch in batches[shapes.warmup :]]
     useful, computed, padded = (statistics.mean(counts) for counts in zip(*per_step))
     flops = counted * computed
@@ -453,23 +465,18 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
         "host_syncs_per_step": host_syncs(rig, batches[-1]),
     }
     del rig
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)
     return result
 
 
-def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
+def input_path(shapes: Shapes, device: torch.device) -> Iterator[dict]:
     """The trainer itself (`run_training`, conditioning `none`, no store) for `input_steps` steps over JPEGs written to
     local disk: its DataLoader workers, pinned copies on a side stream and compiled step, the images decoded by the
     workers (`decode: cpu`) and then by nvJPEG on the device (`decode: gpu`). images/s of the loop, per log window
     after the first (compilation, workers starting), beside the synthetic batches of the `throughput` phase. Then a
     few uncompiled steps decoded on the device over the same JPEGs, every other one cut short after its scan's
     header (a sound header, no body): the device decoder's failure must fall back image by image, and the
-    unreadable ones be counted as replaced, not crash the step."""
-    from train.config import apply, automatic_num_workers
-    from train.loop import run_training
-
-    out = []
+    unreadable ones be counted as replaced, not crash the step. Each run's record as soon as it ends (`guarded`)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "images"
         jpegs = write_jpegs(folder, shapes.input_images, 0, shapes.input_sizes)
@@ -478,56 +485,64 @@ def input_path(shapes: Shapes, device: torch.device) -> list[dict]:
                 for path in jpegs[::2]:
                     data = path.read_bytes()
                     path.write_bytes(data[: data.index(b"\xff\xda") + 14])  # the header and the scan's, then nothing
-            settings = {
-                **shapes.overrides,
-                "images": [str(folder)],
-                "conditioning": "none",
-                "model": "vit_base",
-                "image_size": shapes.image_size,
-                "patch_size": shapes.patch_size,
-                "batch_size": shapes.batch,
-                "steps": shapes.input_steps,
-                "warmup_steps": 2,
-                "log_every": shapes.input_log_every,
-                "val_every": shapes.input_steps,
-                "val_images": 8,
-                "checkpoint_every": shapes.input_steps,
-                "compile": device.type == "cuda" and decode != "gpu_corrupt",
-                "decode": decode.removesuffix("_corrupt"),
-                "device": str(device),
-            }
-            start = time.perf_counter()
-            metrics = run_training(apply(TrainConfig(), settings, "gpu_check"), Path(tmp) / f"run-{decode}", False)
-            if decode == "gpu_corrupt":
-                losses = [m["loss"] for m in metrics if "loss" in m]
-                replaced = sum(m["images_replaced"] for m in metrics if "images_replaced" in m)
-                out.append(
-                    {
-                        "check": "input_corrupt",
-                        "decode": "gpu",
-                        "corrupt_images": len(jpegs[::2]),
-                        "images_replaced": replaced,
-                        "seconds": round(time.perf_counter() - start, 1),
-                        "ok": bool(losses) and all(np.isfinite(losses)) and replaced > 0,
-                    }
-                )
-                continue
-            windows = [m["images_per_s"] for m in metrics if "images_per_s" in m][1:]
-            out.append(
-                {
-                    "check": "input",
-                    "decode": decode,
-                    "batch": shapes.batch,
-                    "steps": shapes.input_steps,
-                    "images": shapes.input_images,
-                    "loader_workers": automatic_num_workers(len(os.sched_getaffinity(0)), 1),
-                    "images_per_s": round(statistics.median(windows), 1),
-                    "images_per_s_windows": [round(w, 1) for w in windows],
-                    "seconds": round(time.perf_counter() - start, 1),
-                    "ok": len(windows) > 0 and all(w > 0 for w in windows),
-                }
+            check = "input_corrupt" if decode == "gpu_corrupt" else "input"
+            yield guarded(
+                {"check": check, "decode": decode.removesuffix("_corrupt")},
+                partial(_input_run, shapes, device, Path(tmp), len(jpegs), decode),
+                device,
             )
-    return out
+
+
+def _input_run(shapes: Shapes, device: torch.device, tmp: Path, images: int, decode: str) -> dict:
+    """One run of the trainer over the JPEGs in `tmp/images` (`input_path`): `decode` cpu, gpu, or gpu_corrupt (every
+    other JPEG cut short)."""
+    from train.config import apply, automatic_num_workers
+    from train.loop import run_training
+
+    settings = {
+        **shapes.overrides,
+        "images": [str(tmp / "images")],
+        "conditioning": "none",
+        "model": "vit_base",
+        "image_size": shapes.image_size,
+        "patch_size": shapes.patch_size,
+        "batch_size": shapes.batch,
+        "steps": shapes.input_steps,
+        "warmup_steps": 2,
+        "log_every": shapes.input_log_every,
+        "val_every": shapes.input_steps,
+        "val_images": 8,
+        "checkpoint_every": shapes.input_steps,
+        "compile": device.type == "cuda" and decode != "gpu_corrupt",
+        "decode": decode.removesuffix("_corrupt"),
+        "device": str(device),
+    }
+    start = time.perf_counter()
+    metrics = run_training(apply(TrainConfig(), settings, "gpu_check"), tmp / f"run-{decode}", False)
+    if decode == "gpu_corrupt":
+        losses = [m["loss"] for m in metrics if "loss" in m]
+        replaced = sum(m["images_replaced"] for m in metrics if "images_replaced" in m)
+        return {
+            "check": "input_corrupt",
+            "decode": "gpu",
+            "corrupt_images": len(range(0, images, 2)),
+            "images_replaced": replaced,
+            "seconds": round(time.perf_counter() - start, 1),
+            "ok": bool(losses) and all(np.isfinite(losses)) and replaced > 0,
+        }
+    windows = [m["images_per_s"] for m in metrics if "images_per_s" in m][1:]
+    return {
+        "check": "input",
+        "decode": decode,
+        "batch": shapes.batch,
+        "steps": shapes.input_steps,
+        "images": shapes.input_images,
+        "loader_workers": automatic_num_workers(len(os.sched_getaffinity(0)), 1),
+        "images_per_s": round(statistics.median(windows), 1),
+        "images_per_s_windows": [round(w, 1) for w in windows],
+        "seconds": round(time.perf_counter() - start, 1),
+        "ok": len(windows) > 0 and all(w > 0 for w in windows),
+    }
 
 
 def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, top: int = 15) -> dict:
@@ -587,15 +602,19 @@ def profile(spec: Spec, shapes: Shapes, device: torch.device, steps: int = 3, to
         "wall_ms_per_step": round(wall * 1e3, 3),
         "top_ms_per_step": {k: round(v, 3) for k, v in heaviest.items()},
         "attention_calls_per_step": attention,
-        "ok": not missing and {"context_encoder", "predictor"} <= set(by_part),  # the backward found its parts
+        # the backward found its parts; on CUDA the labels hold no more than every kernel (a label's own device-side
+        # annotation counted as its kernels would double it)
+        "ok": not missing
+        and {"context_encoder", "predictor"} <= set(by_part)
+        and (total is None or parts["unlabelled"] >= -0.05 * total),
         "missing_parts": missing,
     }
 
 
-def backward_by_part(events: list, device: bool = True) -> dict[str, float]:
-    """The backward's time (device time, or CPU time with `device` False) split by the part whose forward made each
-    node: a backward node carries the sequence number (and thread) of the forward operator that recorded it, and that
-    operator ran inside a part's label (the innermost one). Compiled, a node is a whole compiled region, so the split
+def backward_nodes(events: list) -> dict[str, list[Any]]:
+    """The backward's nodes (profiler events) by the part whose forward made each: a backward node carries the
+    sequence number (and thread) of the forward operator that recorded it, and that operator ran inside a part's
+    label (the innermost one). Compiled, a node is a whole compiled region, so the split
     holds wherever the regions do not straddle two parts. Nodes of no labelled forward (the loss, SIGReg) and those
     without a number (gradient accumulation into the parameters) come under `other`. Any thread: on CUDA autograd's
     own runs the backward, outside every label."""
@@ -621,13 +640,20 @@ def backward_by_part(events: list, device: bool = True) -> dict[str, float]:
         for e in cpu
         if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD_NODE) and not nested_in_a_node(e)
     }
-    out: dict[str, float] = {}
+    nodes: dict[str, list[Any]] = {}
     for e in cpu:
         if e.name.startswith(BACKWARD_NODE) and not nested_in_a_node(e):
             part = made_by.get((e.fwd_thread, e.sequence_nr)) if e.sequence_nr >= 0 else None
-            key = part or "other"
-            out[key] = out.get(key, 0.0) + (e.device_time_total if device else e.cpu_time_total) / 1e3
-    return out
+            nodes.setdefault(part or "other", []).append(e)
+    return nodes
+
+
+def backward_by_part(events: list, device: bool = True) -> dict[str, float]:
+    """The backward's time (device time, or CPU time with `device` False) by part (`backward_nodes`)."""
+    return {
+        part: sum((e.device_time_total if device else e.cpu_time_total) for e in found) / 1e3
+        for part, found in backward_nodes(events).items()
+    }
 
 
 def off_thread_ms(events: list, device: bool = True) -> float:
@@ -662,11 +688,12 @@ def smoke(shapes: Shapes, device: torch.device) -> dict:
     }
 
 
-def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
+def torchrun_steps(shapes: Shapes, device: torch.device, emit: Callable[[dict], None] = lambda record: None) -> dict:
     """Inside torchrun, the process group joined as the trainer joins it: two steps under DDP and two under FSDP2 with
     this backend, the gradients clipped (FSDP's as DTensor shards), the losses of the two compared, and the FSDP model
     checkpointed as the trainer does (`Checkpointer`: shards written in the background on a gloo group of their own,
-    published once written) and resumed into a fresh one (the equal losses of the next step say it loaded)."""
+    published once written) and resumed into a fresh one (the equal losses of the next step say it loaded). What is
+    measured so far goes to `emit` after each part (`partial`), so a run cut off keeps it."""
     import torch.distributed as dist
     from torch.nn.utils import get_total_norm
 
@@ -690,6 +717,7 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
             out[f"{name}_losses"] = [round(float(p[0]), 4) for p in parts]
             out[f"{name}_grad_norms"] = [round(float(p[-1]), 4) for p in parts]  # before clipping
             out[f"{name}_clipped_grad_norms"] = [round(float(n), 4) for n in clipped]  # after: the step's update
+            emit({**out, "partial": True})
             if cfg.fsdp:
                 with tempfile.TemporaryDirectory() as tmp:
                     saver = Checkpointer(Path(tmp), rig.model, rig.target, rig.optimizer, main)
@@ -715,6 +743,7 @@ def torchrun_steps(shapes: Shapes, device: torch.device) -> dict:
                 probe = rig.batches(range(2, 3))
                 a, b = rig.run(probe)[0][0].item(), again.run(probe)[0][0].item()
                 out["fsdp_checkpoint_roundtrip"] = abs(a - b) <= 1e-3 * abs(a) and resumed == 2
+                emit({**out, "partial": True})
         # The same seed, batches and clipping: FSDP's float32 residual stream should give DDP's losses.
         differences = [abs(a - b) / max(abs(a), 1e-6) for a, b in zip(out["ddp_losses"], out["fsdp_losses"])]
         out["fsdp_vs_ddp_loss_rel_diff"] = round(max(differences), 5)
@@ -787,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.in_torchrun:
-        print(json.dumps(torchrun_steps(shapes, device)), flush=True)
+        print(json.dumps(torchrun_steps(shapes, device, lambda record: print(json.dumps(record), flush=True))))
         return 0
     report = Report(args.out)
     report({"check": "environment", "torch": torch.__version__, "device": gpu_name(device), "dry_run": args.dry_run})
@@ -803,21 +832,43 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def phase_results(name: str, shapes: Shapes, device: torch.device, dry_run: bool) -> Iterator[dict]:
-    """The records of one phase, each yielded as soon as it is measured."""
+    """The records of one phase, each yielded as soon as it is measured; a measurement that fails (out of memory, a
+    kernel that will not build) gives a record saying so, and the phase goes on with the next."""
     if name == "smoke":
-        yield smoke(shapes, device)
+        yield guarded({"check": "smoke"}, lambda: smoke(shapes, device), device)
     elif name == "torchrun":
-        yield run_torchrun(dry_run)
+        yield guarded({"check": "torchrun"}, lambda: run_torchrun(dry_run), device)
     elif name == "profile":
         for spec in (NONE, CROSS):  # side by side: where cross's extra time goes
-            yield profile(spec, shapes, device)
+            yield guarded({"check": "profile", "config": spec.name}, partial(profile, spec, shapes, device), device)
     elif name == "input":
         yield from input_path(shapes, device)
     elif name == "regularisers":
-        yield regularisers(shapes, device)
+        yield guarded({"check": "regularisers"}, lambda: regularisers(shapes, device), device)
     else:
         for spec in PHASES[name].specs:
-            yield throughput(spec, shapes, device)
+            yield guarded(
+                {"check": "throughput", "config": spec.name}, partial(throughput, spec, shapes, device), device
+            )
+
+
+def guarded(about: dict, measure: Callable[[], dict], device: torch.device) -> dict:
+    """`measure()`, or `about` with `ok` false and the error when it fails, its memory given back: one failed
+    measurement must not cost the device call the others. (`benchmarks.regularisers` stops with SystemExit when
+    inductor counted nothing.)"""
+    try:
+        return measure()
+    except (Exception, SystemExit) as exc:
+        release_memory(device)
+        return {**about, "ok": False, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what the last measurement's models held (compiled blocks keep references to them until collected), so
+    that the next one's peak memory is its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def regularisers(shapes: Shapes, device: torch.device) -> dict:
@@ -830,17 +881,36 @@ def regularisers(shapes: Shapes, device: torch.device) -> dict:
     return {"check": "regularisers", **result, "ok": result["loss"]["today"] > 0}
 
 
-def run_torchrun(dry_run: bool) -> dict:
-    """This script under `torchrun --standalone --nproc-per-node 1`; its last stdout line is the result."""
+def run_torchrun(dry_run: bool, limit_s: int | None = None) -> dict:
+    """This script under `torchrun --standalone --nproc-per-node 1`; its last stdout line is the result. Given
+    `limit_s` (default `TORCHRUN_LIMIT_S`, in a dry run 600 s), then stopped as torchrun is told to stop (its agent
+    passes SIGTERM to its worker, which holds the GPU), killed 30 s later; a run cut off gives what its last line had
+    measured, not ok."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     cmd += ["-m", "benchmarks.gpu_check", "--in-torchrun", *(["--dry-run"] if dry_run else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # One node: every group on the loopback interface (the device machine reaches no network).
+    env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", **os.environ, "OMP_NUM_THREADS": "1"}
+    limit = limit_s or (600 if dry_run else TORCHRUN_LIMIT_S)
     # The child's stderr passes through as it comes: a run cut off by a time limit still shows how far it got.
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=600, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, _ = proc.communicate(timeout=limit)
+        cut_off = False
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stdout, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+        cut_off = True
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    last = json.loads(lines[-1]) if lines else {"check": "torchrun"}
+    if cut_off:
+        return {**last, "ok": False, "cut_off_after_s": limit}
     if proc.returncode != 0 or not lines:
-        return {"check": "torchrun", "ok": False, "exit": proc.returncode, "stdout": proc.stdout[-2000:]}
-    return json.loads(lines[-1])
+        return {**last, "ok": False, "exit": proc.returncode, "stdout": stdout[-2000:]}
+    return last
 
 
 if __name__ == "__main__":
