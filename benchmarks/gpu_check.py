@@ -298,8 +298,7 @@ class Rig:
         self.target.to(device)
         self.grid = self.model.encoder.grid
         # Counted before compiling: FlopCounterMode does not see inside compiled kernels.
-        self.flops_batch: Batch | None = None  # the rows counted
-        self.flops_per_step = self._count_flops() if count_flops else 0
+        self.counted_over_analytic = self._counted_over_analytic() if count_flops else 0.0
         self.module = wrap_models(self.model, self.target, cfg, device, shapes.compile_backend)
         self.optimizer = make_optimizer(self.model, cfg, device)
         self.step = TrainStep(
@@ -318,10 +317,11 @@ class Rig:
         made = [synthetic_batch(self.cfg, self.grid, s, self.text_dim, missing, self.codec) for s in steps]
         return [b.pin_memory() for b in made] if self.device.type == "cuda" else made
 
-    def _count_flops(self) -> int:
-        """FLOPs of one eager step on the first `FLOP_COUNT_ROWS` rows (per micro-batch) of this config's first batch,
-        `flops_batch` (the model and target are put back as they were): an eager step on the whole batch, without
-        compiled fusion or activation checkpointing, would need more memory than the compiled runs it measures."""
+    def _counted_over_analytic(self) -> float:
+        """FlopCounterMode's count of one eager step over the analytic count (`analytic_flops`, computed) of the same
+        rows: the first `FLOP_COUNT_ROWS` rows a micro-batch of this config's first batch (the model and target are put
+        back as they were). Not the whole batch: eagerly, without compiled fusion or activation checkpointing, it
+        would need more memory than the compiled runs it measures. The ratio carries over to any batch."""
         from torch.utils.flop_counter import FlopCounterMode
 
         optimizer = make_optimizer(self.model, self.cfg, self.device)
@@ -329,13 +329,14 @@ class Rig:
         state = {k: v.clone() for k, v in self.model.state_dict().items()}
         target_state = {k: v.clone() for k, v in self.target.state_dict().items()}
         first = self.batches(range(1))[0]
-        self.flops_batch = first.rows(0, min(len(first), FLOP_COUNT_ROWS * self.cfg.accum_steps))
-        (_, micro), *_ = on_device([self.flops_batch], self.device, self.cfg.accum_steps)
+        rows = first.rows(0, min(len(first), FLOP_COUNT_ROWS * self.cfg.accum_steps))
+        (_, micro), *_ = on_device([rows], self.device, self.cfg.accum_steps)
         with FlopCounterMode(display=False) as counter:
             step(micro, 0.996)
         self.model.load_state_dict(state)
         self.target.load_state_dict(target_state)
-        return counter.get_total_flops()
+        # The analytic count is a whole step's, of `batch_size` images like these rows: scaled to the rows counted.
+        return counter.get_total_flops() / (analytic_flops(self, [rows])[1] * len(rows) / self.cfg.batch_size)
 
     def run(self, batches: list[Batch], lr: bool = True, first: int = 0) -> list[torch.Tensor]:
         """One step per batch, the first at the schedule's step `first`; the loss parts of each, left on the device."""
@@ -378,10 +379,10 @@ def compile_counts() -> tuple[int, int, int]:
 
 
 def analytic_flops(rig: Rig, batches: list[Batch]) -> tuple[float, float, float]:
-    """An image's FLOPs in a step, the mean over `batches`' images, counted analytically (`benchmarks/train_step.py`'s
-    count): useful (at each image's real context length and mean caption length), computed (as the step computes
-    them: the real tokens packed, attention on padded rows) and padded (every layer on the padded rows), each
-    micro-batch on its own rows as the step cuts them (micro-batches are of one size)."""
+    """A step's FLOPs (`batch_size` images), at the mean over `batches`' images, counted analytically
+    (`benchmarks/train_step.py`'s count): useful (at each image's real context length and mean caption length),
+    computed (as the step computes them: the real tokens packed, attention on padded rows) and padded (every layer on
+    the padded rows), each micro-batch on its own rows as the step cuts them (micro-batches are of one size)."""
     from benchmarks.train_step import Mode, useful_and_computed_flops
 
     cfg = rig.cfg
@@ -432,8 +433,7 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     # FlopCounterMode counted some rows of the first batch; the timed batches have other context and caption lengths,
     # so its count is carried over to each by the analytic count's ratio, and MFU is each step's FLOPs over its own
     # time (median).
-    assert rig.flops_batch is not None
-    counted = rig.flops_per_step / analytic_flops(rig, [rig.flops_batch])[1]
+    counted = rig.counted_over_analytic
     per_step = [analytic_flops(rig, [batch]) for batch in batches[shapes.warmup :]]
     useful, computed, padded = (statistics.mean(counts) for counts in zip(*per_step))
     flops = counted * computed

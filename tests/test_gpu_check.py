@@ -242,3 +242,17 @@ def test_a_torchrun_phase_past_its_limit_stops_with_its_worker_and_says_so(monke
     result = gpu_check.run_torchrun(dry_run=True, limit_s=3)
     assert result["ok"] is False and result["cut_off_after_s"] == 3 and result["check"] == "torchrun"
     assert marked() == [], "the torchrun agent or its worker outlived the phase"
+
+
+def test_flops_counted_on_some_rows_carry_over_to_the_whole_batch_as_counted_on_all(monkeypatch):
+    """FlopCounterMode counts an eager step on `FLOP_COUNT_ROWS` rows a micro-batch (the whole batch could run out of
+    memory eagerly), and MFU carries that count over by the analytic count's ratio: the ratio on those rows must be
+    the ratio on the whole batch (a count per row against one per batch would be off by the rows' ratio)."""
+    cfg = gpu_check.config(gpu_check.CROSS, gpu_check.DRY)
+    cpu = torch.device("cpu")
+    assert gpu_check.DRY.batch > cfg.accum_steps
+    whole = gpu_check.Rig(cfg, gpu_check.DRY, cpu, count_flops=True)
+    monkeypatch.setattr(gpu_check, "FLOP_COUNT_ROWS", 1)
+    some = gpu_check.Rig(cfg, gpu_check.DRY, cpu, count_flops=True)
+    assert 0.5 < whole.counted_over_analytic < 1.5
+    assert some.counted_over_analytic == pytest.approx(whole.counted_over_analytic, rel=0.1)
