@@ -338,10 +338,16 @@ class Rig:
         # The analytic count is a whole step's, of `batch_size` images like these rows: scaled to the rows counted.
         return counter.get_total_flops() / (analytic_flops(self, [rows])[1] * len(rows) / self.cfg.batch_size)
 
-    def run(self, batches: list[Batch], lr: bool = True, first: int = 0) -> list[torch.Tensor]:
-        """One step per batch, the first at the schedule's step `first`; the loss parts of each, left on the device."""
+    def run(
+        self, batches: list[Batch], lr: bool = True, first: int = 0, before_each: Callable[[], None] | None = None
+    ) -> list[torch.Tensor]:
+        """One step per batch, the first at the schedule's step `first`, through the trainer's overlapped input path
+        (`on_device`: the next batch fetched and copied beside the step); `before_each` called as each step is about
+        to be queued. The loss parts of each, left on the device."""
         out = []
         for i, (_, micro) in enumerate(on_device(batches, self.device, self.cfg.accum_steps), start=first):
+            if before_each is not None:
+                before_each()
             if lr:
                 for group in self.optimizer.param_groups:
                     group["lr"] = self.lr(i) * group["lr_scale"]
@@ -407,6 +413,31 @@ def analytic_flops(rig: Rig, batches: list[Batch]) -> tuple[float, float, float]
     return useful / len(micro), computed / len(micro), padded / len(micro)
 
 
+def step_times(rig: Rig, batches: list[Batch]) -> list[float]:
+    """Each step's seconds, the steps run back to back as the trainer runs them (no sync between them, the next
+    batch copied beside the step). On CUDA, between events recorded on the compute stream as each step is queued
+    and after the last: a device waiting on the host (launches, the input path) counts, a host running ahead does
+    not. (Until 2026-12-06 each step ran alone with a sync after it, its batch's copy not overlapped.) On the CPU,
+    by the clock as each step starts."""
+    cuda = rig.device.type == "cuda"
+    marks: list[Any] = []
+
+    def mark() -> None:
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+        else:
+            marks.append(time.perf_counter())
+
+    rig.run(batches, lr=False, before_each=mark)
+    mark()
+    synchronize(rig.device)
+    if cuda:
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
 def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     from torch._dynamo.utils import counters
 
@@ -422,12 +453,7 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     synchronize(device)
     warmup_s = time.perf_counter() - start
     frames, graphs, breaks = compile_counts()
-    times = []
-    for batch in batches[shapes.warmup :]:
-        start = time.perf_counter()
-        rig.run([batch], lr=False)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+    times = step_times(rig, batches[shapes.warmup :])
     seconds = statistics.median(times)
     peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
     # FlopCounterMode counted some rows of the first batch; the timed batches have other context and caption lengths,
