@@ -36,6 +36,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,8 +65,10 @@ from train.step import TrainStep, choose_cuda_kernels, micro_batches, on_device,
 
 # Dense bf16 peak per GPU, by name as torch reports it.
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
-# The torchrun phase's child gives up after this, within the 240 s each phase is given (`timeout -k 20 240`).
-TORCHRUN_LIMIT_S = 200
+# The torchrun phase's child gives up after this, and is stopped within 30 s more: within the 240 s each phase is
+# given (`timeout -k 20 240`).
+TORCHRUN_LIMIT_S = 180
+WORKER_PID_FILE = "GPU_CHECK_WORKER_PID_FILE"  # where the torchrun worker writes its pid (an environment variable)
 FLOP_COUNT_ROWS = 16  # rows of a micro-batch whose eager step FlopCounterMode counts (`Rig._count_flops`)
 
 
@@ -335,6 +338,7 @@ class Rig:
             step(micro, 0.996)
         self.model.load_state_dict(state)
         self.target.load_state_dict(target_state)
+        self.model.zero_grad(set_to_none=True)  # not a copy of the parameters held until the first timed step
         # The analytic count is a whole step's, of `batch_size` images like these rows: scaled to the rows counted.
         return counter.get_total_flops() / (analytic_flops(self, [rows])[1] * len(rows) / self.cfg.batch_size)
 
@@ -842,6 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.in_torchrun:
+        if os.environ.get(WORKER_PID_FILE):
+            Path(os.environ[WORKER_PID_FILE]).write_text(str(os.getpid()))  # for `stop_torchrun`
         print(json.dumps(torchrun_steps(shapes, device, lambda record: print(json.dumps(record), flush=True))))
         return 0
     report = Report(args.out)
@@ -885,8 +891,12 @@ def guarded(about: dict, measure: Callable[[], dict], device: torch.device) -> d
     try:
         return measure()
     except (Exception, SystemExit) as exc:
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        failed = {**about, "ok": False, "error": f"{type(exc).__name__}: {first_line}".rstrip(": ")}
+    # Out of the handler: its exception's traceback held the measurement's frames, and with them its models.
+    with contextlib.suppress(Exception):  # after an error that poisons the CUDA context, this fails too
         release_memory(device)
-        return {**about, "ok": False, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+    return failed
 
 
 def release_memory(device: torch.device) -> None:
@@ -908,35 +918,66 @@ def regularisers(shapes: Shapes, device: torch.device) -> dict:
 
 
 def run_torchrun(dry_run: bool, limit_s: int | None = None) -> dict:
-    """This script under `torchrun --standalone --nproc-per-node 1`; its last stdout line is the result. Given
-    `limit_s` (default `TORCHRUN_LIMIT_S`, in a dry run 600 s), then stopped as torchrun is told to stop (its agent
-    passes SIGTERM to its worker, which holds the GPU), killed 30 s later; a run cut off gives what its last line had
-    measured, not ok."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    cmd += ["-m", "benchmarks.gpu_check", "--in-torchrun", *(["--dry-run"] if dry_run else [])]
-    # One node: every group on the loopback interface (the device machine reaches no network).
-    env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", **os.environ, "OMP_NUM_THREADS": "1"}
+    """This script under torchrun (`start_torchrun`); the last record its worker printed is the result. Given
+    `limit_s` (default `TORCHRUN_LIMIT_S`, in a dry run 600 s), then stopped (`stop_torchrun`): a run cut off gives
+    what its last record had measured, not ok."""
     limit = limit_s or (600 if dry_run else TORCHRUN_LIMIT_S)
-    # The child's stderr passes through as it comes: a run cut off by a time limit still shows how far it got.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout, _ = proc.communicate(timeout=limit)
-        cut_off = False
-    except subprocess.TimeoutExpired:
-        proc.terminate()
+    with tempfile.TemporaryDirectory() as tmp:
+        pid_file = Path(tmp) / "worker.pid"
+        proc = start_torchrun(dry_run, pid_file)
         try:
-            stdout, _ = proc.communicate(timeout=30)
+            stdout, _ = proc.communicate(timeout=limit)
+            cut_off = False
         except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, _ = proc.communicate()
-        cut_off = True
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    last = json.loads(lines[-1]) if lines else {"check": "torchrun"}
+            stdout, cut_off = stop_torchrun(proc, pid_file), True
+    records = torchrun_records(stdout)
+    last = records[-1] if records else {"check": "torchrun"}
     if cut_off:
         return {**last, "ok": False, "cut_off_after_s": limit}
-    if proc.returncode != 0 or not lines:
+    if proc.returncode != 0 or not records:
         return {**last, "ok": False, "exit": proc.returncode, "stdout": stdout[-2000:]}
     return last
+
+
+def start_torchrun(dry_run: bool, pid_file: Path) -> subprocess.Popen:
+    """This script under `torchrun --standalone --nproc-per-node 1`, its groups on the loopback interface (one node;
+    the device machine reaches no network). Its worker writes its pid to `pid_file` as it starts; its records come on
+    stdout, its stderr passes through as it comes (a run cut off still shows how far it got)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["-m", "benchmarks.gpu_check", "--in-torchrun", *(["--dry-run"] if dry_run else [])]
+    env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", **os.environ, "OMP_NUM_THREADS": "1"}
+    env[WORKER_PID_FILE] = str(pid_file)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def stop_torchrun(proc: subprocess.Popen, pid_file: Path) -> str:
+    """Stop torchrun as it is told to stop: SIGTERM, which its agent passes on to its worker (in a session of its
+    own, holding the GPU). 20 s later the worker's process group (it and its compile workers) and the agent are
+    killed: the agent's own grace before it kills the worker is 30 s, and the worker, which holds our stdout pipe,
+    would outlive a killed agent. What the worker had printed."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=20)[0]
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(OSError, ValueError):
+        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    proc.kill()
+    try:
+        return proc.communicate(timeout=10)[0]
+    except subprocess.TimeoutExpired:  # a process we do not know of holds the pipe: give up on what it printed
+        return ""
+
+
+def torchrun_records(stdout: str) -> list[dict]:
+    """The worker's records (JSON lines whose check is torchrun), in order; any other line is not one."""
+    records = []
+    for line in stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("check") == "torchrun":
+                records.append(record)
+    return records
 
 
 if __name__ == "__main__":
