@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -259,11 +260,13 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_flops_counted_on_some_rows_carry_over_to_the_whole_batch_as_counted_on_all(monkeypatch):
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_flops_counted_on_some_rows_carry_over_to_the_whole_batch_as_counted_on_all(monkeypatch, accum_steps):
     """FlopCounterMode counts an eager step on `FLOP_COUNT_ROWS` rows a micro-batch (the whole batch could run out of
     memory eagerly), and MFU carries that count over by the analytic count's ratio: the ratio on those rows must be
-    the ratio on the whole batch (a count per row against one per batch would be off by the rows' ratio)."""
-    cfg = gpu_check.config(gpu_check.CROSS, gpu_check.DRY)
+    the ratio on the whole batch (a count per row against one per batch would be off by the rows' ratio), with
+    accumulation too (the rows then cut into micro-batches as the step cuts them)."""
+    cfg = replace(gpu_check.config(gpu_check.CROSS, gpu_check.DRY), accum_steps=accum_steps)
     cpu = torch.device("cpu")
     assert gpu_check.DRY.batch > cfg.accum_steps
     whole = gpu_check.Rig(cfg, gpu_check.DRY, cpu, count_flops=True)
