@@ -63,8 +63,9 @@ from train.runtime import join_process_group, precision_on
 from train.schedules import WarmupCosine
 from train.step import TrainStep, choose_cuda_kernels, micro_batches, on_device, whole
 
-# Dense bf16 peak per GPU, by name as torch reports it.
-PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+# Dense bf16 peaks (NVIDIA's data sheets, without sparsity), the first name a device's contains: the H100 PCIe and NVL
+# cards run lower clocks than the SXM one ("NVIDIA H100 80GB HBM3").
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 # The torchrun phase's child gives up after this, and is stopped within 30 s more: within the 240 s each phase is
 # given (`timeout -k 20 240`).
 TORCHRUN_LIMIT_S = 180
@@ -459,7 +460,7 @@ def throughput(spec: Spec, shapes: Shapes, device: torch.device) -> dict:
     frames, graphs, breaks = compile_counts()
     times = step_times(rig, batches[shapes.warmup :])
     seconds = statistics.median(times)
-    peak = PEAK_FLOPS.get(next((k for k in PEAK_FLOPS if device.type == "cuda" and k in gpu_name(device)), ""), None)
+    peak = peak_flops(gpu_name(device)) if device.type == "cuda" else None
     # FlopCounterMode counted some rows of the first batch; the timed batches have other context and caption lengths,
     # so its count is carried over to each by the analytic count's ratio, and MFU is each step's FLOPs over its own
     # time (median).
@@ -792,6 +793,11 @@ def torchrun_steps(shapes: Shapes, device: torch.device, emit: Callable[[dict], 
     finally:
         dist.destroy_process_group()
     return out
+
+
+def peak_flops(name: str) -> float | None:
+    """The dense bf16 peak of the GPU called `name` (`PEAK_FLOPS`), None for one not listed."""
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
 
 
 def gpu_name(device: torch.device) -> str:

@@ -274,3 +274,9 @@ def test_flops_counted_on_some_rows_carry_over_to_the_whole_batch_as_counted_on_
     some = gpu_check.Rig(cfg, gpu_check.DRY, cpu, count_flops=True)
     assert 0.5 < whole.counted_over_analytic < 1.5
     assert some.counted_over_analytic == pytest.approx(whole.counted_over_analytic, rel=0.1)
+
+
+def test_each_gpu_gets_its_own_peak_flops():
+    assert gpu_check.peak_flops("NVIDIA H100 80GB HBM3") == gpu_check.peak_flops("NVIDIA H200") == 989.4e12
+    assert gpu_check.peak_flops("NVIDIA H100 PCIe") == 756e12 and gpu_check.peak_flops("NVIDIA H100 NVL") == 835e12
+    assert gpu_check.peak_flops("NVIDIA GeForce RTX 4090") is None
