@@ -64,12 +64,19 @@ from train.schedules import WarmupCosine
 from train.step import TrainStep, choose_cuda_kernels, micro_batches, on_device, whole
 
 # Dense bf16 peaks (NVIDIA's data sheets, without sparsity), the first name a device's contains: the H100 PCIe and NVL
-# cards run lower clocks than the SXM one ("NVIDIA H100 80GB HBM3").
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
+# cards (H100's and H200's) run lower clocks than the SXM ones ("NVIDIA H100 80GB HBM3").
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
+    "H200": 989.4e12,
+    "H100": 989.4e12,
+    "A100": 312e12,
+}
 # The torchrun phase's child gives up after this, and is stopped within 30 s more: within the 240 s each phase is
 # given (`timeout -k 20 240`).
 TORCHRUN_LIMIT_S = 180
-WORKER_PID_FILE = "GPU_CHECK_WORKER_PID_FILE"  # where the torchrun worker writes its pid (an environment variable)
+WORKER_PID_FILE = "GPU_CHECK_WORKER_PID_FILE"  # where the torchrun worker writes its process group (an env variable)
 FLOP_COUNT_ROWS = 16  # rows of a micro-batch whose eager step FlopCounterMode counts (`Rig._count_flops`)
 
 
@@ -844,6 +851,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         list_phases()
         return 0
+    if args.in_torchrun and os.environ.get(WORKER_PID_FILE):  # first: `stop_torchrun` may need to kill this group
+        written = Path(f"{os.environ[WORKER_PID_FILE]}.tmp")
+        written.write_text(str(os.getpgrp()))
+        os.replace(written, os.environ[WORKER_PID_FILE])
     shapes = DRY if args.dry_run else FULL
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
@@ -852,8 +863,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
     if args.in_torchrun:
-        if os.environ.get(WORKER_PID_FILE):
-            Path(os.environ[WORKER_PID_FILE]).write_text(str(os.getpid()))  # for `stop_torchrun`
         print(json.dumps(torchrun_steps(shapes, device, lambda record: print(json.dumps(record), flush=True))))
         return 0
     report = Report(args.out)
@@ -898,7 +907,8 @@ def guarded(about: dict, measure: Callable[[], dict], device: torch.device) -> d
         return measure()
     except (Exception, SystemExit) as exc:
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        failed = {**about, "ok": False, "error": f"{type(exc).__name__}: {first_line}".rstrip(": ")}
+        error = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+        failed = {**about, "ok": False, "error": error}
     # Out of the handler: its exception's traceback held the measurement's frames, and with them its models.
     with contextlib.suppress(Exception):  # after an error that poisons the CUDA context, this fails too
         release_memory(device)
@@ -956,14 +966,14 @@ def start_torchrun(dry_run: bool, pid_file: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def stop_torchrun(proc: subprocess.Popen, pid_file: Path) -> str:
+def stop_torchrun(proc: subprocess.Popen, pid_file: Path, grace_s: float = 20) -> str:
     """Stop torchrun as it is told to stop: SIGTERM, which its agent passes on to its worker (in a session of its
-    own, holding the GPU). 20 s later the worker's process group (it and its compile workers) and the agent are
-    killed: the agent's own grace before it kills the worker is 30 s, and the worker, which holds our stdout pipe,
-    would outlive a killed agent. What the worker had printed."""
+    own, holding the GPU). `grace_s` later the worker's process group (it and its compile workers; `pid_file` names
+    it) and the agent are killed: the agent's own grace before it kills the worker is 30 s, and the worker, which
+    holds our stdout pipe, would outlive a killed agent. What the worker had printed."""
     proc.terminate()
     try:
-        return proc.communicate(timeout=20)[0]
+        return proc.communicate(timeout=grace_s)[0]
     except subprocess.TimeoutExpired:
         pass
     with contextlib.suppress(OSError, ValueError):
@@ -971,8 +981,9 @@ def stop_torchrun(proc: subprocess.Popen, pid_file: Path) -> str:
     proc.kill()
     try:
         return proc.communicate(timeout=10)[0]
-    except subprocess.TimeoutExpired:  # a process we do not know of holds the pipe: give up on what it printed
-        return ""
+    except subprocess.TimeoutExpired as exc:  # a process we do not know of holds the pipe: what it printed so far
+        output = exc.output
+        return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def torchrun_records(stdout: str) -> list[dict]:

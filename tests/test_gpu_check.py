@@ -3,8 +3,10 @@ made unimportable."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -242,14 +244,57 @@ def test_a_stopped_torchrun_ends_its_worker_which_holds_the_gpu(tmp_path):
         worker = int(pid_file.read_text())
         gpu_check.stop_torchrun(proc, pid_file)
         assert proc.poll() is not None
-        deadline = time.monotonic() + 30  # ended, then reaped by whoever adopted it
-        while _running(worker):
-            assert time.monotonic() < deadline, f"the worker {worker} outlived torchrun"
-            time.sleep(0.1)
+        _assert_ends(worker)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end(proc, pid_file)
+
+
+def test_a_worker_that_ignores_the_stop_is_killed_with_its_process_group(tmp_path):
+    """Where torchrun's worker does not end on the agent's SIGTERM, `stop_torchrun` kills its process group after
+    its grace, and returns what it had printed. A stand-in agent whose worker, in a session of its own as torchrun
+    starts it, ignores SIGTERM and holds the agent's stdout."""
+    pid_file = tmp_path / "worker.pid"
+    worker = (
+        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpgrp())); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); "
+        'print(\'{"check": "torchrun", "partial": true}\', flush=True); time.sleep(600)'
+    )
+    agent = (
+        "import subprocess, sys; "
+        f"subprocess.Popen([sys.executable, '-c', {worker!r}, {str(pid_file)!r}], start_new_session=True).wait()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the stand-in worker never started"
+            time.sleep(0.05)
+        group = int(pid_file.read_text())
+        printed = gpu_check.stop_torchrun(proc, pid_file, grace_s=1)
+        assert gpu_check.torchrun_records(printed) == [{"check": "torchrun", "partial": True}]
+        _assert_ends(group)
+    finally:
+        _end(proc, pid_file)
+
+
+def _assert_ends(pid: int) -> None:
+    deadline = time.monotonic() + 30  # ended, then reaped by whoever adopted it
+    while _running(pid):
+        assert time.monotonic() < deadline, f"the worker {pid} outlived torchrun"
+        time.sleep(0.1)
+
+
+def _end(proc: subprocess.Popen, pid_file: Path) -> None:
+    """End what a test started, by id, whatever failed: the agent, then the worker's process group it wrote."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    with contextlib.suppress(OSError, ValueError):
+        group = int(pid_file.read_text())
+        if _running(group):
+            os.killpg(group, signal.SIGKILL)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def _running(pid: int) -> bool:
@@ -279,4 +324,5 @@ def test_flops_counted_on_some_rows_carry_over_to_the_whole_batch_as_counted_on_
 def test_each_gpu_gets_its_own_peak_flops():
     assert gpu_check.peak_flops("NVIDIA H100 80GB HBM3") == gpu_check.peak_flops("NVIDIA H200") == 989.4e12
     assert gpu_check.peak_flops("NVIDIA H100 PCIe") == 756e12 and gpu_check.peak_flops("NVIDIA H100 NVL") == 835e12
+    assert gpu_check.peak_flops("NVIDIA H200 NVL") == 835e12
     assert gpu_check.peak_flops("NVIDIA GeForce RTX 4090") is None
