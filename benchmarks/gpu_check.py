@@ -972,10 +972,8 @@ def stop_torchrun(proc: subprocess.Popen, pid_file: Path, grace_s: float = 20) -
     it) and the agent are killed: the agent's own grace before it kills the worker is 30 s, and the worker, which
     holds our stdout pipe, would outlive a killed agent. What the worker had printed."""
     proc.terminate()
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):  # else the worker outlived the grace: killed below
         return proc.communicate(timeout=grace_s)[0]
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(OSError, ValueError):
         os.killpg(int(pid_file.read_text()), signal.SIGKILL)
     proc.kill()
