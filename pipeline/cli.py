@@ -290,6 +290,7 @@ def train(
     accum_steps: Annotated[int | None, config_option("accum_steps")] = None,
     partitions: Annotated[int | None, config_option("partitions")] = None,
     checkpoint_activations: Annotated[bool | None, config_option("checkpoint_activations")] = None,
+    attention: Annotated[str | None, config_option("attention")] = None,
     fsdp: Annotated[bool | None, config_option("fsdp")] = None,
     shard_within_node: Annotated[bool | None, config_option("shard_within_node")] = None,
     init: Annotated[str | None, config_option("init")] = None,

@@ -72,6 +72,8 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     by_name = {r["config"]: r for r in throughput}
     assert by_name["vit_b16_cross8_before_mlp_compiled_int8"]["codec"] == "int8"
     assert by_name["vit_b16_cross8_before_mlp_compiled_accum2"]["options"] == {"accum_steps": 2}
+    jagged = by_name["vit_b16_cross8_before_mlp_compiled_jagged"]  # nested rows compile on CUDA only: eager here
+    assert jagged["options"] == {"attention": "jagged"} and jagged["compiled"] is False
     inputs = [r for r in records if r["check"] == "input"]
     assert [r["decode"] for r in inputs] == ["cpu", "gpu"] and all(r["ok"] and r["images_per_s"] > 0 for r in inputs)
     (corrupt,) = [r for r in records if r["check"] == "input_corrupt"]

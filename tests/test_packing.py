@@ -3,6 +3,7 @@ gradients as padded rows with a key mask, and fewer FLOPs."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -11,11 +12,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from pipeline.core.errors import UserError
 from tests.support.training_step import STEP_CONFIG, STEP_TEXT_DIM
 from train.config import ModelConfig
 from train.jepa import build_models
 from train.objective import compute_losses
 from train.packing import TokenLayout
+from train.parallel import use_attention, wrap_models
 from train.predictor import TextBatch
 from train.vit import VisionTransformer
 
@@ -73,13 +76,17 @@ def test_a_packed_encoder_gives_the_masked_one_s_features_and_gradients():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["masked", "jagged"])
 @pytest.mark.parametrize("conditioning", ["none", "cross"])
-def test_a_packed_step_computes_the_masked_step_s_losses_and_gradients_with_fewer_flops(conditioning):
+def test_a_packed_step_computes_the_masked_step_s_losses_and_gradients_with_fewer_flops(conditioning, attention):
     """The whole objective (encoder, predictor, regularisers) on packed contexts and words against padded rows with
-    a key mask: the same losses and gradients, and FlopCounterMode counts the padding's FLOPs gone."""
+    a key mask: the same losses and gradients, and FlopCounterMode counts the padding's FLOPs gone. Packed tokens
+    attend in padded rows with the key mask (`masked`), or as nested jagged rows (`jagged`); the padded run is
+    always masked."""
     torch.manual_seed(0)
     cfg = replace(STEP_CONFIG, conditioning=conditioning)
     model, target = build_models(ModelConfig.of(cfg), text_dim=STEP_TEXT_DIM)
+    use_attention(model, attention)
     g = torch.Generator().manual_seed(2)
     images = torch.randn(4, 3, 64, 64, generator=g)
     keep, valid = _contexts(g, 64)
@@ -90,14 +97,15 @@ def test_a_packed_step_computes_the_masked_step_s_losses_and_gradients_with_fewe
     def run(layout: TokenLayout, words: int | None) -> tuple[torch.Tensor, list[torch.Tensor], int]:
         model.zero_grad()
         text = TextBatch(tokens, lengths, words)
-        with FlopCounterMode(display=False) as counter:
+        # FlopCounterMode cannot follow SDPA's nested math path on a CPU (it counts the flash kernel's on CUDA)
+        with FlopCounterMode(display=False) if attention == "masked" else contextlib.nullcontext() as counter:
             losses = compute_losses(model, target, images, keep, targets, text, cfg, layout)
             losses.total.backward()
         parts = torch.stack([losses.total, losses.predict, losses.sparse, losses.consistency])
         return (
             parts.detach(),
             [p.grad.clone() for p in model.parameters() if p.grad is not None],
-            counter.get_total_flops(),
+            counter.get_total_flops() if counter is not None else 0,
         )
 
     masked, masked_grads, masked_flops = run(TokenLayout(valid), None)
@@ -108,7 +116,7 @@ def test_a_packed_step_computes_the_masked_step_s_losses_and_gradients_with_fewe
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     # 18 of 36 context patches and 34 of 64 words are real; the target encoder's whole images are never padded
     # (measured: 0.85 of the masked step's FLOPs without text, 0.82 with).
-    assert packed_flops < 0.9 * masked_flops, (packed_flops, masked_flops)
+    assert packed_flops < 0.9 * masked_flops or attention == "jagged", (packed_flops, masked_flops)
 
 
 class AttentionMasks(TorchFunctionMode):
@@ -118,23 +126,28 @@ class AttentionMasks(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.masked: list[bool] = []
+        self.jagged: list[bool] = []  # whether its query was a nested tensor
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self.masked.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None) is not None)
+            self.jagged.append(args[0].is_nested)
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_only_attention_over_padding_takes_a_mask_so_the_rest_may_run_on_the_flash_kernel(padded):
+@pytest.mark.parametrize(("padded", "attention"), [(False, "masked"), (True, "masked"), (True, "jagged")])
+def test_only_attention_over_padding_takes_a_mask_so_the_rest_may_run_on_the_flash_kernel(padded, attention):
     """Issue 32 point 3: SDPA's flash kernel takes no mask. The target encoder reads whole images, so none of its
     attentions gets one; the context encoder's and the predictor's get one only when the contexts come with a layout
     (padded; the trainer gives one in `pad` mode, where contexts are padded to a multiple of 8 and so mostly are,
-    and none in `cut` mode). Without text: the captions' cross-attention always takes their words' mask."""
+    and none in `cut` mode), and then not with `attention: jagged`, where each row attends as its real tokens alone
+    (nested jagged tensors: flash's variable-length kernel on CUDA). Without text: the captions' cross-attention
+    always takes their words' mask."""
     torch.manual_seed(0)
     cfg = replace(STEP_CONFIG, conditioning="none")
     model, target = build_models(ModelConfig.of(cfg), text_dim=None)
+    use_attention(model, attention)
     g = torch.Generator().manual_seed(2)
     images = torch.randn(4, 3, 64, 64, generator=g)
     keep, valid = _contexts(g, 64)  # 9 distinct patches each, all real without a layout
@@ -143,4 +156,22 @@ def test_only_attention_over_padding_takes_a_mask_so_the_rest_may_run_on_the_fla
     with AttentionMasks() as calls:
         compute_losses(model, target, images, keep, targets, None, cfg, layout)
     encoder, predictor = len(target.blocks), len(model.predictor.blocks)
-    assert calls.masked == [False] * encoder + [padded] * (encoder + predictor)  # target encoder first
+    masked = padded and attention == "masked"
+    assert calls.masked == [False] * encoder + [masked] * (encoder + predictor)  # target encoder first
+    assert calls.jagged == [False] * encoder + [padded and not masked] * (encoder + predictor)
+
+
+def test_the_trainer_s_attention_setting_reaches_the_context_encoder_and_predictor_and_jagged_compiles_on_cuda_only():
+    """`wrap_models` (what the trainer runs the models through) sets `attention: jagged` on every self-attention of
+    the context encoder and the predictor, never on the target encoder, which sees whole images; compiled off CUDA
+    it is refused in one line, as SDPA's nested path there is its math kernel, which torch.compile cannot trace."""
+    cfg = replace(STEP_CONFIG, conditioning="none", attention="jagged")
+    model, target = build_models(ModelConfig.of(cfg), text_dim=None)
+    assert wrap_models(model, target, cfg, torch.device("cpu")) is model
+    assert [block.attn.jagged for block in (*model.encoder.blocks, *model.predictor.blocks)] == [True] * (
+        len(model.encoder.blocks) + len(model.predictor.blocks)
+    )
+    assert not any(block.attn.jagged for block in target.blocks)
+    with pytest.raises(UserError, match="attention jagged compiles on CUDA only") as caught:
+        wrap_models(model, target, replace(cfg, compile=True), torch.device("cpu"))
+    assert "\n" not in str(caught.value)

@@ -26,6 +26,7 @@ from pipeline.core.errors import UserError
 from pipeline.core.keyvalues import parse_key_values
 from pipeline.core.sources import HF_PREFIX
 from train.choices import (
+    ATTENTION,
     CONDITIONERS,
     CONDITIONING,
     CONTEXT_EQUALISE,
@@ -246,6 +247,13 @@ class TrainConfig:
     checkpoint_activations: bool = setting(
         False, "recompute each encoder and predictor block in the backward instead of keeping its activations"
     )
+    attention: str = setting(
+        "masked",
+        f"{' | '.join(ATTENTION)}: how padded contexts and predictor sequences attend: in rows padded to the longest "
+        "with a key mask, or each row's real tokens alone as nested jagged tensors (flash's variable-length kernel "
+        "on CUDA; on a CPU a slow reference). The same values either way; which is faster on a GPU, "
+        "benchmarks/gpu_check.sh --phase attention measures",
+    )
     accum_steps: int = setting(
         1, "micro-batches per step: a process's rows are split in this many, one backward each, one optimizer step"
     )
@@ -331,6 +339,7 @@ RUNTIME_ONLY = {
     "device",
     "compile",
     "checkpoint_activations",
+    "attention",
     "accum_steps",
     "shard_within_node",
     "ddp_bucket_mb",
@@ -510,6 +519,7 @@ CHOICES = {
     "model": MODELS,
     "context_equalise": CONTEXT_EQUALISE,
     "decode": DECODERS,
+    "attention": ATTENTION,
 }
 POSITIVE = (
     "captions_per_image",

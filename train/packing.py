@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,18 @@ class TokenLayout:
         """Padded `x` `[B, L, ...]` as its real tokens back to back, `[T, ...]`."""
         assert self.slots is not None, "a layout without slots keeps its rows padded"
         return x.reshape(-1, *x.shape[2:]).index_select(0, self.slots)
+
+    def jagged(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Packed tensors `[T, ...]` as nested jagged tensors `[B, j, ...]` sharing one ragged dimension: row b is its
+        real tokens alone, no padding (what SDPA's flash kernel takes as variable-length sequences on CUDA).
+
+        Every row here has a real token (a context holds at least `min_context` patches, a predictor's sequence its
+        target block), so the minimum length is given as 1 and the maximum as the padded length, and nothing waits
+        for the device to count them."""
+        assert self.slots is not None, "a layout without slots has no packed tokens"
+        offsets = F.pad(self.key_mask.sum(1).cumsum(0), (1, 0))
+        longest = self.key_mask.shape[1]
+        return tuple(torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=1, max_seqlen=longest) for x in xs)
 
     def ranks(self) -> torch.Tensor:
         """int64 `[B·L]`: each padded position's index among the packed tokens (meaningful on real tokens only)."""

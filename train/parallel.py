@@ -20,7 +20,7 @@ from train.losses import EAGER_PASSES, RegulariserPasses, compiled_regulariser_p
 from train.packing import TokenLayout
 from train.predictor import LayerCaptions, TokenCaptions
 from train.runtime import processes_per_node
-from train.vit import VisionTransformer
+from train.vit import SelfAttention, VisionTransformer
 
 
 def wrap_models(
@@ -29,6 +29,12 @@ def wrap_models(
     """The module that trains: blocks compiled (by `compile_backend`) and/or checkpointed in place, then, in a process
     group, DDP around the JEPA, or FSDP2 sharding of the JEPA and the target alike (the same mesh, block by block, so
     the EMA is shard-local)."""
+    if cfg.compile and cfg.attention == "jagged" and device.type != "cuda":
+        raise UserError(
+            "attention jagged compiles on CUDA only (elsewhere SDPA runs nested rows through its math kernel, which "
+            "torch.compile cannot trace): drop --compile or use --attention masked"
+        )
+    use_attention(model, cfg.attention)
     if cfg.compile:
         compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks, backend=compile_backend)
     if cfg.checkpoint_activations:
@@ -48,6 +54,14 @@ def wrap_models(
         bucket_cap_mb=cfg.ddp_bucket_mb,
         **_no_buffer_sync(),
     )
+
+
+def use_attention(model: JEPA, attention: str) -> None:
+    """Set how the context encoder's and the predictor's self-attention take packed tokens (`attention`: masked or
+    jagged); before compiling, whose graphs read it. The target encoder sees whole images, never padding."""
+    for module in (*model.encoder.modules(), *model.predictor.modules()):
+        if isinstance(module, SelfAttention):
+            module.jagged = attention == "jagged"
 
 
 def _no_buffer_sync() -> dict[str, Any]:

@@ -73,12 +73,18 @@ class SelfAttention(nn.Module):
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
+        # Packed tokens attend as nested jagged rows, no padding and no mask (`attention: jagged`, set by
+        # `train.parallel.use_attention`), instead of in padded rows with a key mask.
+        self.jagged = False
 
     def forward(self, x: torch.Tensor, layout: TokenLayout | None = None) -> torch.Tensor:
         """`x` `[B, L, d]`, or packed `[T, d]` when `layout` has slots: the projections run on the real tokens alone
         and attention on rows, where padding (`layout.key_mask` False) is never attended to."""
         packed = layout is not None and layout.packed
         qkv = self.qkv(x)
+        if packed and self.jagged:
+            assert layout is not None
+            return self.proj(self._jagged_attention(qkv, layout))
         if packed:
             assert layout is not None
             qkv = layout.pad(qkv)
@@ -91,6 +97,18 @@ class SelfAttention(nn.Module):
             assert layout is not None
             out = layout.pack(out)
         return self.proj(out)
+
+    def _jagged_attention(self, qkv: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """Packed `qkv` `[T, 3d]` → attention's output `[T, d]`, each row's tokens attending to that row's alone.
+
+        SDPA takes each of q, k and v as one contiguous `[T, h, d_h]` block (its nested path requires it). On CUDA
+        that is the flash kernel's variable-length path; elsewhere SDPA splits the rows and runs its math kernel on
+        each (a host sync, and a graph break under torch.compile: for tests, not for speed)."""
+        t, three_d = qkv.shape
+        d = three_d // 3
+        q, k, v = layout.jagged(*(part.contiguous() for part in qkv.view(t, 3, self.heads, d // self.heads).unbind(1)))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2).values().reshape(t, d)
 
 
 class Block(nn.Module):
