@@ -15,8 +15,9 @@ prints them with their expected time, each under 4 minutes cold on one H200, mea
   memory; graphs compiled, graph breaks and recompiles during the timed steps (fresh masks every step: 0 is the
   goal); the host syncs of one step
   (CUDA's sync debug mode: 0 is the goal);
-- `input`: the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local disk at start, decoded
-  by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
+- `input`: one batch of JPEGs decoded as `--decode gpu` does it, nvJPEG's decode and the per-image resize timed
+  apart (`device_decode`); then the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local
+  disk at start, decoded by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
 - `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
   predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds, and the backward's time split
   by the part whose forward made each of its nodes;
@@ -150,9 +151,10 @@ PHASES = {
         (CROSS, replace(CROSS, name=CROSS.name + "_jagged", options=(("attention", "jagged"),))),
     ),
     "input": Phase(
-        "ViT-B/16 none: 20 steps of the trainer over JPEGs on local disk, CPU-decoded by its workers, then nvJPEG",
-        45,
-        True,
+        "one batch's nvJPEG decode and per-image resize timed apart; then ViT-B/16 none: 20 steps of the trainer over"
+        " JPEGs on local disk, CPU-decoded by its workers, then nvJPEG",
+        55,
+        False,  # 45 s measured before the first part was added
     ),
     "profile": Phase(
         "none, then cross, compiled: device time per step by part (encoders, predictor, regularisers, ...) and the top"
@@ -529,6 +531,7 @@ def input_path(shapes: Shapes, device: torch.device) -> Iterator[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "images"
         jpegs = write_jpegs(folder, shapes.input_images, 0, shapes.input_sizes)
+        yield guarded({"check": "device_decode"}, partial(device_decode, shapes, device, jpegs), device)
         for decode in ("cpu", "gpu", "gpu_corrupt"):
             if decode == "gpu_corrupt":
                 for path in jpegs[::2]:
@@ -540,6 +543,90 @@ def input_path(shapes: Shapes, device: torch.device) -> Iterator[dict]:
                 partial(_input_run, shapes, device, Path(tmp), len(jpegs), decode),
                 device,
             )
+
+
+def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repeats: int = 5) -> dict:
+    """What `--decode gpu` spends on one batch of these JPEGs (issue 32 point 7), medians of `repeats`: the batched
+    nvJPEG decode, then the crops' resize, which runs image by image (`train.images.decode_on_device`), timed on the
+    host with a sync at the end (what holds the input thread) and as device time between CUDA events; and the
+    operators the resize launches per image (on this device: a CPU resizes uint8 as it is, CUDA converts). Batching
+    the resize into one call pays only if its host time is a sizeable share of a step (`throughput`'s s_per_step;
+    `input`'s images/s with `decode: gpu` against `cpu` says whether the input path keeps up at all)."""
+    from PIL import Image
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from train.data import crop_box
+    from train.images import EncodedImages, crop_resize_on_device, decode_one
+
+    class Operators(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    rng = np.random.default_rng(0)
+    data, boxes = [], []
+    for path in (jpegs * (shapes.batch // len(jpegs) + 1))[: shapes.batch]:
+        data.append(torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8))
+        with Image.open(path) as im:
+            width, height = im.size
+        boxes.append(crop_box(rng, width, height, (0.3, 1.0), (3 / 4, 4 / 3)))
+    encoded = EncodedImages(list(range(len(data))), data, boxes, [k % 2 == 1 for k in range(len(data))]).packed()
+    size = (shapes.image_size, shapes.image_size)
+    images = torch.empty((len(data), 3, *size), dtype=torch.uint8, device=device)
+    cuda = device.type == "cuda"
+
+    def decode() -> list[torch.Tensor]:
+        """nvJPEG's batched decode; where torchvision cannot decode (a CPU without its image extension, as here in
+        CI), the trainer's fallback, image by image."""
+        try:
+            return list(decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            if cuda:
+                raise
+            return [pixels for pixels in (decode_one(d, device) for d in encoded.data) if pixels is not None]
+
+    def resize(pixels: list[torch.Tensor]) -> None:
+        for row, image, box, flip in zip(encoded.rows, pixels, encoded.boxes, encoded.flips):
+            images[row] = crop_resize_on_device(image, box, size, flip)
+
+    def timed(work: Callable[[], Any]) -> tuple[float, float | None, Any]:
+        """Host seconds to the end of a sync after `work`, and device seconds between events around it."""
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+        synchronize(device)
+        start = time.perf_counter()
+        if events:
+            events[0].record()
+        out = work()
+        if events:
+            events[1].record()
+        synchronize(device)
+        return time.perf_counter() - start, events[0].elapsed_time(events[1]) / 1e3 if events else None, out
+
+    pixels = decode()  # warm-up: nvJPEG's handles, the resize's kernels
+    resize(pixels)
+    decodes = [timed(decode) for _ in range(repeats)]
+    resizes = [timed(partial(resize, decodes[-1][2])) for _ in range(repeats)]
+    with Operators() as operators:
+        resize(pixels)
+
+    def ms(values: list[float | None]) -> float | None:
+        return None if values[0] is None else round(statistics.median(v for v in values if v is not None) * 1e3, 2)
+
+    return {
+        "check": "device_decode",
+        "batch": len(data),
+        "decode_host_ms": ms([t[0] for t in decodes]),
+        "decode_device_ms": ms([t[1] for t in decodes]),
+        "resize_host_ms": ms([t[0] for t in resizes]),
+        "resize_device_ms": ms([t[1] for t in resizes]),
+        "resize_operators_per_image": round(operators.count / len(data), 1),
+        "ok": all(t[0] > 0 for t in decodes + resizes),
+    }
 
 
 def _input_run(shapes: Shapes, device: torch.device, tmp: Path, images: int, decode: str) -> dict:

@@ -113,14 +113,14 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> list[int]:
                 " images one by one, on the CPU where the device refuses one"
             )
             _warned = True
-        decoded = [_decode_one(data, images.device) for data in encoded.data]
+        decoded = [decode_one(data, images.device) for data in encoded.data]
     height, width = images.shape[-2:]
     unread = []
     for row, pixels, box, flip in zip(encoded.rows, decoded, encoded.boxes, encoded.flips):
         if pixels is None:
             unread.append(row)
             continue
-        images[row] = _crop_resize_on_device(pixels, box, (height, width), flip)
+        images[row] = crop_resize_on_device(pixels, box, (height, width), flip)
     if unread:
         donor = next((r for r in range(len(images)) if r not in unread), None)
         if donor is not None:
@@ -128,7 +128,7 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> list[int]:
     return unread
 
 
-def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+def decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """One JPEG's pixels (uint8 `[3, h, w]` on `device`): nvJPEG, or else the CPU loader's decoder; None when
     neither can read it."""
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -143,7 +143,9 @@ def _decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None
         )
 
 
-def _crop_resize_on_device(pixels: torch.Tensor, box: Box, size: tuple[int, int], flip: bool) -> torch.Tensor:
+def crop_resize_on_device(pixels: torch.Tensor, box: Box, size: tuple[int, int], flip: bool) -> torch.Tensor:
+    """One decoded image's crop `box`, resized to `size` with antialiasing (the CPU path's filter) and flipped: a few
+    kernels per image (benchmarks/gpu_check.py's `device_decode` counts them and times the batch's)."""
     from torchvision.transforms.v2.functional import resize
 
     left, top, right, bottom = box
