@@ -38,6 +38,19 @@ def test_pack_and_pad_are_inverse_on_the_real_tokens_and_pad_writes_zeros():
     assert layout.pack(torch.arange(9).view(3, 3)).tolist() == [0, 1, 3, 6, 7, 8]  # rows without features
 
 
+def test_jagged_rows_are_each_row_s_real_tokens_in_packed_order_and_bound_the_longest():
+    """`TokenLayout.jagged`: nested rows over the packed tokens whose offsets are the rows' starts, made once per
+    layout (every attention's rows share one ragged size, as recomputation needs), and whose `max_seqlen` (what
+    sizes the flash kernel's grid on CUDA; a CPU ignores it) is at least the longest row."""
+    valid = torch.tensor([[True, False, True, False], [True, True, True, True], [False, True, False, False]])
+    layout = TokenLayout.of(valid, 7)
+    assert layout.offsets is not None and layout.offsets.tolist() == [0, 2, 6, 7]
+    x = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)
+    q, k = layout.jagged(x, x + 1)
+    assert [row.tolist() for row in q.unbind()] == [x[0:2].tolist(), x[2:6].tolist(), x[6:7].tolist()]
+    assert q._get_max_seqlen() >= 4 and q._get_min_seqlen() >= 1 and q.shape[1] == k.shape[1]  # one ragged size
+
+
 def test_a_count_that_cannot_fit_is_refused_and_one_that_is_not_the_mask_s_is_caught():
     with pytest.raises(ValueError, match="7 real tokens cannot fit in a padded batch of \\(2, 3\\)"):
         TokenLayout.of(torch.ones(2, 3, dtype=torch.bool), 7)
@@ -161,10 +174,11 @@ def test_only_attention_over_padding_takes_a_mask_so_the_rest_may_run_on_the_fla
     assert calls.jagged == [False] * encoder + [padded and not masked] * (encoder + predictor)
 
 
-def test_the_trainer_s_attention_setting_reaches_the_context_encoder_and_predictor_and_jagged_compiles_on_cuda_only():
+def test_the_trainer_s_attention_setting_reaches_the_context_encoder_and_predictor_and_what_cannot_run_is_refused():
     """`wrap_models` (what the trainer runs the models through) sets `attention: jagged` on every self-attention of
-    the context encoder and the predictor, never on the target encoder, which sees whole images; compiled off CUDA
-    it is refused in one line, as SDPA's nested path there is its math kernel, which torch.compile cannot trace."""
+    the context encoder and the predictor, never on the target encoder, which sees whole images. Refused in one
+    line: compiled off CUDA (SDPA's nested path there is its math kernel, which torch.compile cannot trace), and with
+    activation checkpointing (its recomputed nested rows fail checkpointing's comparison with the first pass's)."""
     cfg = replace(STEP_CONFIG, conditioning="none", attention="jagged")
     model, target = build_models(ModelConfig.of(cfg), text_dim=None)
     assert wrap_models(model, target, cfg, torch.device("cpu")) is model
@@ -172,6 +186,10 @@ def test_the_trainer_s_attention_setting_reaches_the_context_encoder_and_predict
         len(model.encoder.blocks) + len(model.predictor.blocks)
     )
     assert not any(block.attn.jagged for block in target.blocks)
-    with pytest.raises(UserError, match="attention jagged compiles on CUDA only") as caught:
-        wrap_models(model, target, replace(cfg, compile=True), torch.device("cpu"))
-    assert "\n" not in str(caught.value)
+    for change, message in (
+        ({"compile": True}, "attention jagged cannot be compiled off CUDA"),
+        ({"checkpoint_activations": True}, "attention jagged cannot be combined with checkpoint_activations"),
+    ):
+        with pytest.raises(UserError, match=message) as caught:
+            wrap_models(model, target, replace(cfg, **change), torch.device("cpu"))
+        assert "\n" not in str(caught.value)

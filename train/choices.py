@@ -41,9 +41,10 @@ LOSSES = ("norm", "mse", "smooth_l1")
 # pad: every image keeps the context it sampled (rows padded, padding masked out of attention); cut: I-JEPA's cut of
 # every context to the batch's smallest (drops 36–45% of the context at global batch 128–2048).
 CONTEXT_EQUALISE = ("pad", "cut")
-# Attention over padded contexts and predictor sequences: masked: rows padded to the longest, a key mask hiding the
-# padding (SDPA's memory-efficient kernel on CUDA, as flash takes no mask); jagged: each row's real tokens alone as
-# nested jagged tensors (flash's variable-length kernel on CUDA). The same values either way.
+# Self-attention over packed contexts and (modes none and cross) predictor sequences: masked: rows padded to the
+# longest, a key mask hiding the padding (SDPA's memory-efficient kernel on CUDA, as flash takes no mask); jagged:
+# each row's real tokens alone as nested jagged tensors (flash's variable-length kernel on CUDA in bf16). The same
+# values either way.
 ATTENTION = ("masked", "jagged")
 # cpu: DataLoader workers decode, crop and resize; gpu: nvJPEG decodes each batch's JPEGs on the CUDA device.
 DECODERS = ("cpu", "gpu")

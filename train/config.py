@@ -249,9 +249,10 @@ class TrainConfig:
     )
     attention: str = setting(
         "masked",
-        f"{' | '.join(ATTENTION)}: how padded contexts and predictor sequences attend: in rows padded to the longest "
-        "with a key mask, or each row's real tokens alone as nested jagged tensors (flash's variable-length kernel "
-        "on CUDA; on a CPU a slow reference). The same values either way; which is faster on a GPU, "
+        f"{' | '.join(ATTENTION)}: how packed contexts and (none, cross) predictor sequences attend: in rows padded "
+        "to the longest with a key mask, or each row's real tokens alone as nested jagged tensors (flash's "
+        "variable-length kernel on CUDA; on a CPU a slow reference; not with --compile off CUDA nor with "
+        "--checkpoint-activations). The same values either way; which is faster on a GPU, "
         "benchmarks/gpu_check.sh --phase attention measures",
     )
     accum_steps: int = setting(

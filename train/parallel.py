@@ -29,11 +29,17 @@ def wrap_models(
     """The module that trains: blocks compiled (by `compile_backend`) and/or checkpointed in place, then, in a process
     group, DDP around the JEPA, or FSDP2 sharding of the JEPA and the target alike (the same mesh, block by block, so
     the EMA is shard-local)."""
-    if cfg.compile and cfg.attention == "jagged" and device.type != "cuda":
-        raise UserError(
-            "attention jagged compiles on CUDA only (elsewhere SDPA runs nested rows through its math kernel, which "
-            "torch.compile cannot trace): drop --compile or use --attention masked"
-        )
+    if cfg.attention == "jagged":
+        if cfg.compile and device.type != "cuda":
+            raise UserError(
+                "attention jagged cannot be compiled off CUDA (there SDPA runs nested rows through its math kernel, "
+                "which torch.compile cannot trace): drop --compile or use --attention masked"
+            )
+        if cfg.checkpoint_activations:
+            raise UserError(
+                "attention jagged cannot be combined with checkpoint_activations (recomputing a block makes nested "
+                "rows that checkpointing cannot compare with the first pass's): use --attention masked"
+            )
     use_attention(model, cfg.attention)
     if cfg.compile:
         compile_blocks(model.encoder.blocks, model.predictor.blocks, target.blocks, backend=compile_backend)
@@ -113,6 +119,7 @@ def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
         if layout is not None:
             mark_dynamic(layout.key_mask, 0, 1)
             mark_dynamic(layout.slots, 0)
+            mark_dynamic(layout.offsets, 0)
         for arg in rest:
             if isinstance(arg, LayerCaptions):
                 mark_dynamic(arg.keys, 0, 2)
