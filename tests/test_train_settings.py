@@ -10,6 +10,7 @@ import yaml
 
 from pipeline.core.errors import UserError
 from tests.support.logs import logging_as_rank
+from tests.support.repo import REPO
 from train.config import (
     TrainConfig,
     apply,
@@ -301,3 +302,13 @@ def test_local_paths_become_absolute_and_urls_stay(tmp_path, monkeypatch):
     assert cfg.images == [str(tmp_path / "imgs"), f"hf:{tmp_path / 'hfdir'}[train]", "hf:org/name", "s3://b/x.tar"]
     assert (cfg.cache, cfg.store, cfg.mirror) == (str(tmp_path / "c"), "s3://b/store", None)
     assert cfg.init == str(tmp_path.parent / "w.pth.tar")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_validates(path):
+    """The configs the docs point users to are config keys of today's names and types, and pass `validate` (given
+    a cache and store for the modes that read text)."""
+    config = apply(TrainConfig(cache="c", store="s"), load_yaml(path), str(path))
+    validate(config)
+    if path.name.startswith("paper_"):
+        assert config.compile and config.bf16 and config.batch_size == 2048, "the GPU settings the docs describe"
