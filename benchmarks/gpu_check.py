@@ -1,20 +1,18 @@
 """The GPU check: the trainer's own step on synthetic tensors, for the day a GPU is lent (`benchmarks/gpu_check.sh`).
 
-Needs torch and the project's model and step modules only (no store, no images, no text model: zarr, numcodecs,
-datasets and vllm are never imported), so it runs on a bare CUDA machine. It comes in phases (PHASES; `--list`
-prints them with their expected time, each under 4 minutes cold on one H200, measured where a run has shown it);
-`--phase A B` runs some, by default all. ViT-B/16 at 224, batch 128 per GPU, captions N=8 × 128 words of width
-1024. One JSON line per figure as it is measured, on stdout and, when $OUT (or --out) is set, in
-`$OUT/gpu_check.jsonl`, and a `phase` line with each phase's seconds:
+Needs torch (with torchvision) and the project's model and step modules only (no store, no dataset, no text model: zarr,
+numcodecs, datasets and vllm are never imported; the `input` phase writes its own JPEGs), so it runs on a bare CUDA
+machine. It comes in phases (PHASES; `--list` prints them with their expected time, each under 4 minutes cold on one
+H200, measured where a run has shown it); `--phase A B` runs some, by default all. ViT-B/16 at 224, batch 128 per GPU,
+captions N=8 × 128 words of width 1024. One JSON line per figure as it is measured, on stdout and, when $OUT (or --out)
+is set, in `$OUT/gpu_check.jsonl`, and a `phase` line with each phase's seconds:
 
-- `throughput` lines (phases `throughput`, `after_mlp`, `vit_large`, `options`, `heads`, `attention`): images/s;
-  MFU on the
-  FLOPs computed (`FlopCounterMode` on the first batch's shapes, padding included, carried over to the timed
-  batches' shapes by the analytic count's ratio), on the useful ones (the analytic count at each image's real
-  lengths) and on the padded ones (every layer on the padded rows, as before packing); peak allocated and reserved
-  memory; graphs compiled, graph breaks and recompiles during the timed steps (fresh masks every step: 0 is the
-  goal); the host syncs of one step
-  (CUDA's sync debug mode: 0 is the goal);
+- `throughput` lines (phases `throughput`, `after_mlp`, `vit_large`, `options`, `heads`, `attention`): images/s; MFU on
+  the FLOPs computed (`FlopCounterMode` on the first batch's shapes, padding included, carried over to the timed
+  batches' shapes by the analytic count's ratio), on the useful ones (the analytic count at each image's real lengths)
+  and on the padded ones (every layer on the padded rows, as before packing); peak allocated and reserved memory; graphs
+  compiled, graph breaks and recompiles during the timed steps (fresh masks every step: 0 is the goal); the host syncs
+  of one step (CUDA's sync debug mode: 0 is the goal);
 - `input`: one batch of JPEGs decoded as `--decode gpu` does it, nvJPEG's decode and the per-image resize timed
   apart (`device_decode`); then the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local
   disk at start, decoded by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
@@ -546,12 +544,13 @@ def input_path(shapes: Shapes, device: torch.device) -> Iterator[dict]:
 
 
 def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repeats: int = 5) -> dict:
-    """What `--decode gpu` spends on one batch of these JPEGs (issue 32 point 7), medians of `repeats`: the batched
-    nvJPEG decode, then the crops' resize, which runs image by image (`train.images.decode_on_device`), timed on the
-    host with a sync at the end (what holds the input thread) and as device time between CUDA events; and the
-    operators the resize launches per image (on this device: a CPU resizes uint8 as it is, CUDA converts). Batching
-    the resize into one call pays only if its host time is a sizeable share of a step (`throughput`'s s_per_step;
-    `input`'s images/s with `decode: gpu` against `cpu` says whether the input path keeps up at all)."""
+    """What `--decode gpu` spends on one batch of these JPEGs (issue 32 point 7), host milliseconds, medians of
+    `repeats`: the batched nvJPEG decode (synchronous: torchvision waits for it); the crops' resize, which runs image
+    by image (`train.images.decode_on_device`), first the time to queue its kernels (what holds the input thread),
+    then to the end of a sync (its device work too); and the operators the resize dispatches per image that are not
+    views (each one kernel or more; on this device: a CPU resizes uint8 as it is, CUDA converts). Batching the resize
+    into one call pays only if its queueing time is a sizeable share of a step (`throughput`'s s_per_step; `input`'s
+    images/s with `decode: gpu` against `cpu` says whether the input path keeps up at all)."""
     from PIL import Image
     from torch.utils._python_dispatch import TorchDispatchMode
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -560,12 +559,14 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
     from train.images import EncodedImages, crop_resize_on_device, decode_one
 
     class Operators(TorchDispatchMode):
+        """Counts the operators dispatched under it that are not views (a view launches no kernel)."""
+
         def __init__(self) -> None:
             super().__init__()
             self.count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += 1
+            self.count += not func.is_view
             return func(*args, **(kwargs or {}))
 
     rng = np.random.default_rng(0)
@@ -578,54 +579,53 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
     encoded = EncodedImages(list(range(len(data))), data, boxes, [k % 2 == 1 for k in range(len(data))]).packed()
     size = (shapes.image_size, shapes.image_size)
     images = torch.empty((len(data), 3, *size), dtype=torch.uint8, device=device)
-    cuda = device.type == "cuda"
 
-    def decode() -> list[torch.Tensor]:
+    def decode() -> list[torch.Tensor | None]:
         """nvJPEG's batched decode; where torchvision cannot decode (a CPU without its image extension, as here in
-        CI), the trainer's fallback, image by image."""
+        CI), the trainer's fallback, image by image (None where nothing can read one)."""
         try:
             return list(decode_jpeg(encoded.data, mode=ImageReadMode.RGB, device=device))
         except RuntimeError:
-            if cuda:
+            if device.type == "cuda":
                 raise
-            return [pixels for pixels in (decode_one(d, device) for d in encoded.data) if pixels is not None]
+            return [decode_one(d, device) for d in encoded.data]
 
-    def resize(pixels: list[torch.Tensor]) -> None:
+    def resize(pixels: list[torch.Tensor | None]) -> None:
         for row, image, box, flip in zip(encoded.rows, pixels, encoded.boxes, encoded.flips):
-            images[row] = crop_resize_on_device(image, box, size, flip)
+            if image is not None:
+                images[row] = crop_resize_on_device(image, box, size, flip)
 
-    def timed(work: Callable[[], Any]) -> tuple[float, float | None, Any]:
-        """Host seconds to the end of a sync after `work`, and device seconds between events around it."""
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+    pixels = decode()  # warm-up: nvJPEG's handles, the resize's kernels; kept, and the only batch kept
+    resize(pixels)
+    decode_s, queue_s, resize_s = [], [], []
+    for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
-        if events:
-            events[0].record()
-        out = work()
-        if events:
-            events[1].record()
+        decode()  # not kept: the next decode reuses its memory, as the trainer's does the last batch's
+        decode_s.append(time.perf_counter() - start)
+    for _ in range(repeats):
         synchronize(device)
-        return time.perf_counter() - start, events[0].elapsed_time(events[1]) / 1e3 if events else None, out
-
-    pixels = decode()  # warm-up: nvJPEG's handles, the resize's kernels
-    resize(pixels)
-    decodes = [timed(decode) for _ in range(repeats)]
-    resizes = [timed(partial(resize, decodes[-1][2])) for _ in range(repeats)]
+        start = time.perf_counter()
+        resize(pixels)
+        queue_s.append(time.perf_counter() - start)
+        synchronize(device)
+        resize_s.append(time.perf_counter() - start)
     with Operators() as operators:
         resize(pixels)
+    read = sum(p is not None for p in pixels)
 
-    def ms(values: list[float | None]) -> float | None:
-        return None if values[0] is None else round(statistics.median(v for v in values if v is not None) * 1e3, 2)
+    def ms(seconds: list[float]) -> float:
+        return round(statistics.median(seconds) * 1e3, 2)
 
     return {
         "check": "device_decode",
         "batch": len(data),
-        "decode_host_ms": ms([t[0] for t in decodes]),
-        "decode_device_ms": ms([t[1] for t in decodes]),
-        "resize_host_ms": ms([t[0] for t in resizes]),
-        "resize_device_ms": ms([t[1] for t in resizes]),
-        "resize_operators_per_image": round(operators.count / len(data), 1),
-        "ok": all(t[0] > 0 for t in decodes + resizes),
+        "decoded": read,
+        "decode_ms": ms(decode_s),
+        "resize_queue_ms": ms(queue_s),
+        "resize_ms": ms(resize_s),
+        "resize_operators_per_image": round(operators.count / max(read, 1), 1),
+        "ok": read == len(data),
     }
 
 
