@@ -13,9 +13,10 @@ is set, in `$OUT/gpu_check.jsonl`, and a `phase` line with each phase's seconds:
   and on the padded ones (every layer on the padded rows, as before packing); peak allocated and reserved memory; graphs
   compiled, graph breaks and recompiles during the timed steps (fresh masks every step: 0 is the goal); the host syncs
   of one step (CUDA's sync debug mode: 0 is the goal);
-- `input`: one batch of JPEGs decoded as `--decode gpu` does it, nvJPEG's decode and the per-image resize timed
-  apart (`device_decode`); then the trainer itself (`run_training`, `none`) for 20 steps over JPEGs written to local
-  disk at start, decoded by its DataLoader workers and then by nvJPEG: images/s of the real overlapped input path;
+- `input`: one batch of JPEGs decoded as `--decode gpu` does it, nvJPEG's decode and the crops' resize, image by image
+  and batched, timed apart (`device_decode`); then the trainer itself (`run_training`, `none`) for 20 steps over JPEGs
+  written to local disk at start, decoded by its DataLoader workers and then by nvJPEG: images/s of the real overlapped
+  input path;
 - `profile`: device time per step of each part the trainer labels for a profiler (target encoder, context encoder,
   predictor, regularisers, backward, optimizer, EMA) and of the kernels no label holds, and the backward's time split
   by the part whose forward made each of its nodes;
@@ -149,8 +150,8 @@ PHASES = {
         (CROSS, replace(CROSS, name=CROSS.name + "_jagged", options=(("attention", "jagged"),))),
     ),
     "input": Phase(
-        "one batch's nvJPEG decode and per-image resize timed apart; then ViT-B/16 none: 20 steps of the trainer over"
-        " JPEGs on local disk, CPU-decoded by its workers, then nvJPEG",
+        "one batch's nvJPEG decode, then its resize per image and batched, timed apart; then ViT-B/16 none: 20 steps"
+        " of the trainer over JPEGs on local disk, CPU-decoded by its workers, then nvJPEG",
         55,
         False,  # 45 s measured before the first part was added
     ),
@@ -545,18 +546,19 @@ def input_path(shapes: Shapes, device: torch.device) -> Iterator[dict]:
 
 def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repeats: int = 5) -> dict:
     """What `--decode gpu` spends on one batch of these JPEGs (issue 32 point 7), host milliseconds, medians of
-    `repeats`: the batched nvJPEG decode (synchronous: torchvision waits for it); the crops' resize, which runs image
-    by image (`train.images.decode_on_device`), first the time to queue its kernels (what holds the input thread),
-    then to the end of a sync (its device work too); and the operators the resize dispatches per image that are not
-    views (each one kernel or more; on this device: a CPU resizes uint8 as it is, CUDA converts). Batching the resize
-    into one call pays only if its queueing time is a sizeable share of a step (`throughput`'s s_per_step; `input`'s
-    images/s with `decode: gpu` against `cpu` says whether the input path keeps up at all)."""
+    `repeats`: the batched nvJPEG decode (synchronous: torchvision waits for it); then the crops' resize both ways
+    (`device_resize`), image by image and batched, interleaved, each first the time to queue its kernels (what holds
+    the input thread) and then to the end of a sync (its device work too); and the operators each dispatches per image
+    that are not views (each one kernel or more; on this device: a CPU resizes uint8 as it is, CUDA converts). The
+    batched resize pays where it queues in less time than the per-image one; either matters only as a share of a
+    step (`throughput`'s s_per_step; `input`'s images/s with `decode: gpu` against `cpu` says whether the input path
+    keeps up at all)."""
     from PIL import Image
     from torch.utils._python_dispatch import TorchDispatchMode
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from train.data import crop_box
-    from train.images import EncodedImages, crop_resize_on_device, decode_one
+    from train.images import EncodedImages, crop_resize_batched, crop_resize_on_device, decode_one
 
     class Operators(TorchDispatchMode):
         """Counts the operators dispatched under it that are not views (a view launches no kernel)."""
@@ -576,7 +578,8 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
         with Image.open(path) as im:
             width, height = im.size
         boxes.append(crop_box(rng, width, height, (0.3, 1.0), (3 / 4, 4 / 3)))
-    encoded = EncodedImages(list(range(len(data))), data, boxes, [k % 2 == 1 for k in range(len(data))]).packed()
+    flips = [k % 2 == 1 for k in range(len(data))]
+    encoded = EncodedImages(list(range(len(data))), data, boxes, flips).packed()
     size = (shapes.image_size, shapes.image_size)
     images = torch.empty((len(data), 3, *size), dtype=torch.uint8, device=device)
 
@@ -590,29 +593,42 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
                 raise
             return [decode_one(d, device) for d in encoded.data]
 
-    def resize(pixels: list[torch.Tensor | None]) -> None:
-        for row, image, box, flip in zip(encoded.rows, pixels, encoded.boxes, encoded.flips):
-            if image is not None:
-                images[row] = crop_resize_on_device(image, box, size, flip)
+    pixels = decode()  # warm-up: nvJPEG's handles; kept, and the only batch kept
+    readable = [(row, p, box, flip) for row, p, box, flip in zip(encoded.rows, pixels, boxes, flips) if p is not None]
 
-    pixels = decode()  # warm-up: nvJPEG's handles, the resize's kernels; kept, and the only batch kept
-    resize(pixels)
-    decode_s, queue_s, resize_s = [], [], []
+    def per_image() -> None:
+        for row, image, box, flip in readable:
+            images[row] = crop_resize_on_device(image, box, size, flip)
+
+    def batched() -> None:
+        rows = torch.tensor([r[0] for r in readable], device=device)
+        images[rows] = crop_resize_batched(
+            [r[1] for r in readable], [r[2] for r in readable], [r[3] for r in readable], size
+        )
+
+    decode_s: list[float] = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
         decode()  # not kept: the next decode reuses its memory, as the trainer's does the last batch's
         decode_s.append(time.perf_counter() - start)
+    ways = {"per_image": per_image, "batched": batched}
+    queue_s: dict[str, list[float]] = {way: [] for way in ways}
+    total_s: dict[str, list[float]] = {way: [] for way in ways}
+    operators = {}
+    for way, resize in ways.items():
+        resize()  # warm-up: the resize's kernels
+        with Operators() as counted:
+            resize()
+        operators[way] = round(counted.count / max(len(readable), 1), 1)
     for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        resize(pixels)
-        queue_s.append(time.perf_counter() - start)
-        synchronize(device)
-        resize_s.append(time.perf_counter() - start)
-    with Operators() as operators:
-        resize(pixels)
-    read = sum(p is not None for p in pixels)
+        for way, resize in ways.items():  # interleaved: drift falls on both alike
+            synchronize(device)
+            start = time.perf_counter()
+            resize()
+            queue_s[way].append(time.perf_counter() - start)
+            synchronize(device)
+            total_s[way].append(time.perf_counter() - start)
 
     def ms(seconds: list[float]) -> float:
         return round(statistics.median(seconds) * 1e3, 2)
@@ -620,12 +636,12 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
     return {
         "check": "device_decode",
         "batch": len(data),
-        "decoded": read,
+        "decoded": len(readable),
         "decode_ms": ms(decode_s),
-        "resize_queue_ms": ms(queue_s),
-        "resize_ms": ms(resize_s),
-        "resize_operators_per_image": round(operators.count / max(read, 1), 1),
-        "ok": read == len(data),
+        **{f"resize_{way}_queue_ms": ms(queue_s[way]) for way in ways},
+        **{f"resize_{way}_ms": ms(total_s[way]) for way in ways},
+        **{f"resize_{way}_operators_per_image": operators[way] for way in ways},
+        "ok": len(readable) == len(data),
     }
 
 

@@ -283,6 +283,7 @@ def train(
     device: Annotated[str | None, config_option("device")] = None,
     num_workers: Annotated[int | None, config_option("num_workers")] = None,
     decode: Annotated[str | None, config_option("decode")] = None,
+    device_resize: Annotated[str | None, config_option("device_resize")] = None,
     verify_images: Annotated[bool | None, config_option("verify_images")] = None,
     image_column: Annotated[str | None, config_option("image_column")] = None,
     split: Annotated[str | None, config_option("split")] = None,

@@ -77,9 +77,11 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     inputs = [r for r in records if r["check"] == "input"]
     assert [r["decode"] for r in inputs] == ["cpu", "gpu"] and all(r["ok"] and r["images_per_s"] > 0 for r in inputs)
     (decode,) = [r for r in records if r["check"] == "device_decode"]
-    assert decode["ok"] and decode["batch"] == decode["decoded"] == gpu_check.DRY.batch
-    assert decode["decode_ms"] > 0 and 0 < decode["resize_queue_ms"] <= decode["resize_ms"]
-    assert decode["resize_operators_per_image"] >= 2  # a resize and the row's copy at least; views not counted
+    assert decode["ok"] and decode["batch"] == decode["decoded"] == gpu_check.DRY.batch and decode["decode_ms"] > 0
+    for way in ("per_image", "batched"):  # side by side
+        assert 0 < decode[f"resize_{way}_queue_ms"] <= decode[f"resize_{way}_ms"]
+    # per image, a resize and the row's copy at least (views not counted); batched, a copy per image and a few in all
+    assert decode["resize_per_image_operators_per_image"] >= 2 and decode["resize_batched_operators_per_image"] > 1
     (corrupt,) = [r for r in records if r["check"] == "input_corrupt"]
     assert (
         corrupt["ok"]

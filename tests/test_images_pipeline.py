@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+from torch.nn.functional import interpolate
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2.functional import resize
 
+import train.images
 from embedding_cache.reader import EmbeddingReader
 from embedding_cache.store import EmbeddingStore, TokenLayout
 from embedding_cache.transform import fit_transform
@@ -22,7 +24,15 @@ from pipeline.core.recipes import text_key
 from tests.support.commands import tcjepa
 from tests.support.training import assert_close_runs, metrics, train_args
 from train.data import Batch, BatchBuffers
-from train.images import EncodedImages, crop_resize, device_decodable, draft_reduction
+from train.images import (
+    EncodedImages,
+    antialiased_bilinear_weights,
+    crop_resize,
+    crop_resize_batched,
+    crop_resize_on_device,
+    device_decodable,
+    draft_reduction,
+)
 from train.step import to_device
 
 
@@ -216,7 +226,60 @@ def _png(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
-def test_a_device_decoded_jpeg_with_a_corrupt_body_leaves_its_row_a_duplicate_without_captions():
+@pytest.mark.parametrize(("length", "size"), [(500, 224), (1200, 224), (225, 224), (224, 224), (100, 224), (37, 16)])
+def test_the_batched_resize_weighs_pixels_as_torch_s_antialiased_bilinear_resize(length, size):
+    """Torch's own weights, read off its kernel by resizing an identity (input pixel j is the impulse j), against
+    `antialiased_bilinear_weights` for shrinking, keeping and enlarging, padded past the input's end with zeros."""
+    eye = torch.eye(length)[None, None]
+    want = interpolate(eye, size=(size, length), mode="bilinear", align_corners=False, antialias=True)[0, 0]
+    got = antialiased_bilinear_weights(torch.tensor([length, length // 2 + 1]), size, length + 5)
+    torch.testing.assert_close(got[0, :, :length], want, rtol=0, atol=2e-5)
+    assert (got[0, :, length:] == 0).all() and (got[1, :, length // 2 + 1 :] == 0).all()
+    torch.testing.assert_close(got.sum(-1), torch.ones(2, size))
+
+
+def test_batched_crops_resize_as_each_alone_in_one_group_or_several(monkeypatch):
+    """`crop_resize_batched` on crops that shrink, keep and enlarge, flipped or not, from images of other sizes: the
+    pixels torch's float resize gives each crop alone (what `crop_resize_on_device` runs on CUDA), to a level of
+    uint8 where rounding falls the other way; and the same pixels when the crops are resized in several groups."""
+    g = torch.Generator().manual_seed(0)
+    sides = [(375, 500), (500, 375), (333, 500), (60, 80), (500, 500), (90, 40)]
+    images = [
+        interpolate(torch.rand(1, 3, h // 8, w // 8, generator=g), size=(h, w), mode="bilinear")[0]
+        .mul(255)
+        .round()
+        .to(torch.uint8)
+        for h, w in sides
+    ]
+    boxes = [
+        (10, 20, 410, 320),
+        (0, 0, 375, 500),
+        (100, 50, 200, 150),
+        (5, 5, 45, 60),
+        (0, 0, 500, 500),
+        (3, 7, 40, 89),
+    ]
+    flips = [False, True, False, True, True, False]
+    size = (48, 56)
+
+    def alone(image: torch.Tensor, box: tuple[int, int, int, int], flip: bool) -> torch.Tensor:
+        left, top, right, bottom = box
+        crop = image[None, :, top:bottom, left:right].float()
+        out = interpolate(crop, size=size, mode="bilinear", align_corners=False, antialias=True)[0].round()
+        return (out.flip(-1) if flip else out).to(torch.uint8)
+
+    batched = crop_resize_batched(images, boxes, flips, size)
+    want = torch.stack([alone(i, b, f) for i, b, f in zip(images, boxes, flips)])
+    differ = (batched.int() - want.int()).abs()
+    assert differ.max() <= 1 and (differ == 0).float().mean() > 0.99, (differ.max(), (differ == 0).float().mean())
+    each = torch.stack([crop_resize_on_device(i, b, size, f) for i, b, f in zip(images, boxes, flips)])
+    assert (batched.int() - each.int()).abs().max() <= 1  # torchvision's uint8 path on the CPU, fixed-point
+    monkeypatch.setattr(train.images, "BATCHED_RESIZE_BYTES", 3 * 500 * 500 * 4)  # the largest crop alone
+    assert torch.equal(crop_resize_batched(images, boxes, flips, size), batched)
+
+
+@pytest.mark.parametrize("resize", ["per_image", "batched"])
+def test_a_device_decoded_jpeg_with_a_corrupt_body_leaves_its_row_a_duplicate_without_captions(resize):
     """`--decode gpu` on a batch whose third JPEG has a sound header and no body. Here torchvision has no image
     extension, so the batched decode fails as nvJPEG does on such a file, and each image is decoded alone as the
     CPU loader decodes it: the sound ones as `crop_resize` makes them, the corrupt one's row another row's pixels,
@@ -226,7 +289,8 @@ def test_a_device_decoded_jpeg_with_a_corrupt_body_leaves_its_row_a_duplicate_wi
     assert open_image(corrupt)[0] is not None and load_rgb(open_image(corrupt)[0])[0] is None
     jpegs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in (*sound, corrupt)]
     boxes = [(2, 3, 38, 27), (0, 0, 40, 30), (0, 0, 40, 30)]
-    encoded = EncodedImages([0, 1, 2], jpegs, boxes, [False, True, False]).packed()
+    encoded = EncodedImages([0, 1, 2], jpegs, boxes, [False, True, False], resize).packed()
+    assert encoded.resize == resize and encoded.select(0, 2).resize == resize
     lengths = torch.tensor([[3, 2], [4, 0], [6, 5]])
     batch = Batch(
         torch.zeros(3, 3, 16, 16, dtype=torch.uint8),

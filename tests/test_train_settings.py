@@ -85,6 +85,7 @@ def test_an_old_runs_missing_keys_are_read_as_that_run_had_them():
         ({"pool": "mean"}, "pool must be one of"),
         ({"model": "vit_enormous"}, "model must be one of"),
         ({"attention": "flash"}, "attention must be one of masked, jagged, got 'flash'"),
+        ({"device_resize": "roi_align"}, "device_resize must be one of per_image, batched"),
         ({"patch_size": 7, "image_size": 64}, "patch_size 7 does not divide image_size 64"),
         ({"target_scale": [0.3, 0.2]}, "mask settings: target_scale must be ordered"),
         ({"steps": 0}, "steps must be at least 1, got 0"),

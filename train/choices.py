@@ -48,3 +48,6 @@ CONTEXT_EQUALISE = ("pad", "cut")
 ATTENTION = ("masked", "jagged")
 # cpu: DataLoader workers decode, crop and resize; gpu: nvJPEG decodes each batch's JPEGs on the CUDA device.
 DECODERS = ("cpu", "gpu")
+# --decode gpu, the crops' resize: per_image: torchvision's resize, a few kernels an image; batched: every crop of the
+# batch at once, two batched matrix products with the same antialiased bilinear weights (a pixel may differ by 1).
+DEVICE_RESIZE = ("per_image", "batched")

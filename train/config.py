@@ -31,6 +31,7 @@ from train.choices import (
     CONDITIONING,
     CONTEXT_EQUALISE,
     DECODERS,
+    DEVICE_RESIZE,
     LOSSES,
     MODELS,
     POOLING,
@@ -136,6 +137,13 @@ class TrainConfig:
         "cpu",
         f"{' | '.join(DECODERS)}: where training images are decoded; gpu decodes each batch's JPEGs with nvJPEG on "
         "the CUDA device and crops and resizes there (other images, and runs without CUDA, decode on the CPU)",
+    )
+    device_resize: str = setting(
+        "per_image",
+        f"{' | '.join(DEVICE_RESIZE)}: with --decode gpu, each crop resized in its own call (torchvision's resize, a "
+        "few kernels an image), or all of a batch's crops at once by two batched matrix products with the same "
+        "antialiased bilinear weights (a pixel may differ by one level); which is faster, benchmarks/gpu_check.sh "
+        "--phase input measures",
     )
     verify_images: bool = setting(
         False,
@@ -336,6 +344,7 @@ class ModelConfig:
 RUNTIME_ONLY = {
     "num_workers",
     "decode",
+    "device_resize",
     "verify_images",
     "device",
     "compile",
@@ -520,6 +529,7 @@ CHOICES = {
     "model": MODELS,
     "context_equalise": CONTEXT_EQUALISE,
     "decode": DECODERS,
+    "device_resize": DEVICE_RESIZE,
     "attention": ATTENTION,
 }
 POSITIVE = (

@@ -373,7 +373,7 @@ class StepBatches(torch.utils.data.Dataset):
             space, lease = self._buffers.take()
         arena = Arena(space)
         images = arena.empty((len(ids), 3, size, size), torch.uint8)
-        encoded = EncodedImages([], [], [], [])
+        encoded = EncodedImages([], [], [], [], self.cfg.device_resize)
         used = np.empty(len(ids), dtype=np.int64)
         for k, (i, rng, pool) in enumerate(zip(ids.tolist(), rngs, pools)):
             used[k] = self._image(i, rng, pool, images[k], encoded, k)

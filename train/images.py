@@ -7,7 +7,8 @@ CPU. torchvision itself is imported only for device decoding (its import costs ~
 compiler in a process that would not otherwise).
 
 Device (`--decode gpu`): the worker only reads the header, draws the crop and sends the bytes; `decode_on_device`
-decodes the batch's JPEGs in one batched `torchvision.io.decode_jpeg` call (nvJPEG) and crops and resizes there.
+decodes the batch's JPEGs in one batched `torchvision.io.decode_jpeg` call (nvJPEG) and crops and resizes there, each
+crop in its own call (`device_resize: per_image`) or all at once by batched matrix products (`batched`).
 Images nvJPEG is not given (not JPEG, CMYK, or with an EXIF rotation, which torchvision applies only on the CPU)
 are decoded on the CPU as above.
 """
@@ -58,18 +59,22 @@ def device_decodable(im: Image.Image) -> bool:
 
 @dataclass
 class EncodedImages:
-    """Rows of a batch whose pixels are decoded on the device: their JPEG bytes, crop boxes and flips."""
+    """Rows of a batch whose pixels are decoded on the device: their JPEG bytes, crop boxes and flips, and how their
+    crops are to be resized there (`device_resize`: per_image or batched)."""
 
     rows: list[int]
     data: list[torch.Tensor]  # uint8 [bytes] each
     boxes: list[Box]
     flips: list[bool]
+    resize: str = "per_image"
 
     def packed(self) -> EncodedImages:
         """The same images with their bytes back to back in one tensor (the items are views of it): a batch handed to
         the main process then passes one shared-memory block for them, not one per image."""
         blob = torch.cat(self.data)
-        return EncodedImages(self.rows, list(blob.split([len(d) for d in self.data])), self.boxes, self.flips)
+        return EncodedImages(
+            self.rows, list(blob.split([len(d) for d in self.data])), self.boxes, self.flips, self.resize
+        )
 
     def select(self, start: int, stop: int) -> EncodedImages | None:
         """The rows in `start:stop`, renumbered from `start`; None when there are none."""
@@ -81,6 +86,7 @@ class EncodedImages:
             [self.data[k] for k in keep],
             [self.boxes[k] for k in keep],
             [self.flips[k] for k in keep],
+            self.resize,
         )
 
 
@@ -115,12 +121,20 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> list[int]:
             _warned = True
         decoded = [decode_one(data, images.device) for data in encoded.data]
     height, width = images.shape[-2:]
-    unread = []
-    for row, pixels, box, flip in zip(encoded.rows, decoded, encoded.boxes, encoded.flips):
-        if pixels is None:
-            unread.append(row)
-            continue
-        images[row] = crop_resize_on_device(pixels, box, (height, width), flip)
+    unread = [row for row, pixels in zip(encoded.rows, decoded) if pixels is None]
+    readable = [
+        (row, pixels, box, flip)
+        for row, pixels, box, flip in zip(encoded.rows, decoded, encoded.boxes, encoded.flips)
+        if pixels is not None
+    ]
+    if readable and encoded.resize == "batched":
+        resized = crop_resize_batched(
+            [r[1] for r in readable], [r[2] for r in readable], [r[3] for r in readable], (height, width)
+        )
+        images[torch.tensor([r[0] for r in readable], device=images.device)] = resized
+    else:
+        for row, image, box, flip in readable:
+            images[row] = crop_resize_on_device(image, box, (height, width), flip)
     if unread:
         donor = next((r for r in range(len(images)) if r not in unread), None)
         if donor is not None:
@@ -141,6 +155,73 @@ def decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         return (
             None if decoded is None else torch.from_numpy(np.array(decoded, dtype=np.uint8)).permute(2, 0, 1).to(device)
         )
+
+
+# Bytes of float32 crops, padded to the largest, that one batched resize holds (`crop_resize_batched`): a batch of
+# larger crops is resized in groups. 128 crops of 500 × 375 take ~290 MiB.
+BATCHED_RESIZE_BYTES = 2**28
+
+
+def crop_resize_batched(
+    pixels: list[torch.Tensor], boxes: list[Box], flips: list[bool], size: tuple[int, int]
+) -> torch.Tensor:
+    """uint8 `[n, 3, H, W]`: each decoded image's crop `box`, resized to `size` and flipped as `crop_resize_on_device`
+    does it, for a group of crops at once: the crops padded into one float32 tensor, then each axis resized by one
+    batched matrix product with the antialiased bilinear weights (`antialiased_bilinear_weights`; a flip is the
+    column weights reversed). A few kernels a group and one copy an image, against a few kernels an image. The sums
+    run in another order (and in TF32 where float32 matmuls take it), so a pixel may differ by a level of uint8."""
+    height, width = size
+    device = pixels[0].device
+    out = torch.empty((len(pixels), 3, height, width), dtype=torch.uint8, device=device)
+    sides = [(bottom - top, right - left) for left, top, right, bottom in boxes]
+    order = sorted(range(len(pixels)), key=lambda k: sides[k][0] * sides[k][1])  # groups of like sizes pad less
+    group: list[int] = []
+    for position, k in enumerate(order):
+        group.append(k)
+        following = order[position + 1] if position + 1 < len(order) else None
+        if following is None or _padded_bytes([sides[j] for j in (*group, following)]) > BATCHED_RESIZE_BYTES:
+            out[torch.tensor(group, device=device)] = _resize_group(
+                [pixels[j] for j in group], [boxes[j] for j in group], [flips[j] for j in group], size
+            )
+            group = []
+    return out
+
+
+def _padded_bytes(sides: list[tuple[int, int]]) -> int:
+    return len(sides) * 3 * max(h for h, _ in sides) * max(w for _, w in sides) * 4
+
+
+def _resize_group(
+    pixels: list[torch.Tensor], boxes: list[Box], flips: list[bool], size: tuple[int, int]
+) -> torch.Tensor:
+    device = pixels[0].device
+    sides = [(bottom - top, right - left) for left, top, right, bottom in boxes]
+    longest = (max(h for h, _ in sides), max(w for _, w in sides))
+    padded = torch.zeros((len(pixels), 3, *longest), dtype=torch.float32, device=device)
+    for g, (image, (left, top, right, bottom)) in enumerate(zip(pixels, boxes)):
+        padded[g, :, : bottom - top, : right - left] = image[:, top:bottom, left:right]
+    heights = torch.tensor([h for h, _ in sides], device=device)
+    widths = torch.tensor([w for _, w in sides], device=device)
+    rows = antialiased_bilinear_weights(heights, size[0], longest[0])  # [g, H, h_max]
+    cols = antialiased_bilinear_weights(widths, size[1], longest[1])  # [g, W, w_max]
+    flipped = torch.tensor(flips, device=device)[:, None, None]
+    cols = torch.where(flipped, cols.flip(1), cols)
+    resized = rows[:, None] @ padded @ cols[:, None].transpose(-1, -2)  # [g, 3, H, W]
+    return resized.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def antialiased_bilinear_weights(lengths: torch.Tensor, size: int, longest: int) -> torch.Tensor:
+    """float32 `[n, size, longest]`: row i of entry k weighs input pixels `0..lengths[k]` (zero past them) into output
+    pixel i, as torch's antialiased bilinear resize from `lengths[k]` to `size` pixels weighs them (align_corners
+    False): a triangle of half-width the scale (1 when enlarging) around the output pixel's centre in input
+    coordinates, normalised to sum to 1. `tests/test_images_pipeline.py` holds it to torch's own resize."""
+    scale = (lengths.double() / size)[:, None, None]  # input pixels per output pixel
+    centre = (torch.arange(size, device=lengths.device, dtype=torch.float64)[None, :, None] + 0.5) * scale
+    support = scale.clamp_min(1.0)
+    position = torch.arange(longest, device=lengths.device, dtype=torch.float64)[None, None, :]
+    weights = (1 - ((position + 0.5 - centre) / support).abs()).clamp_min_(0)
+    weights = weights * (position < lengths[:, None, None])
+    return (weights / weights.sum(-1, keepdim=True)).float()
 
 
 def crop_resize_on_device(pixels: torch.Tensor, box: Box, size: tuple[int, int], flip: bool) -> torch.Tensor:
