@@ -383,19 +383,24 @@ def synchronize(device: torch.device) -> None:
 
 
 def host_syncs(rig: Rig, batch: Batch) -> int | None:
-    """Host syncs one step makes, counted by CUDA's sync debug mode (None on CPU, which has none to count)."""
-    if rig.device.type != "cuda":
-        return None
+    """Host syncs one step makes (`count_host_syncs`)."""
     (_, micro), *_ = on_device([batch], rig.device, rig.cfg.accum_steps)
-    synchronize(rig.device)
+    return count_host_syncs(partial(rig.step, micro, 0.996), rig.device)
+
+
+def count_host_syncs(work: Callable[[], Any], device: torch.device) -> int | None:
+    """Host syncs `work()` makes, counted by CUDA's sync debug mode (None on CPU, which has none to count)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            rig.step(micro, 0.996)
+            work()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    synchronize(rig.device)
+    synchronize(device)
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
@@ -558,7 +563,7 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from train.data import crop_box
-    from train.images import EncodedImages, crop_resize_batched, crop_resize_on_device, decode_one
+    from train.images import EncodedImages, crop_resize_batched, crop_resize_on_device, decode_one, to_device_async
 
     class Operators(TorchDispatchMode):
         """Counts the operators dispatched under it that are not views (a view launches no kernel)."""
@@ -601,10 +606,11 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
             images[row] = crop_resize_on_device(image, box, size, flip)
 
     def batched() -> None:
-        rows = torch.tensor([r[0] for r in readable], device=device)
-        images[rows] = crop_resize_batched(
+        rows = to_device_async(torch.tensor([r[0] for r in readable]), device)
+        resized = crop_resize_batched(
             [r[1] for r in readable], [r[2] for r in readable], [r[3] for r in readable], size
         )
+        images.index_copy_(0, rows, resized)
 
     decode_s: list[float] = []
     for _ in range(repeats):
@@ -616,11 +622,13 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
     queue_s: dict[str, list[float]] = {way: [] for way in ways}
     total_s: dict[str, list[float]] = {way: [] for way in ways}
     operators = {}
+    syncs: dict[str, int | None] = {}
     for way, resize in ways.items():
         resize()  # warm-up: the resize's kernels
         with Operators() as counted:
             resize()
         operators[way] = round(counted.count / max(len(readable), 1), 1)
+        syncs[way] = count_host_syncs(resize, device)
     for _ in range(repeats):
         for way, resize in ways.items():  # interleaved: drift falls on both alike
             synchronize(device)
@@ -641,6 +649,7 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
         **{f"resize_{way}_queue_ms": ms(queue_s[way]) for way in ways},
         **{f"resize_{way}_ms": ms(total_s[way]) for way in ways},
         **{f"resize_{way}_operators_per_image": operators[way] for way in ways},
+        **{f"resize_{way}_host_syncs": syncs[way] for way in ways},  # 0 is the goal (None on a CPU)
         "ok": len(readable) == len(data),
     }
 

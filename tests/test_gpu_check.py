@@ -80,6 +80,7 @@ def test_the_gpu_check_dry_run_passes_with_torch_alone(tmp_path):
     assert decode["ok"] and decode["batch"] == decode["decoded"] == gpu_check.DRY.batch and decode["decode_ms"] > 0
     for way in ("per_image", "batched"):  # side by side
         assert 0 < decode[f"resize_{way}_queue_ms"] <= decode[f"resize_{way}_ms"]
+        assert decode[f"resize_{way}_host_syncs"] is None  # counted on CUDA only
     # per image, a resize and the row's copy at least (views not counted); batched, a copy per image and a few in all
     assert decode["resize_per_image_operators_per_image"] >= 2 and decode["resize_batched_operators_per_image"] > 1
     (corrupt,) = [r for r in records if r["check"] == "input_corrupt"]

@@ -205,6 +205,38 @@ def test_decode_gpu_without_cuda_decodes_on_the_cpu_and_trains_the_same(
     assert_close_runs(metrics(runs["gpu"]), metrics(runs["cpu"]))
 
 
+def test_the_loader_hands_device_decoded_jpegs_over_with_the_run_s_resize_and_both_resizes_agree(tmp_path):
+    """`StepBatches` with `decode: gpu` sends a batch's JPEGs with the run's `device_resize`; decoded and resized
+    (here on the CPU, where the batched decode fails and each image is decoded alone), per image or batched, the
+    batch's pixels agree to a level of uint8."""
+    from train.config import TrainConfig
+    from train.data import StepBatches
+    from train.data_index import build_index
+
+    folder = tmp_path / "jpegs"
+    folder.mkdir()
+    for k, (width, height) in enumerate([(90, 60), (60, 90), (75, 75), (120, 50)] * 2):
+        (folder / f"{k}.jpg").write_bytes(scene_jpeg(width, height, seed=k))
+    index = build_index([folder], None, None, [], progress=False)
+    pixels = {}
+    for way in ("per_image", "batched"):
+        cfg = TrainConfig(
+            images=[str(folder)],
+            conditioning="none",
+            model="vit_tiny",
+            image_size=32,
+            patch_size=8,
+            batch_size=4,
+            min_context=2,
+            device_resize=way,
+            hflip=True,
+        )
+        batch = StepBatches(index, np.arange(len(index)), cfg, (4, 4), device_decode=True)[0]
+        assert batch.encoded is not None and batch.encoded.resize == way and batch.encoded.rows == [0, 1, 2, 3]
+        pixels[way] = to_device(batch, torch.device("cpu")).images
+    assert (pixels["per_image"].int() - pixels["batched"].int()).abs().max() <= 1
+
+
 def test_device_decoded_rows_pack_into_one_block_and_split_with_the_micro_batches():
     jpegs = [torch.frombuffer(bytearray(scene_jpeg(40 + k, 30, seed=k)), dtype=torch.uint8) for k in range(4)]
     boxes = [(0, 0, 40 + k, 30) for k in range(4)]

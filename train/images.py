@@ -131,7 +131,7 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> list[int]:
         resized = crop_resize_batched(
             [r[1] for r in readable], [r[2] for r in readable], [r[3] for r in readable], (height, width)
         )
-        images[torch.tensor([r[0] for r in readable], device=images.device)] = resized
+        images.index_copy_(0, to_device_async(torch.tensor([r[0] for r in readable]), images.device), resized)
     else:
         for row, image, box, flip in readable:
             images[row] = crop_resize_on_device(image, box, (height, width), flip)
@@ -157,8 +157,9 @@ def decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         )
 
 
-# Bytes of float32 crops, padded to the largest, that one batched resize holds (`crop_resize_batched`): a batch of
-# larger crops is resized in groups. 128 crops of 500 × 375 take ~290 MiB.
+# Bytes a group of crops takes on the device in one batched resize (`crop_resize_batched`): the crops padded to the
+# largest in float32, and, twice, the crops once resized along their width. A batch of larger crops is resized in
+# several groups: 128 crops of up to 500 × 375 pixels take ~360 MB.
 BATCHED_RESIZE_BYTES = 2**28
 
 
@@ -166,47 +167,55 @@ def crop_resize_batched(
     pixels: list[torch.Tensor], boxes: list[Box], flips: list[bool], size: tuple[int, int]
 ) -> torch.Tensor:
     """uint8 `[n, 3, H, W]`: each decoded image's crop `box`, resized to `size` and flipped as `crop_resize_on_device`
-    does it, for a group of crops at once: the crops padded into one float32 tensor, then each axis resized by one
-    batched matrix product with the antialiased bilinear weights (`antialiased_bilinear_weights`; a flip is the
-    column weights reversed). A few kernels a group and one copy an image, against a few kernels an image. The sums
-    run in another order (and in TF32 where float32 matmuls take it), so a pixel may differ by a level of uint8."""
+    does it, for many crops at once: the crops, sorted by size and grouped under BATCHED_RESIZE_BYTES, padded into one
+    float32 tensor, then each axis resized by one batched matrix product with the antialiased bilinear weights
+    (`antialiased_bilinear_weights`; a flip is the column weights reversed). One copy an image and a few kernels a
+    group, against a few kernels an image; the crops' sizes and flips travel in one pinned copy, so nothing waits for
+    the device. The sums run in another order (and in TF32 where float32 matmuls take it), so a pixel may differ by
+    a level of uint8."""
+    if not pixels:
+        raise ValueError("no crops to resize")
     height, width = size
     device = pixels[0].device
-    out = torch.empty((len(pixels), 3, height, width), dtype=torch.uint8, device=device)
     sides = [(bottom - top, right - left) for left, top, right, bottom in boxes]
-    order = sorted(range(len(pixels)), key=lambda k: sides[k][0] * sides[k][1])  # groups of like sizes pad less
-    group: list[int] = []
-    for position, k in enumerate(order):
-        group.append(k)
-        following = order[position + 1] if position + 1 < len(order) else None
-        if following is None or _padded_bytes([sides[j] for j in (*group, following)]) > BATCHED_RESIZE_BYTES:
-            out[torch.tensor(group, device=device)] = _resize_group(
-                [pixels[j] for j in group], [boxes[j] for j in group], [flips[j] for j in group], size
-            )
-            group = []
-    return out
-
-
-def _padded_bytes(sides: list[tuple[int, int]]) -> int:
-    return len(sides) * 3 * max(h for h, _ in sides) * max(w for _, w in sides) * 4
+    order = sorted(range(len(pixels)), key=lambda k: sides[k])  # like shapes together pad less
+    facts = to_device_async(torch.tensor([[*sides[k], flips[k], k] for k in order], dtype=torch.int64), device)
+    by_size = torch.empty((len(pixels), 3, height, width), dtype=torch.uint8, device=device)
+    start = 0
+    while start < len(order):
+        end, tallest, widest = start + 1, *sides[order[start]]
+        while end < len(order):
+            taller, wider = max(tallest, sides[order[end]][0]), max(widest, sides[order[end]][1])
+            if (end + 1 - start) * 12 * (taller * wider + 2 * taller * width) > BATCHED_RESIZE_BYTES:
+                break
+            end, tallest, widest = end + 1, taller, wider
+        group = order[start:end]
+        by_size[start:end] = _resize_group(
+            [pixels[k] for k in group], [boxes[k] for k in group], facts[start:end], size, (tallest, widest)
+        )
+        start = end
+    return torch.empty_like(by_size).index_copy_(0, facts[:, 3], by_size)
 
 
 def _resize_group(
-    pixels: list[torch.Tensor], boxes: list[Box], flips: list[bool], size: tuple[int, int]
+    pixels: list[torch.Tensor],
+    boxes: list[Box],
+    facts: torch.Tensor,
+    size: tuple[int, int],
+    longest: tuple[int, int],
 ) -> torch.Tensor:
-    device = pixels[0].device
-    sides = [(bottom - top, right - left) for left, top, right, bottom in boxes]
-    longest = (max(h for h, _ in sides), max(w for _, w in sides))
-    padded = torch.zeros((len(pixels), 3, *longest), dtype=torch.float32, device=device)
-    for g, (image, (left, top, right, bottom)) in enumerate(zip(pixels, boxes)):
-        padded[g, :, : bottom - top, : right - left] = image[:, top:bottom, left:right]
-    heights = torch.tensor([h for h, _ in sides], device=device)
-    widths = torch.tensor([w for _, w in sides], device=device)
-    rows = antialiased_bilinear_weights(heights, size[0], longest[0])  # [g, H, h_max]
-    cols = antialiased_bilinear_weights(widths, size[1], longest[1])  # [g, W, w_max]
-    flipped = torch.tensor(flips, device=device)[:, None, None]
-    cols = torch.where(flipped, cols.flip(1), cols)
-    resized = rows[:, None] @ padded @ cols[:, None].transpose(-1, -2)  # [g, 3, H, W]
+    """uint8 `[g, 3, H, W]`: a group's crops resized; `facts` int64 `[g, 4]` on the device: each crop's height, width
+    and flip (and its place in the batch, unused here); `longest`: the group's greatest height and width."""
+    g, (height, width), (tallest, widest) = len(pixels), size, longest
+    padded = torch.zeros((g, 3, tallest, widest), dtype=torch.float32, device=facts.device)
+    for row, (image, (left, top, right, bottom)) in enumerate(zip(pixels, boxes)):
+        padded[row, :, : bottom - top, : right - left] = image[:, top:bottom, left:right]
+    rows = antialiased_bilinear_weights(facts[:, 0], height, tallest)  # [g, H, tallest]
+    cols = antialiased_bilinear_weights(facts[:, 1], width, widest)  # [g, W, widest]
+    cols = torch.where(facts[:, 2, None, None].bool(), cols.flip(1), cols)
+    narrow = padded.view(g, 3 * tallest, widest).bmm(cols.transpose(1, 2))  # [g, 3·tallest, W]
+    narrow = narrow.view(g, 3, tallest, width).transpose(1, 2).reshape(g, tallest, 3 * width)
+    resized = rows.bmm(narrow).view(g, height, 3, width).transpose(1, 2)  # [g, 3, H, W]
     return resized.round_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -215,13 +224,21 @@ def antialiased_bilinear_weights(lengths: torch.Tensor, size: int, longest: int)
     pixel i, as torch's antialiased bilinear resize from `lengths[k]` to `size` pixels weighs them (align_corners
     False): a triangle of half-width the scale (1 when enlarging) around the output pixel's centre in input
     coordinates, normalised to sum to 1. `tests/test_images_pipeline.py` holds it to torch's own resize."""
-    scale = (lengths.double() / size)[:, None, None]  # input pixels per output pixel
-    centre = (torch.arange(size, device=lengths.device, dtype=torch.float64)[None, :, None] + 0.5) * scale
+    scale = (lengths.float() / size)[:, None, None]  # input pixels per output pixel
+    centre = (torch.arange(size, device=lengths.device, dtype=torch.float32)[None, :, None] + 0.5) * scale
     support = scale.clamp_min(1.0)
-    position = torch.arange(longest, device=lengths.device, dtype=torch.float64)[None, None, :]
+    position = torch.arange(longest, device=lengths.device, dtype=torch.float32)[None, None, :]
     weights = (1 - ((position + 0.5 - centre) / support).abs()).clamp_min_(0)
-    weights = weights * (position < lengths[:, None, None])
-    return (weights / weights.sum(-1, keepdim=True)).float()
+    weights *= position < lengths[:, None, None]
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the host) on `device` without waiting: through pinned memory on CUDA (a copy from pageable
+    memory would wait for the device)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def crop_resize_on_device(pixels: torch.Tensor, box: Box, size: tuple[int, int], flip: bool) -> torch.Tensor:
