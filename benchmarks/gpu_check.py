@@ -383,7 +383,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def host_syncs(rig: Rig, batch: Batch) -> int | None:
-    """Host syncs one step makes (`count_host_syncs`)."""
+    """Host syncs one step makes (`count_host_syncs`; None on CPU)."""
+    if rig.device.type != "cuda":
+        return None
     (_, micro), *_ = on_device([batch], rig.device, rig.cfg.accum_steps)
     return count_host_syncs(partial(rig.step, micro, 0.996), rig.device)
 
@@ -563,7 +565,7 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from train.data import crop_box
-    from train.images import EncodedImages, crop_resize_batched, crop_resize_on_device, decode_one, to_device_async
+    from train.images import EncodedImages, decode_one, resize_crops
 
     class Operators(TorchDispatchMode):
         """Counts the operators dispatched under it that are not views (a view launches no kernel)."""
@@ -601,24 +603,13 @@ def device_decode(shapes: Shapes, device: torch.device, jpegs: list[Path], repea
     pixels = decode()  # warm-up: nvJPEG's handles; kept, and the only batch kept
     readable = [(row, p, box, flip) for row, p, box, flip in zip(encoded.rows, pixels, boxes, flips) if p is not None]
 
-    def per_image() -> None:
-        for row, image, box, flip in readable:
-            images[row] = crop_resize_on_device(image, box, size, flip)
-
-    def batched() -> None:
-        rows = to_device_async(torch.tensor([r[0] for r in readable]), device)
-        resized = crop_resize_batched(
-            [r[1] for r in readable], [r[2] for r in readable], [r[3] for r in readable], size
-        )
-        images.index_copy_(0, rows, resized)
-
     decode_s: list[float] = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
         decode()  # not kept: the next decode reuses its memory, as the trainer's does the last batch's
         decode_s.append(time.perf_counter() - start)
-    ways = {"per_image": per_image, "batched": batched}
+    ways = {way: partial(resize_crops, images, readable, way) for way in ("per_image", "batched")}
     queue_s: dict[str, list[float]] = {way: [] for way in ways}
     total_s: dict[str, list[float]] = {way: [] for way in ways}
     operators = {}

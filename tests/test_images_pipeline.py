@@ -28,7 +28,7 @@ from train.images import (
     EncodedImages,
     antialiased_bilinear_weights,
     crop_resize,
-    crop_resize_batched,
+    crop_resize_into,
     crop_resize_on_device,
     device_decodable,
     draft_reduction,
@@ -205,10 +205,10 @@ def test_decode_gpu_without_cuda_decodes_on_the_cpu_and_trains_the_same(
     assert_close_runs(metrics(runs["gpu"]), metrics(runs["cpu"]))
 
 
-def test_the_loader_hands_device_decoded_jpegs_over_with_the_run_s_resize_and_both_resizes_agree(tmp_path):
+def test_the_loader_hands_device_decoded_jpegs_over_with_the_run_s_resize_and_both_resizes_agree(tmp_path, monkeypatch):
     """`StepBatches` with `decode: gpu` sends a batch's JPEGs with the run's `device_resize`; decoded and resized
-    (here on the CPU, where the batched decode fails and each image is decoded alone), per image or batched, the
-    batch's pixels agree to a level of uint8."""
+    (here on the CPU, where torchvision has no image extension and each image is decoded alone), per image or
+    batched, the batch's pixels agree to a level of uint8."""
     from train.config import TrainConfig
     from train.data import StepBatches
     from train.data_index import build_index
@@ -219,6 +219,8 @@ def test_the_loader_hands_device_decoded_jpegs_over_with_the_run_s_resize_and_bo
         (folder / f"{k}.jpg").write_bytes(scene_jpeg(width, height, seed=k))
     index = build_index([folder], None, None, [], progress=False)
     pixels = {}
+    calls: list[tuple] = []
+    monkeypatch.setattr(train.images, "crop_resize_into", lambda *a: calls.append(a) or crop_resize_into(*a))
     for way in ("per_image", "batched"):
         cfg = TrainConfig(
             images=[str(folder)],
@@ -233,7 +235,10 @@ def test_the_loader_hands_device_decoded_jpegs_over_with_the_run_s_resize_and_bo
         )
         batch = StepBatches(index, np.arange(len(index)), cfg, (4, 4), device_decode=True)[0]
         assert batch.encoded is not None and batch.encoded.resize == way and batch.encoded.rows == [0, 1, 2, 3]
+        assert any(batch.encoded.flips) and not all(batch.encoded.flips)
+        calls.clear()
         pixels[way] = to_device(batch, torch.device("cpu")).images
+        assert len(calls) == (way == "batched"), "the batched resize runs when asked for, and only then"
     assert (pixels["per_image"].int() - pixels["batched"].int()).abs().max() <= 1
 
 
@@ -271,7 +276,7 @@ def test_the_batched_resize_weighs_pixels_as_torch_s_antialiased_bilinear_resize
 
 
 def test_batched_crops_resize_as_each_alone_in_one_group_or_several(monkeypatch):
-    """`crop_resize_batched` on crops that shrink, keep and enlarge, flipped or not, from images of other sizes: the
+    """`crop_resize_into` on crops that shrink, keep and enlarge, flipped or not, from images of other sizes: the
     pixels torch's float resize gives each crop alone (what `crop_resize_on_device` runs on CUDA), to a level of
     uint8 where rounding falls the other way; and the same pixels when the crops are resized in several groups."""
     g = torch.Generator().manual_seed(0)
@@ -300,14 +305,20 @@ def test_batched_crops_resize_as_each_alone_in_one_group_or_several(monkeypatch)
         out = interpolate(crop, size=size, mode="bilinear", align_corners=False, antialias=True)[0].round()
         return (out.flip(-1) if flip else out).to(torch.uint8)
 
-    batched = crop_resize_batched(images, boxes, flips, size)
+    def batched_resize() -> torch.Tensor:
+        out = torch.zeros((len(images) + 2, 3, *size), dtype=torch.uint8)
+        crop_resize_into(out, [5, 0, 7, 1, 3, 2], images, boxes, flips)  # rows of a batch, in another order
+        assert (out[[4, 6]] == 0).all(), "rows not listed are left alone"
+        return out[[5, 0, 7, 1, 3, 2]]
+
+    batched = batched_resize()
     want = torch.stack([alone(i, b, f) for i, b, f in zip(images, boxes, flips)])
     differ = (batched.int() - want.int()).abs()
     assert differ.max() <= 1 and (differ == 0).float().mean() > 0.99, (differ.max(), (differ == 0).float().mean())
     each = torch.stack([crop_resize_on_device(i, b, size, f) for i, b, f in zip(images, boxes, flips)])
     assert (batched.int() - each.int()).abs().max() <= 1  # torchvision's uint8 path on the CPU, fixed-point
     monkeypatch.setattr(train.images, "BATCHED_RESIZE_BYTES", 3 * 500 * 500 * 4)  # the largest crop alone
-    assert torch.equal(crop_resize_batched(images, boxes, flips, size), batched)
+    assert torch.equal(batched_resize(), batched)
 
 
 @pytest.mark.parametrize("resize", ["per_image", "batched"])

@@ -120,21 +120,13 @@ def decode_on_device(images: torch.Tensor, encoded: EncodedImages) -> list[int]:
             )
             _warned = True
         decoded = [decode_one(data, images.device) for data in encoded.data]
-    height, width = images.shape[-2:]
     unread = [row for row, pixels in zip(encoded.rows, decoded) if pixels is None]
     readable = [
         (row, pixels, box, flip)
         for row, pixels, box, flip in zip(encoded.rows, decoded, encoded.boxes, encoded.flips)
         if pixels is not None
     ]
-    if readable and encoded.resize == "batched":
-        resized = crop_resize_batched(
-            [r[1] for r in readable], [r[2] for r in readable], [r[3] for r in readable], (height, width)
-        )
-        images.index_copy_(0, to_device_async(torch.tensor([r[0] for r in readable]), images.device), resized)
-    else:
-        for row, image, box, flip in readable:
-            images[row] = crop_resize_on_device(image, box, (height, width), flip)
+    resize_crops(images, readable, encoded.resize)
     if unread:
         donor = next((r for r in range(len(images)) if r not in unread), None)
         if donor is not None:
@@ -157,44 +149,60 @@ def decode_one(data: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         )
 
 
-# Bytes a group of crops takes on the device in one batched resize (`crop_resize_batched`): the crops padded to the
-# largest in float32, and, twice, the crops once resized along their width. A batch of larger crops is resized in
-# several groups: 128 crops of up to 500 × 375 pixels take ~360 MB.
+def resize_crops(images: torch.Tensor, crops: list[tuple[int, torch.Tensor, Box, bool]], resize: str) -> None:
+    """Write each decoded image's crop (batch row, pixels, box, flip) into `images` at its row, resized to the
+    batch's size image by image (`resize` per_image) or all at once (batched: `crop_resize_into`)."""
+    if resize == "batched":
+        crop_resize_into(
+            images, [c[0] for c in crops], [c[1] for c in crops], [c[2] for c in crops], [c[3] for c in crops]
+        )
+    else:
+        for row, pixels, box, flip in crops:
+            images[row] = crop_resize_on_device(pixels, box, (images.shape[-2], images.shape[-1]), flip)
+
+
+# Bytes a group of crops may take on the device in one batched resize (`crop_resize_into`), counted per crop as
+# 12·(h·w + h·W + max(h·W, H·W)) for a crop of h × w to H × W (float32: the padded crops, the width pass, then its
+# reordered copy or the result); a batch of larger crops is resized in several groups. At 224 pixels, 128 crops of up
+# to 500 × 375 count ~550 MB: three groups.
 BATCHED_RESIZE_BYTES = 2**28
 
 
-def crop_resize_batched(
-    pixels: list[torch.Tensor], boxes: list[Box], flips: list[bool], size: tuple[int, int]
-) -> torch.Tensor:
-    """uint8 `[n, 3, H, W]`: each decoded image's crop `box`, resized to `size` and flipped as `crop_resize_on_device`
-    does it, for many crops at once: the crops, sorted by size and grouped under BATCHED_RESIZE_BYTES, padded into one
-    float32 tensor, then each axis resized by one batched matrix product with the antialiased bilinear weights
-    (`antialiased_bilinear_weights`; a flip is the column weights reversed). One copy an image and a few kernels a
-    group, against a few kernels an image; the crops' sizes and flips travel in one pinned copy, so nothing waits for
-    the device. The sums run in another order (and in TF32 where float32 matmuls take it), so a pixel may differ by
-    a level of uint8."""
+def crop_resize_into(
+    out: torch.Tensor, rows: list[int], pixels: list[torch.Tensor], boxes: list[Box], flips: list[bool]
+) -> None:
+    """Write into `out` (uint8 `[b, 3, H, W]`) at `rows` each decoded image's crop `box`, resized and flipped as
+    `crop_resize_on_device` does it, for many crops at once: the crops, sorted by size and grouped under
+    BATCHED_RESIZE_BYTES, padded into one float32 tensor, then each axis resized by one batched matrix product with
+    the antialiased bilinear weights (`antialiased_bilinear_weights`; a flip is the column weights reversed). One copy
+    an image and a few kernels a group, against a few kernels an image; the crops' sizes, flips and rows travel in one
+    pinned copy, so nothing waits for the device. The sums run in another order (and in TF32 where float32 matmuls
+    take it), so a pixel may differ by a level of uint8."""
     if not pixels:
-        raise ValueError("no crops to resize")
-    height, width = size
-    device = pixels[0].device
+        return
+    height, width = out.shape[-2:]
     sides = [(bottom - top, right - left) for left, top, right, bottom in boxes]
     order = sorted(range(len(pixels)), key=lambda k: sides[k])  # like shapes together pad less
-    facts = to_device_async(torch.tensor([[*sides[k], flips[k], k] for k in order], dtype=torch.int64), device)
-    by_size = torch.empty((len(pixels), 3, height, width), dtype=torch.uint8, device=device)
+    facts = to_device_async(torch.tensor([[*sides[k], flips[k], rows[k]] for k in order]), out.device)
+    by_size = torch.empty((len(pixels), 3, height, width), dtype=torch.uint8, device=out.device)
+
+    def cost(h: int, w: int) -> int:
+        return 12 * (h * w + h * width + max(h, height) * width)
+
     start = 0
     while start < len(order):
         end, tallest, widest = start + 1, *sides[order[start]]
         while end < len(order):
             taller, wider = max(tallest, sides[order[end]][0]), max(widest, sides[order[end]][1])
-            if (end + 1 - start) * 12 * (taller * wider + 2 * taller * width) > BATCHED_RESIZE_BYTES:
+            if (end + 1 - start) * cost(taller, wider) > BATCHED_RESIZE_BYTES:
                 break
             end, tallest, widest = end + 1, taller, wider
         group = order[start:end]
         by_size[start:end] = _resize_group(
-            [pixels[k] for k in group], [boxes[k] for k in group], facts[start:end], size, (tallest, widest)
+            [pixels[k] for k in group], [boxes[k] for k in group], facts[start:end], (height, width), (tallest, widest)
         )
         start = end
-    return torch.empty_like(by_size).index_copy_(0, facts[:, 3], by_size)
+    out.index_copy_(0, facts[:, 3], by_size)
 
 
 def _resize_group(
@@ -205,16 +213,17 @@ def _resize_group(
     longest: tuple[int, int],
 ) -> torch.Tensor:
     """uint8 `[g, 3, H, W]`: a group's crops resized; `facts` int64 `[g, 4]` on the device: each crop's height, width
-    and flip (and its place in the batch, unused here); `longest`: the group's greatest height and width."""
+    and flip (and its row, unused here); `longest`: the group's greatest height and width."""
     g, (height, width), (tallest, widest) = len(pixels), size, longest
     padded = torch.zeros((g, 3, tallest, widest), dtype=torch.float32, device=facts.device)
     for row, (image, (left, top, right, bottom)) in enumerate(zip(pixels, boxes)):
         padded[row, :, : bottom - top, : right - left] = image[:, top:bottom, left:right]
-    rows = antialiased_bilinear_weights(facts[:, 0], height, tallest)  # [g, H, tallest]
     cols = antialiased_bilinear_weights(facts[:, 1], width, widest)  # [g, W, widest]
     cols = torch.where(facts[:, 2, None, None].bool(), cols.flip(1), cols)
     narrow = padded.view(g, 3 * tallest, widest).bmm(cols.transpose(1, 2))  # [g, 3·tallest, W]
+    del padded, cols
     narrow = narrow.view(g, 3, tallest, width).transpose(1, 2).reshape(g, tallest, 3 * width)
+    rows = antialiased_bilinear_weights(facts[:, 0], height, tallest)  # [g, H, tallest]
     resized = rows.bmm(narrow).view(g, height, 3, width).transpose(1, 2)  # [g, 3, H, W]
     return resized.round_().clamp_(0, 255).to(torch.uint8)
 
