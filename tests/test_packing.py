@@ -39,14 +39,14 @@ def test_pack_and_pad_are_inverse_on_the_real_tokens_and_pad_writes_zeros():
 
 
 def test_jagged_rows_are_each_row_s_real_tokens_in_packed_order_and_bound_the_longest():
-    """`TokenLayout.jagged`: nested rows over the packed tokens whose offsets are the rows' starts, made once per
-    layout (every attention's rows share one ragged size, as recomputation needs), and whose `max_seqlen` (what
-    sizes the flash kernel's grid on CUDA; a CPU ignores it) is at least the longest row."""
+    """`TokenLayout.jagged`: nested rows over the packed tokens whose offsets are the rows' starts, one ragged size
+    for all the tensors of a call (q, k and v), and whose `max_seqlen` (what sizes the flash kernel's grid on CUDA; a
+    CPU ignores it) is at least the longest row."""
     valid = torch.tensor([[True, False, True, False], [True, True, True, True], [False, True, False, False]])
     layout = TokenLayout.of(valid, 7)
-    assert layout.offsets is not None and layout.offsets.tolist() == [0, 2, 6, 7]
     x = torch.arange(7 * 2, dtype=torch.float32).view(7, 2)
     q, k = layout.jagged(x, x + 1)
+    assert q.offsets().tolist() == [0, 2, 6, 7]
     assert [row.tolist() for row in q.unbind()] == [x[0:2].tolist(), x[2:6].tolist(), x[6:7].tolist()]
     assert q._get_max_seqlen() >= 4 and q._get_min_seqlen() >= 1 and q.shape[1] == k.shape[1]  # one ragged size
 

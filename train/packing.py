@@ -24,13 +24,10 @@ import torch.nn.functional as F
 class TokenLayout:
     """Which tokens of a padded `[B, L]` batch are real: `key_mask` bool `[B, L]` (True on real tokens), and `slots`
     int64 `[T]`, their flat positions `b·L + j` in row-major order. With `slots` the batch is packed (`[T, d]`);
-    without (None) its rows stay padded and attention only masks the padding (`[B, L, d]`). A packed layout also has
-    `offsets` int64 `[B + 1]`, where each row's tokens start among the packed ones (and the last one ends): made once,
-    so that every attention's nested rows (`jagged`) share one ragged size."""
+    without (None) its rows stay padded and attention only masks the padding (`[B, L, d]`)."""
 
     key_mask: torch.Tensor
     slots: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
 
     @classmethod
     def of(cls, valid: torch.Tensor, tokens: int | None = None) -> TokenLayout:
@@ -43,7 +40,7 @@ class TokenLayout:
             # without waiting for it (on CUDA a failed check stops the kernels that follow)
             torch._assert_async(valid.sum() == count, "the host's token count is not the mask's")
         slots = torch.nonzero_static(valid.reshape(-1), size=count).squeeze(1)
-        return cls(valid, slots, F.pad(valid.sum(1).cumsum(0), (1, 0)))
+        return cls(valid, slots)
 
     @property
     def packed(self) -> bool:
@@ -69,11 +66,10 @@ class TokenLayout:
         Every row here has a real token (a context holds at least `min_context` patches, a predictor's sequence its
         target block), so the minimum length is given as 1 and the maximum as the padded length, and nothing waits
         for the device to count them."""
-        assert self.offsets is not None, "a layout without slots has no packed tokens"
+        assert self.slots is not None, "a layout without slots has no packed tokens"
+        offsets = F.pad(self.key_mask.sum(1).cumsum(0), (1, 0))  # where each row's tokens start among the packed
         longest = self.key_mask.shape[1]
-        return tuple(
-            torch.nested.nested_tensor_from_jagged(x, self.offsets, min_seqlen=1, max_seqlen=longest) for x in xs
-        )
+        return tuple(torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=1, max_seqlen=longest) for x in xs)
 
     def ranks(self) -> torch.Tensor:
         """int64 `[B·L]`: each padded position's index among the packed tokens (meaningful on real tokens only)."""

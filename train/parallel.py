@@ -119,7 +119,6 @@ def _mark_lengths_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
         if layout is not None:
             mark_dynamic(layout.key_mask, 0, 1)
             mark_dynamic(layout.slots, 0)
-            mark_dynamic(layout.offsets, 0)
         for arg in rest:
             if isinstance(arg, LayerCaptions):
                 mark_dynamic(arg.keys, 0, 2)
