@@ -31,9 +31,11 @@ import argparse
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
+from typing import Any
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -125,13 +127,11 @@ def eager_bytes(regularisers: Regularisers, shape: Shape, device: torch.device) 
     return counter.bytes
 
 
-def bytes_outside_the_passes(shape: Shape, device: torch.device) -> int:
-    """Today's eager ops outside its two passes (the weights, the order of each image's words): under `--compile`
-    they stay eager, so they count beside inductor's bytes of the compiled passes."""
-    counter = OpBytes()
+def uncounted_passes(counter: OpBytes, passes: RegulariserPasses = EAGER_PASSES) -> RegulariserPasses:
+    """`passes` run with `counter` paused: what it counts is the ops outside them."""
 
-    def paused(run: Callable[..., object]) -> Callable[..., object]:
-        def uncounted(*args: object) -> object:
+    def paused(run: Callable[..., Any]) -> Callable[..., Any]:
+        def uncounted(*args: object) -> Any:
             counter.paused = True
             try:
                 return run(*args)
@@ -140,20 +140,48 @@ def bytes_outside_the_passes(shape: Shape, device: torch.device) -> int:
 
         return uncounted
 
-    passes = RegulariserPasses(paused(EAGER_PASSES.forward), paused(EAGER_PASSES.backward))  # type: ignore[arg-type]
+    return RegulariserPasses(paused(passes.forward), paused(passes.backward))
+
+
+def bytes_outside_the_passes(shape: Shape, device: torch.device) -> int:
+    """Today's eager ops outside its two passes (the weights, the order of each image's words): under `--compile`
+    they stay eager, so they count beside inductor's bytes of the compiled passes."""
+    counter = OpBytes()
     inputs = operands(shape, device=device)
     with counter:
-        forward_backward(partial(over_real_words, passes=passes), *inputs)
+        forward_backward(partial(over_real_words, passes=uncounted_passes(counter)), *inputs)
     return counter.bytes
+
+
+class _Dropped(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextmanager
+def inductor_bytes() -> Iterator[Callable[[], int]]:
+    """Inductor's count of what its kernels read and write after fusion, GEMMs included (`GraphLowering.count_bytes`),
+    summed over the graphs compiled inside: it counts only while its `inductor_metrics` log is on (whose records are
+    dropped here), and not for a graph the FX graph cache hands back (the cache is off inside)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import metrics
+
+    log = torch._logging.getArtifactLogger("torch._inductor.compile_fx", "inductor_metrics")
+    level, dropped = log.level, _Dropped()
+    log.setLevel(logging.INFO)  # this log alone, whatever TORCH_LOGS set for the others
+    log.addFilter(dropped)
+    metrics.reset()
+    try:
+        with inductor_config.patch(fx_graph_cache=False):
+            yield lambda: metrics.num_bytes_accessed
+    finally:
+        log.removeFilter(dropped)
+        log.setLevel(level)
 
 
 def compiled(name: str, shape: Shape, device: torch.device, backend: str) -> tuple[Callable[..., torch.Tensor], int]:
     """The reference compiled whole (the trainer never did), or today's with its passes compiled as under
     `--compile`, and inductor's count of the bytes of the graphs compiled by the first call (0 for another backend)."""
-    import torch._inductor.config as inductor_config
-    from torch._inductor import metrics
-
-    metrics.reset()
     if name == "reference":
         fn = torch.compile(reference_regularisers, fullgraph=True, dynamic=True, backend=backend)
     else:
@@ -162,11 +190,12 @@ def compiled(name: str, shape: Shape, device: torch.device, backend: str) -> tup
     def run(queries, keys, masks) -> torch.Tensor:
         return forward_backward(fn, queries, keys, masks)
 
-    with inductor_config.patch(fx_graph_cache=False):
+    with inductor_bytes() as counted:
         run(*operands(shape, device=device))
-    if backend == "inductor" and not metrics.num_bytes_accessed:
-        raise SystemExit("inductor counted no bytes: its inductor_metrics log is off, or the graphs came from a cache")
-    return run, metrics.num_bytes_accessed
+        nbytes = counted()
+    if backend == "inductor" and not nbytes:
+        raise SystemExit("inductor counted no bytes: the graphs came from a cache, or its count moved")
+    return run, nbytes
 
 
 def median_seconds(
@@ -195,8 +224,6 @@ def measure(shape: Shape, repeats: int, device: torch.device = CPU, backend: str
     # Graphs compiled earlier in this process (the trainer's passes, by another of gpu_check's phases) would be
     # reused, and inductor would count no bytes: both Functions are compiled afresh here.
     torch._dynamo.reset()
-    torch._logging.set_logs(inductor_metrics=True)  # inductor counts bytes only while this log is on
-    logging.getLogger("torch._inductor").setLevel(logging.WARNING)
     eager = {"reference": reference_regularisers, "today": over_real_words}
     loss = {name: float(forward_backward(fn, *operands(shape, device=device))) for name, fn in eager.items()}
     runs = {f"{name}_eager": partial(forward_backward, fn) for name, fn in eager.items()}

@@ -24,6 +24,8 @@ over). The same encoder, masks and captions serve every mode:
                 no output projection)
   cross8_before_regref  cross8_before with the text regularisers as they were before issue 32 point 1
                 (`benchmarks/reference_regularisers.py`: each layer's float32 map remade for every pass)
+  cross8_before_regcompiled  cross8_before with the regularisers' two passes compiled by inductor, as `--compile`
+                runs them (the rest of the step eager)
   cross8_before_noreg   cross8_before with no text regularisers at all: what the step costs without them, so that
                 the difference to cross8_before (and to _regref) is the regularisers' share of the step
   sequence      N=8 captions' words appended to every predictor sequence (not run by default: with 8 captions of
@@ -62,9 +64,11 @@ JSON line on stdout; `goal_met` holds issue 17's goals: cross8's time ratio to
 
 The regularisers' share of the `cross8_before` step (with `cross8_before_noreg` among the modes): of its time,
 1 - t(noreg) / t(mode), and of the bytes its aten ops read and write in one eager step (every op's tensor inputs
-and outputs, views not, `benchmarks.regularisers.OpBytes`), B(mode) - B(noreg), for today's regularisers and for
-`cross8_before_regref`'s. Eager only: under `--compile` the trainer compiles the regularisers' passes, and inductor's
-count of those bytes (0.10x the reference's at issue 32's shapes) is `benchmarks/regularisers.py`'s.
+and outputs, views not, `benchmarks.regularisers.OpBytes`), B(mode) - B(noreg), for today's regularisers,
+`cross8_before_regref`'s and `cross8_before_regcompiled`'s. Compiled, the passes' bytes are inductor's own count of
+what its fused kernels read and write (counted as they compile, in an untimed step before the others), the ops
+outside them counted as eager; `regularisers_goal_met`: compiled ≤ 1/4 of the reference's bytes (issue 32 point 1).
+FLOPs and saved bytes of the compiled mode are counted with the passes eager (the same arithmetic and tensors).
 
 CPU default (`--preset cpu_tiny`): tiny ViT (192 wide, depth 6, 3 heads, patch 8,
 64×64 images), predictor 192 wide, depth 4, batch 64, one torch thread (see
@@ -83,8 +87,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from benchmarks.common import ROOT, peak_rss_mb, print_result  # first: sets the offline environment
 
@@ -97,7 +103,9 @@ class Mode:
     context_equalise: str = "pad"
     reference: bool = False  # the cross-attention and regularisers as they were before issue 17 B
     conditioner: str | None = None  # the conditioner's form; None: --conditioner's
-    regularisers: str = "today"  # the text regularisers: "today", "reference" (before issue 32 point 1) or "off"
+    # the text regularisers: "today", "compiled" (today's with its passes compiled, as under --compile), "reference"
+    # (before issue 32 point 1) or "off"
+    regularisers: str = "today"
     packed: bool = True  # padded contexts and words left out of the per-token layers; False: padded rows, masked
 
 
@@ -116,6 +124,7 @@ MODES: dict[str, Mode] = {
     "cross8_ref": Mode("cross", 8, "after_mlp", reference=True, conditioner="mha"),
     "cross8_before_ref": Mode("cross", 8, "before_mlp", reference=True, conditioner="mha"),
     "cross8_before_regref": Mode("cross", 8, "before_mlp", regularisers="reference"),
+    "cross8_before_regcompiled": Mode("cross", 8, "before_mlp", regularisers="compiled"),
     "cross8_before_noreg": Mode("cross", 8, "before_mlp", regularisers="off"),
 }
 # Named sets for --modes, each run as one interleaved group (on the CPU every mode's process alive at once, so a set
@@ -124,11 +133,16 @@ MODES: dict[str, Mode] = {
 MODE_SETS = {
     "default": ["none", "none_cut", "none_rows", "cross1", "cross8", "cross8_before", "cross8_before_cut"]
     + ["cross8_before_rows"],
-    "references": ["none", "cross8", "cross8_before", "cross8_before_regref", "cross8_before_noreg", "cross8_mha"]
-    + ["cross8_ref", "cross8_before_mha", "cross8_before_ref"],
+    "references": ["none", "cross8", "cross8_before", "cross8_before_regref", "cross8_before_regcompiled"]
+    + ["cross8_before_noreg", "cross8_mha", "cross8_ref", "cross8_before_mha", "cross8_before_ref"],
 }
-# The regularisers' share of a cross step: today's, the reference's, and the step without them (last).
-REGULARISER_SHARE_MODES = ("cross8_before", "cross8_before_regref", "cross8_before_noreg")
+# The regularisers' share of a cross step, by the step without them: today's, the reference's, today's compiled.
+REGULARISER_SHARE_MODES = {
+    "today": "cross8_before",
+    "reference": "cross8_before_regref",
+    "compiled": "cross8_before_regcompiled",
+}
+WITHOUT_REGULARISERS = "cross8_before_noreg"
 
 PRESETS = {
     # What the prototype measured on 2 CPU cores: an 8×8 grid, so a smaller context block.
@@ -453,7 +467,8 @@ def sdpa_cpu_mapping() -> dict:
 
 @dataclass
 class Setup:
-    step: object  # () -> None: one full training step
+    step: object  # (passes=EAGER_PASSES) -> None: one full training step, the regularisers' passes as given
+    passes: object  # the mode's regularisers' passes (`RegulariserPasses`): eager, or compiled as under --compile
     model: object  # the JEPA being trained
     mode: Mode
     info: dict  # shapes, analytic FLOPs, parameter count
@@ -552,6 +567,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     from train.config import ModelConfig
     from train.data import mask_config
     from train.jepa import build_models, ema_update
+    from train.losses import EAGER_PASSES, RegulariserPasses, compiled_regulariser_passes
     from train.masks import padded_length, sample_masks
     from train.optim import param_groups
     from train.packing import TokenLayout
@@ -568,7 +584,7 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     if mode.reference:  # the same weights in the old layout, run by the old code
         model.predictor = reference.ReferencePredictor.like(model.predictor, model.encoder.grid)
     compute_losses = reference.compute_losses if mode.reference else train.objective.compute_losses
-    if mode.regularisers != "today":  # this process runs this one mode: the objective's call is replaced for good
+    if mode.regularisers in REGULARISERS:  # this process runs this one mode: the objective's call is replaced for good
         train.objective.text_regularisers = REGULARISERS[mode.regularisers]
     model.to(device)
     target.to(device)
@@ -609,9 +625,10 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     targets = torch.from_numpy(masks.targets).to(device)
     lc, (m, lt) = context.shape[1], targets.shape[1:]
 
-    def step() -> None:
+    def step(passes: RegulariserPasses = EAGER_PASSES) -> None:
+        passed = {} if mode.reference else {"regulariser_passes": passes}  # the reference: its own regularisers
         with torch.autocast(device.type, dtype=dtype, enabled=cfg.bf16):
-            losses = compute_losses(model, target, images, context, targets, text, cfg, context_layout)
+            losses = compute_losses(model, target, images, context, targets, text, cfg, context_layout, **passed)
         optimizer.zero_grad(set_to_none=True)
         losses.total.backward()
         optimizer.step()
@@ -637,7 +654,34 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
         "params": sum(p.numel() for p in model.parameters()),
         "threads": torch.get_num_threads(),
     }
-    return Setup(step, model, mode, info, cuda)
+    passes = EAGER_PASSES
+    if mode.regularisers == "compiled":
+        passes = compiled_regulariser_passes("inductor")
+        info["regulariser_pass_bytes"] = compiled_pass_bytes(step, passes)
+    return Setup(step, passes, model, mode, info, cuda)
+
+
+def compiled_pass_bytes(step: Callable[..., None], passes: Any) -> int:
+    """One untimed step that compiles the regularisers' passes cold: inductor's bytes of their graphs over the
+    batch. Inductor counts a graph once, at the sizes of the chunk of images it was compiled for (the first); every
+    image's maps are alike, so the count is scaled from that chunk to the batch."""
+    from benchmarks.regularisers import inductor_bytes
+
+    images: list[int] = []
+
+    def recorded(forward: Callable[..., Any]) -> Callable[..., Any]:
+        def call(queries: list, *rest: object) -> Any:
+            images.append(queries[0].shape[0])
+            return forward(queries, *rest)
+
+        return call
+
+    with inductor_bytes() as counted:
+        step(passes._replace(forward=recorded(passes.forward)))
+        nbytes = counted()
+    if not nbytes:
+        raise SystemExit("inductor counted no bytes of the regularisers' passes: were they compiled before?")
+    return round(nbytes * sum(images) / images[0])
 
 
 def run_mode(args: argparse.Namespace, name: str) -> None:
@@ -651,7 +695,7 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
         if cuda:
             torch.cuda.synchronize()
         start, cpu = time.perf_counter(), time.process_time()
-        step()
+        step(job.passes)
         if cuda:
             torch.cuda.synchronize()
         return {"time": time.perf_counter() - start, "cpu": time.process_time() - cpu}
@@ -676,18 +720,20 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
         if command == "step":
             reply(timed_step())
         elif command == "warmup":
-            step()
+            step(job.passes)
             reply({})
         elif command == "count":
             reply({"flops_counter": counted_step()})
         elif command == "saved":
             reply(SavedBytes().measure(job))
         elif command == "bytes":
-            from benchmarks.regularisers import OpBytes
+            from benchmarks.regularisers import OpBytes, uncounted_passes
 
-            with OpBytes() as counter:
-                step()
-            reply({"step_bytes": counter.bytes})
+            counter = OpBytes()
+            compiled = job.mode.regularisers == "compiled"
+            with counter:  # compiled: the eager ops alone, and the passes' bytes as inductor counted them
+                step(uncounted_passes(counter) if compiled else job.passes)
+            reply({"step_bytes": counter.bytes + job.info.get("regulariser_pass_bytes", 0)})
         elif command == "done":
             out = {}
             if cuda:
@@ -778,7 +824,7 @@ def main() -> None:
                         w.ask("warmup")
             for name, w in workers.items():  # one more untimed step: what autograd saves for backward
                 info[name].update(w.ask("saved"))
-                if name in REGULARISER_SHARE_MODES and REGULARISER_SHARE_MODES[-1] in modes:
+                if name in (*REGULARISER_SHARE_MODES.values(), WITHOUT_REGULARISERS) and WITHOUT_REGULARISERS in modes:
                     info[name].update(w.ask("bytes"))  # and one more: the bytes its ops move
             log(f"warm: {', '.join(group)} ({time.perf_counter() - started:.0f} s)")
             for r in range(args.steps):
@@ -880,10 +926,10 @@ def main() -> None:
             goals.append(saved_ratio >= 2)
     if goals:
         result["goal_met"] = all(goals)
-    today, reference, without = REGULARISER_SHARE_MODES
-    if today in modes and without in modes:
+    if WITHOUT_REGULARISERS in modes:
         shares = {}
-        for name, key in ((today, "today"), (reference, "reference")):
+        without = WITHOUT_REGULARISERS
+        for key, name in REGULARISER_SHARE_MODES.items():
             if name not in modes:
                 continue
             moved = info[name]["step_bytes"] - info[without]["step_bytes"]
@@ -895,10 +941,13 @@ def main() -> None:
             if not args.device.startswith("cuda"):
                 shares[key]["cpu_time_share"] = round(1 - cpu_medians[without] / cpu_medians[name], 3)
         result["cross8_before_regularisers"] = shares
-        if len(shares) == 2:
-            result["cross8_before_regularisers_bytes_today_over_reference"] = round(
-                shares["today"]["mib_per_step"] / shares["reference"]["mib_per_step"], 3
-            )
+        for key in ("today", "compiled"):
+            if key in shares and "reference" in shares:
+                result[f"cross8_before_regularisers_bytes_{key}_over_reference"] = round(
+                    shares[key]["mib_per_step"] / shares["reference"]["mib_per_step"], 3
+                )
+        if "cross8_before_regularisers_bytes_compiled_over_reference" in result:  # issue 32 point 1's goal
+            result["regularisers_goal_met"] = result["cross8_before_regularisers_bytes_compiled_over_reference"] <= 0.25
     for packed in ("none", "cross8_before"):  # the step packed against the step on padded rows, side by side
         if packed in modes and f"{packed}_rows" in modes:
             rows = f"{packed}_rows"
