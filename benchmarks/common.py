@@ -45,6 +45,13 @@ def peak_rss_mb() -> float:
     return kib / 1024
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak resident memory (VmHWM) again from what it holds now (Linux's `clear_refs` 5), so
+    that a peak read later is the peak since this call."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
 def print_result(result: dict[str, Any]) -> None:
     """The benchmark's last line: one JSON object."""
     print(json.dumps(result), flush=True)

@@ -56,7 +56,7 @@ another's). On the CPU all of them are started together and the driver steps
 them one at a time, one step per mode per round in rotating order, so machine
 noise falls on every mode alike; on CUDA they run one after another (each keeps
 its own memory pool). s/step is the median of a mode's timed steps. Peak
-memory: on CPU the rise of the process's peak RSS (VmHWM) over the steps,
+memory: on CPU the process's peak RSS (VmHWM) during the steps above what it held before them,
 on CUDA `torch.cuda.max_memory_allocated`. Prints progress to stderr and one
 JSON line on stdout; `goal_met` holds issue 17's goals: cross8's time ratio to
 `none` over its FLOP ratio ≤ 1.2, and the old cross-attention (`_ref`) saving
@@ -72,7 +72,8 @@ FLOPs and saved bytes of the compiled mode are counted with the passes eager (th
 
 CPU default (`--preset cpu_tiny`): tiny ViT (192 wide, depth 6, 3 heads, patch 8,
 64×64 images), predictor 192 wide, depth 4, batch 64, one torch thread (see
-PRESETS), ~10 minutes on 2 cores for either set of modes (`--modes references`: 609 s on 2026-12-06).
+PRESETS), ~10 minutes on 2 cores for either set of modes (`--modes references`: 675 s on 2026-12-06,
+its inductor compile included).
 `--profile MODE` prints torch.profiler's
 top ops for one step of MODE instead. On a GPU (images/s and MFU against
 --peak-tflops, default 989 = H100/H200 bf16 dense):
@@ -92,7 +93,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from benchmarks.common import ROOT, peak_rss_mb, print_result  # first: sets the offline environment
+from benchmarks.common import ROOT, peak_rss_mb, print_result, reset_peak_rss  # first: sets the offline environment
 
 
 @dataclass(frozen=True)
@@ -661,27 +662,43 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     return Setup(step, passes, model, mode, info, cuda)
 
 
+class CountedPass:
+    """A compiled regulariser pass that records, call by call, the images it ran on and inductor's bytes of any graph
+    the call compiled."""
+
+    def __init__(self, run: Callable[..., Any], counted: Callable[[], int]) -> None:
+        self.run, self.counted = run, counted
+        self.graphs: list[tuple[int, int]] = []  # (bytes, images it was compiled for)
+        self.images: list[int] = []
+
+    def __call__(self, queries: list, *rest: object) -> Any:
+        before = self.counted()
+        out = self.run(queries, *rest)
+        if self.counted() > before:
+            self.graphs.append((self.counted() - before, queries[0].shape[0]))
+        self.images.append(queries[0].shape[0])
+        return out
+
+    def bytes(self) -> float:
+        """The graph's bytes scaled from the images it was compiled for to every image it ran on (each image's maps
+        are alike)."""
+        if len(self.graphs) != 1:
+            raise SystemExit(
+                f"a regulariser pass compiled {len(self.graphs)} graphs in one step: cannot scale its bytes"
+            )
+        ((nbytes, compiled_for),) = self.graphs
+        return nbytes * sum(self.images) / compiled_for
+
+
 def compiled_pass_bytes(step: Callable[..., None], passes: Any) -> int:
     """One untimed step that compiles the regularisers' passes cold: inductor's bytes of their graphs over the
-    batch. Inductor counts a graph once, at the sizes of the chunk of images it was compiled for (the first); every
-    image's maps are alike, so the count is scaled from that chunk to the batch."""
+    batch (it counts a graph once, at the sizes of the chunk of images it was compiled for)."""
     from benchmarks.regularisers import inductor_bytes
 
-    images: list[int] = []
-
-    def recorded(forward: Callable[..., Any]) -> Callable[..., Any]:
-        def call(queries: list, *rest: object) -> Any:
-            images.append(queries[0].shape[0])
-            return forward(queries, *rest)
-
-        return call
-
     with inductor_bytes() as counted:
-        step(passes._replace(forward=recorded(passes.forward)))
-        nbytes = counted()
-    if not nbytes:
-        raise SystemExit("inductor counted no bytes of the regularisers' passes: were they compiled before?")
-    return round(nbytes * sum(images) / images[0])
+        counted_passes = [CountedPass(run, counted) for run in passes]
+        step(type(passes)(*counted_passes))
+    return round(sum(p.bytes() for p in counted_passes))
 
 
 def run_mode(args: argparse.Namespace, name: str) -> None:
@@ -712,6 +729,7 @@ def run_mode(args: argparse.Namespace, name: str) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_cuda = torch.cuda.memory_allocated()
+    reset_peak_rss()  # set-up's peak (and the compile of `_regcompiled`'s passes) is not the steps'
     base_rss_mb = peak_rss_mb()
     reply({"ready": name, **job.info})
     # Commands from the driver, one a line: "step" (timed), "warmup", "count" (FlopCounterMode), "done".
@@ -754,10 +772,10 @@ def profile(args: argparse.Namespace, name: str, rows: int = 30) -> None:
 
     job = setup(args, name)
     for _ in range(max(args.warmup, 1)):
-        job.step()
+        job.step(job.passes)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if job.cuda else [])
     with torch_profile(activities=activities, record_shapes=True) as prof:
-        job.step()
+        job.step(job.passes)
     key = "self_cuda_time_total" if job.cuda else "self_cpu_time_total"
     log(prof.key_averages().table(sort_by=key, row_limit=rows))
     log(prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=rows))

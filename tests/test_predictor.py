@@ -304,6 +304,26 @@ def test_regularisers_from_all_layers_at_once_equal_the_per_layer_recomputation(
         assert _relative_error(new, exact) < 1.25 * _relative_error(old, exact) + 1e-2
 
 
+@pytest.mark.parametrize("images", [1, 2, 3, 5, 7, 8, 64, 129])
+def test_the_regularisers_chunks_cover_every_image_under_the_budget_and_never_one_beside_more(monkeypatch, images):
+    """The images whose maps are made together: consecutive, all of them, none over the budget (one image a chunk
+    when one is over it), and never a chunk of one image beside larger ones, which a compiled pass would compile a
+    second graph for."""
+    from train import losses
+
+    depth, tokens, captions, words, width = 2, 5, 3, 4, 8
+    queries = [torch.empty(images, tokens, width, device="meta")] * depth
+    keys = [torch.empty(images, captions, words, width, device="meta")] * depth
+    per_image = depth * tokens * captions * words * 12  # every layer's float32 map and two temporaries of its size
+    for budget in (0.5, 1, 1.5, 2, 2.5, 3, 7, 1000):  # in images
+        monkeypatch.setattr(losses, "MAP_CHUNK_BYTES", int(budget * per_image))
+        chunks = losses._chunks((*queries, *keys))
+        sizes = [c.stop - c.start for c in chunks]
+        assert [c.start for c in chunks] == [0, *[c.stop for c in chunks[:-1]]] and chunks[-1].stop == images
+        assert max(sizes) <= max(1, budget), (budget, sizes)
+        assert 1 not in sizes or set(sizes) == {1}, (budget, sizes)
+
+
 @pytest.mark.parametrize("cosine", ["full", "head_centred"])
 def test_regularisers_over_each_image_s_real_words_alone_equal_those_over_every_padded_word(cosine):
     """`image_words`: each image's real words gathered to the front and the maps only that wide (5 here, the most

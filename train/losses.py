@@ -246,13 +246,16 @@ MAP_CHUNK_BYTES = 2**30  # one chunk of images' maps, all layers at once, and th
 
 
 def _chunks(queries_keys: tuple[torch.Tensor, ...]) -> list[slice]:
-    """Slices of images whose maps are made together, as even as can be (no last chunk of one image, which a
-    compiled pass would compile again for): as many as keep every layer's float32 map and two temporaries of its
-    size under MAP_CHUNK_BYTES."""
+    """Slices of images whose maps are made together, as even as can be: as many as keep every layer's float32 map
+    and two temporaries of its size under MAP_CHUNK_BYTES. Never a chunk of one image beside larger ones, which a
+    compiled pass would compile again for (a dim of size 1 is specialised): one image each instead."""
     depth = len(queries_keys) // 2
     b, i = queries_keys[0].shape[:2]
     per_image = depth * i * math.prod(queries_keys[depth].shape[1:-1]) * 12  # the words: N·S, at most
-    count = min(b, -(-b * per_image // MAP_CHUNK_BYTES))
+    most = max(1, MAP_CHUNK_BYTES // per_image) if per_image else max(b, 1)  # images a chunk may hold
+    count = -(-b // most)
+    if 2 * count > b:  # fewer than two images a chunk on average: some would hold one
+        count = b
     bounds = [b * k // max(count, 1) for k in range(count + 1)]
     return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
