@@ -532,8 +532,8 @@ def input_path(shapes: Shapes, device: torch.device) -> Iterator[dict]:
     workers (`decode: cpu`) and then by nvJPEG on the device (`decode: gpu`). images/s of the loop, per log window
     after the first (compilation, workers starting), beside the synthetic batches of the `throughput` phase. Then a
     few uncompiled steps decoded on the device over the same JPEGs, every other one cut short after its scan's
-    header (a sound header, no body): the device decoder's failure must fall back image by image, and the
-    unreadable ones be counted as replaced, not crash the step. Each run's record as soon as it ends (`guarded`)."""
+    header (a sound header, no body, no end-of-image marker): the workers must send them to the CPU decoder, which
+    refuses them, and count them as replaced, the steps going on. Each run's record as soon as it ends (`guarded`)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "images"
         jpegs = write_jpegs(folder, shapes.input_images, 0, shapes.input_sizes)

@@ -4,7 +4,7 @@
 # stdout and in $OUT/gpu_check.jsonl when OUT is set. Needs torch and this repository only.
 #   benchmarks/gpu_check.sh --list                       # the phases and their expected time
 #   benchmarks/gpu_check.sh --phase throughput profile  # on a CUDA machine, some phases (default: all, ~22 min)
-#   for p in profile attention heads regularisers; do timeout -k 20 240 benchmarks/gpu_check.sh --phase $p; done
+#   for p in profile heads regularisers attention; do timeout -k 20 240 benchmarks/gpu_check.sh --phase $p; done
 #                                                        # each phase under its own limit, SIGKILL 20 s after SIGTERM
 #   benchmarks/gpu_check.sh --dry-run                    # every phase on the CPU with tiny shapes (what CI runs)
 set -euo pipefail

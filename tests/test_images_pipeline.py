@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -205,35 +206,39 @@ def test_decode_gpu_without_cuda_decodes_on_the_cpu_and_trains_the_same(
     assert_close_runs(metrics(runs["gpu"]), metrics(runs["cpu"]))
 
 
-def test_the_loader_hands_device_decoded_jpegs_over_with_the_run_s_resize_and_both_resizes_agree(tmp_path, monkeypatch):
-    """`StepBatches` with `decode: gpu` sends a batch's JPEGs with the run's `device_resize`; decoded and resized
-    (here on the CPU, where torchvision has no image extension and each image is decoded alone), per image or
-    batched, the batch's pixels agree to a level of uint8."""
+def _device_decoded_batch(folder: Path, **settings: Any) -> Batch:
+    """The first batch of 4 that the loader makes of the images in `folder` with `decode: gpu`."""
     from train.config import TrainConfig
     from train.data import StepBatches
     from train.data_index import build_index
 
+    index = build_index([folder], None, None, [], progress=False)
+    cfg = TrainConfig(
+        images=[str(folder)],
+        conditioning="none",
+        model="vit_tiny",
+        image_size=32,
+        patch_size=8,
+        batch_size=4,
+        min_context=2,
+        **settings,
+    )
+    return StepBatches(index, np.arange(len(index)), cfg, (4, 4), device_decode=True)[0]
+
+
+def test_the_loader_hands_device_decoded_jpegs_over_with_the_run_s_resize_and_both_resizes_agree(tmp_path, monkeypatch):
+    """`StepBatches` with `decode: gpu` sends a batch's JPEGs with the run's `device_resize`; decoded and resized
+    (here on the CPU, where torchvision has no image extension and each image is decoded alone), per image or
+    batched, the batch's pixels agree to a level of uint8."""
     folder = tmp_path / "jpegs"
     folder.mkdir()
     for k, (width, height) in enumerate([(90, 60), (60, 90), (75, 75), (120, 50)] * 2):
         (folder / f"{k}.jpg").write_bytes(scene_jpeg(width, height, seed=k))
-    index = build_index([folder], None, None, [], progress=False)
     pixels = {}
     calls: list[tuple] = []
     monkeypatch.setattr(train.images, "crop_resize_into", lambda *a: calls.append(a) or crop_resize_into(*a))
     for way in ("per_image", "batched"):
-        cfg = TrainConfig(
-            images=[str(folder)],
-            conditioning="none",
-            model="vit_tiny",
-            image_size=32,
-            patch_size=8,
-            batch_size=4,
-            min_context=2,
-            device_resize=way,
-            hflip=True,
-        )
-        batch = StepBatches(index, np.arange(len(index)), cfg, (4, 4), device_decode=True)[0]
+        batch = _device_decoded_batch(folder, device_resize=way, hflip=True)
         assert batch.encoded is not None and batch.encoded.resize == way and batch.encoded.rows == [0, 1, 2, 3]
         assert any(batch.encoded.flips) and not all(batch.encoded.flips)
         calls.clear()
@@ -252,9 +257,29 @@ def test_device_decoded_rows_pack_into_one_block_and_split_with_the_micro_batche
     assert second is not None and second.rows == [0, 1, 3] and second.flips == [True, False, True]
     assert second.boxes == boxes[1:] and all(torch.equal(a, b) for a, b in zip(second.data, jpegs[1:]))
     assert encoded.select(1, 2) is None
-    im = open_image(bytes(jpegs[0].numpy()))[0]
-    assert im is not None and device_decodable(im)
-    assert not device_decodable(open_image(_png(40, 30))[0])
+    data = bytes(jpegs[0].numpy())
+    im = open_image(data)[0]
+    assert im is not None and device_decodable(im, data) and device_decodable(im, data + bytes(16))
+    cut = data[: data.index(b"\xff\xda") + 14]  # the header and the scan's, then nothing: sent to the CPU
+    assert not device_decodable(open_image(cut)[0], cut)
+    png = _png(40, 30)
+    assert not device_decodable(open_image(png)[0], png)
+
+
+def test_the_loader_replaces_a_jpeg_cut_short_before_a_device_decoder_sees_it(tmp_path):
+    """`--decode gpu`: a JPEG whose header is sound but whose file ends early goes to the CPU decoder, which refuses
+    it, and the loader replaces the image by the next usable one, as without `--decode gpu`; nvJPEG never gets the
+    damaged bytes (it need not report them)."""
+    folder = tmp_path / "jpegs"
+    folder.mkdir()
+    whole = [scene_jpeg(60 + 5 * k, 50, seed=k) for k in range(4)]
+    (folder / "0.jpg").write_bytes(whole[0][: len(whole[0]) // 2])
+    for k in range(1, 4):
+        (folder / f"{k}.jpg").write_bytes(whole[k])
+    batch = _device_decoded_batch(folder)
+    assert batch.encoded is not None and batch.replaced == 1
+    sent = {bytes(d.numpy()) for d in batch.encoded.data}
+    assert len(batch.encoded.rows) == 4 and sent <= set(whole[1:]), "only whole JPEGs reach the device decoder"
 
 
 def _png(width: int, height: int) -> bytes:

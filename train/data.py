@@ -442,7 +442,7 @@ class StepBatches(torch.utils.data.Dataset):
                 box = crop_box(rng, *upright, self.cfg.crop_scale, self.cfg.crop_ratio)
                 flip = self.cfg.hflip and rng.random() < 0.5
             if self.device_decode:
-                if device_decodable(im):
+                if device_decodable(im, data):
                     encoded.rows.append(row)
                     encoded.data.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
                     encoded.boxes.append(box)
@@ -514,5 +514,7 @@ def _say_not_device_decodable(source_id: str) -> None:
     """One stderr line per process the first time `--decode gpu` meets an image the device decoder is not given."""
     global _told_not_jpeg
     if not _told_not_jpeg:
-        logger.warning(f"--decode gpu: {source_id} is not an upright RGB JPEG; such images are decoded on the CPU")
+        logger.warning(
+            f"--decode gpu: {source_id} is not a whole, upright RGB JPEG; such images are decoded on the CPU"
+        )
         _told_not_jpeg = True

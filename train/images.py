@@ -52,9 +52,13 @@ def crop_resize(im: Image.Image, upright: tuple[int, int], box: Box, size: int, 
     return out.flip(-1) if flip else out
 
 
-def device_decodable(im: Image.Image) -> bool:
-    """Whether nvJPEG gets this opened image: an RGB or greyscale JPEG with no EXIF rotation."""
-    return im.format == "JPEG" and im.mode in ("RGB", "L") and exif_orientation(im) == 1
+def device_decodable(im: Image.Image, data: bytes) -> bool:
+    """Whether nvJPEG gets this opened image (`data`, its file): an RGB or greyscale JPEG with no EXIF rotation that
+    ends as a whole one does, with its end-of-image marker (then at most zero padding). A file cut short, the common
+    damage (an interrupted copy), goes to the CPU decoder, which refuses it, so the loader replaces the image: a
+    device decoder need not report such a file, and the row would train on what it made of it."""
+    whole = data.rstrip(b"\0").endswith(b"\xff\xd9")
+    return im.format == "JPEG" and im.mode in ("RGB", "L") and exif_orientation(im) == 1 and whole
 
 
 @dataclass
