@@ -776,7 +776,7 @@ def profile(args: argparse.Namespace, name: str, rows: int = 30) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if job.cuda else [])
     with torch_profile(activities=activities, record_shapes=True) as prof:
         job.step(job.passes)
-    key = "self_cuda_time_total" if job.cuda else "self_cpu_time_total"
+    key = "self_device_time_total" if job.cuda else "self_cpu_time_total"
     log(prof.key_averages().table(sort_by=key, row_limit=rows))
     log(prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=rows))
 
