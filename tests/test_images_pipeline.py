@@ -273,7 +273,9 @@ def test_the_loader_replaces_a_jpeg_cut_short_before_a_device_decoder_sees_it(tm
     folder = tmp_path / "jpegs"
     folder.mkdir()
     whole = [scene_jpeg(60 + 5 * k, 50, seed=k) for k in range(4)]
-    (folder / "0.jpg").write_bytes(whole[0][: len(whole[0]) // 2])
+    cut = whole[0][: len(whole[0]) // 2]
+    assert open_image(cut)[0] is not None, "its header is whole: only the end decides"
+    (folder / "0.jpg").write_bytes(cut)
     for k in range(1, 4):
         (folder / f"{k}.jpg").write_bytes(whole[k])
     batch = _device_decoded_batch(folder)

@@ -322,6 +322,8 @@ def test_the_regularisers_chunks_cover_every_image_under_the_budget_and_never_on
         assert [c.start for c in chunks] == [0, *[c.stop for c in chunks[:-1]]] and chunks[-1].stop == images
         assert max(sizes) <= max(1, budget), (budget, sizes)
         assert 1 not in sizes or set(sizes) == {1}, (budget, sizes)
+        fewest = -(-images // max(1, int(budget)))  # the fewest chunks under the budget
+        assert len(sizes) == (images if 2 * fewest > images else fewest), (budget, sizes)
 
 
 @pytest.mark.parametrize("cosine", ["full", "head_centred"])

@@ -515,6 +515,7 @@ def _say_not_device_decodable(source_id: str) -> None:
     global _told_not_jpeg
     if not _told_not_jpeg:
         logger.warning(
-            f"--decode gpu: {source_id} is not a whole, upright RGB JPEG; such images are decoded on the CPU"
+            f"--decode gpu: {source_id} is not a JPEG the device decodes (not JPEG, CMYK, EXIF-rotated, or not ending"
+            " at its end-of-image marker: cut short or with data appended); such images are decoded on the CPU"
         )
         _told_not_jpeg = True

@@ -9,8 +9,8 @@ compiler in a process that would not otherwise).
 Device (`--decode gpu`): the worker only reads the header, draws the crop and sends the bytes; `decode_on_device`
 decodes the batch's JPEGs in one batched `torchvision.io.decode_jpeg` call (nvJPEG) and crops and resizes there, each
 crop in its own call (`device_resize: per_image`) or all at once by batched matrix products (`batched`).
-Images nvJPEG is not given (not JPEG, CMYK, or with an EXIF rotation, which torchvision applies only on the CPU)
-are decoded on the CPU as above.
+Images nvJPEG is not given (not JPEG, CMYK, with an EXIF rotation, which torchvision applies only on the CPU, or not
+ending at a JPEG's end-of-image marker: cut short, or with data appended) are decoded on the CPU as above.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ def device_decodable(im: Image.Image, data: bytes) -> bool:
     """Whether nvJPEG gets this opened image (`data`, its file): an RGB or greyscale JPEG with no EXIF rotation that
     ends as a whole one does, with its end-of-image marker (then at most zero padding). A file cut short, the common
     damage (an interrupted copy), goes to the CPU decoder, which refuses it, so the loader replaces the image: a
-    device decoder need not report such a file, and the row would train on what it made of it."""
-    whole = data.rstrip(b"\0").endswith(b"\xff\xd9")
-    return im.format == "JPEG" and im.mode in ("RGB", "L") and exif_orientation(im) == 1 and whole
+    device decoder need not report such a file, and the row would train on what it made of it. A whole file with data
+    appended (some cameras' trailers) is decoded on the CPU too."""
+    if not (im.format == "JPEG" and im.mode in ("RGB", "L") and exif_orientation(im) == 1):
+        return False
+    end = b"\xff\xd9"
+    return data.endswith(end) or data.rstrip(b"\0").endswith(end)  # rstrip copies the file: only when padded
 
 
 @dataclass
