@@ -153,11 +153,6 @@ def bytes_outside_the_passes(shape: Shape, device: torch.device) -> int:
     return counter.bytes
 
 
-class _Dropped(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
 @contextmanager
 def inductor_bytes() -> Iterator[Callable[[], int]]:
     """Inductor's count of what its kernels read and write after fusion, GEMMs included (`GraphLowering.count_bytes`),
@@ -167,7 +162,7 @@ def inductor_bytes() -> Iterator[Callable[[], int]]:
     from torch._inductor import metrics
 
     log = torch._logging.getArtifactLogger("torch._inductor.compile_fx", "inductor_metrics")
-    level, dropped = log.level, _Dropped()
+    level, dropped = log.level, lambda record: False
     log.setLevel(logging.INFO)  # this log alone, whatever TORCH_LOGS set for the others
     log.addFilter(dropped)
     metrics.reset()
@@ -179,21 +174,68 @@ def inductor_bytes() -> Iterator[Callable[[], int]]:
         log.setLevel(level)
 
 
+class CountedPass:
+    """A compiled regulariser pass that records, call by call, the images it ran on and inductor's bytes of any graph
+    the call compiled."""
+
+    def __init__(self, run: Callable[..., Any], counted: Callable[[], int]) -> None:
+        self.run, self.counted = run, counted
+        self.graphs: list[tuple[int, int]] = []  # (bytes, images it was compiled for)
+        self.images: list[int] = []
+
+    def __call__(self, queries: list, *rest: object) -> Any:
+        before = self.counted()
+        out = self.run(queries, *rest)
+        if self.counted() > before:
+            self.graphs.append((self.counted() - before, queries[0].shape[0]))
+        self.images.append(queries[0].shape[0])
+        return out
+
+    def bytes(self) -> float:
+        """The graph's bytes scaled from the images it was compiled for to every image it ran on (each image's maps
+        are alike)."""
+        if len(self.graphs) != 1:
+            raise SystemExit(
+                f"a regulariser pass compiled {len(self.graphs)} graphs in one call: cannot scale its bytes"
+            )
+        ((nbytes, compiled_for),) = self.graphs
+        return nbytes * sum(self.images) / compiled_for
+
+
+def compiled_pass_bytes(run: Callable[[RegulariserPasses], object], passes: RegulariserPasses) -> int:
+    """`run` (the regularisers' forward and backward, or a whole step, given the passes), compiling `passes` cold:
+    inductor's bytes of their graphs over every image. It counts a graph once, at the sizes of the chunk of images
+    it was compiled for, so each pass's count is scaled to every chunk it ran on."""
+    with inductor_bytes() as counted:
+        counted_passes = [CountedPass(pass_, counted) for pass_ in passes]
+        run(RegulariserPasses(*counted_passes))
+    return round(sum(p.bytes() for p in counted_passes))
+
+
 def compiled(name: str, shape: Shape, device: torch.device, backend: str) -> tuple[Callable[..., torch.Tensor], int]:
     """The reference compiled whole (the trainer never did), or today's with its passes compiled as under
-    `--compile`, and inductor's count of the bytes of the graphs compiled by the first call (0 for another backend)."""
+    `--compile`, and inductor's count of the bytes of the graphs compiled by the first call (0 for another backend):
+    today's scaled to every chunk of images its passes ran on."""
     if name == "reference":
         fn = torch.compile(reference_regularisers, fullgraph=True, dynamic=True, backend=backend)
     else:
-        fn = partial(over_real_words, passes=compiled_regulariser_passes(backend))
+        passes = compiled_regulariser_passes(backend)
+        fn = partial(over_real_words, passes=passes)
 
     def run(queries, keys, masks) -> torch.Tensor:
         return forward_backward(fn, queries, keys, masks)
 
-    with inductor_bytes() as counted:
+    if backend != "inductor":
         run(*operands(shape, device=device))
-        nbytes = counted()
-    if backend == "inductor" and not nbytes:
+        return run, 0
+    if name == "reference":
+        with inductor_bytes() as counted:
+            run(*operands(shape, device=device))
+            nbytes = counted()
+    else:
+        inputs = operands(shape, device=device)
+        nbytes = compiled_pass_bytes(lambda p: forward_backward(partial(over_real_words, passes=p), *inputs), passes)
+    if not nbytes:
         raise SystemExit("inductor counted no bytes: the graphs came from a cache, or its count moved")
     return run, nbytes
 

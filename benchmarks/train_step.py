@@ -88,10 +88,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from benchmarks.common import ROOT, peak_rss_mb, print_result, reset_peak_rss  # first: sets the offline environment
 
@@ -658,47 +656,10 @@ def setup(args: argparse.Namespace, name: str) -> Setup:
     passes = EAGER_PASSES
     if mode.regularisers == "compiled":
         passes = compiled_regulariser_passes("inductor")
+        from benchmarks.regularisers import compiled_pass_bytes
+
         info["regulariser_pass_bytes"] = compiled_pass_bytes(step, passes)
     return Setup(step, passes, model, mode, info, cuda)
-
-
-class CountedPass:
-    """A compiled regulariser pass that records, call by call, the images it ran on and inductor's bytes of any graph
-    the call compiled."""
-
-    def __init__(self, run: Callable[..., Any], counted: Callable[[], int]) -> None:
-        self.run, self.counted = run, counted
-        self.graphs: list[tuple[int, int]] = []  # (bytes, images it was compiled for)
-        self.images: list[int] = []
-
-    def __call__(self, queries: list, *rest: object) -> Any:
-        before = self.counted()
-        out = self.run(queries, *rest)
-        if self.counted() > before:
-            self.graphs.append((self.counted() - before, queries[0].shape[0]))
-        self.images.append(queries[0].shape[0])
-        return out
-
-    def bytes(self) -> float:
-        """The graph's bytes scaled from the images it was compiled for to every image it ran on (each image's maps
-        are alike)."""
-        if len(self.graphs) != 1:
-            raise SystemExit(
-                f"a regulariser pass compiled {len(self.graphs)} graphs in one step: cannot scale its bytes"
-            )
-        ((nbytes, compiled_for),) = self.graphs
-        return nbytes * sum(self.images) / compiled_for
-
-
-def compiled_pass_bytes(step: Callable[..., None], passes: Any) -> int:
-    """One untimed step that compiles the regularisers' passes cold: inductor's bytes of their graphs over the
-    batch (it counts a graph once, at the sizes of the chunk of images it was compiled for)."""
-    from benchmarks.regularisers import inductor_bytes
-
-    with inductor_bytes() as counted:
-        counted_passes = [CountedPass(run, counted) for run in passes]
-        step(type(passes)(*counted_passes))
-    return round(sum(p.bytes() for p in counted_passes))
 
 
 def run_mode(args: argparse.Namespace, name: str) -> None:
