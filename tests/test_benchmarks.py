@@ -106,6 +106,8 @@ def test_the_publish_log_benchmark_counts_the_same_requests_at_both_sizes():
     assert large["old_protocol_list_requests_per_commit"] == 3 and large["new_mirror_gets"] == 2 + 100 + 3 * 3, (
         "2 blocks, then 100 + 9 entries"
     )
+    for row in (small, large):  # the simulated store's own listing time, apart from the client's
+        assert 0 < row["ms_per_commit_less_store_listing"] < row["ms_per_commit"]
 
 
 def test_the_checkpoint_save_benchmark_times_every_way_of_saving():
