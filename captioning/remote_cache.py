@@ -197,12 +197,22 @@ class RemoteCaptionCache(CaptionCache):
         """Whether a gc claimed this shard's upload (and may be deleting it)."""
         return any(Path(name).stem == shard for name in claimed(self._log.entries()))
 
+    def _mirrored(self, shard: str) -> bool:
+        """Whether a sync found `shard` published: a shard's manifest is the last file of it mirrored."""
+        return (self.root / "manifests" / f"{shard}.json").exists()
+
+    @staticmethod
+    def _discard(staged: dict[str, Path]) -> None:
+        """Remove the staged copies of an upload (not the upload)."""
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
+
     def _withdraw(self, shard: str, staged: dict[str, Path]) -> None:
         """Remove an upload that no entry names (never read) and will not be published."""
-        for kind, tmp in staged.items():
+        for kind in staged:
             with contextlib.suppress(Exception):
                 self._fs.rm_file(f"{self._remote}/{kind}/{shard}.parquet")
-            tmp.unlink(missing_ok=True)
+        self._discard(staged)
 
     def commit(
         self, captions: list[dict[str, Any]] | pa.Table, failures: list[dict[str, Any]] | pa.Table | None = None
@@ -232,6 +242,9 @@ class RemoteCaptionCache(CaptionCache):
                 if seq is not None:
                     break
                 sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
+                if self._mirrored(shard):  # its own entry landed, though refused: published, not a lost race
+                    self._discard(staged)
+                    return CommitResult(shard, rows[0], batch.offered - rows[0], rows[1])
             self._publish_staged(shard, staged, cap_digests, fail_digests)
             atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
             self._log.keep(seq, canonical_json(doc))
@@ -258,13 +271,16 @@ class RemoteCaptionCache(CaptionCache):
                 self._upload(shard, staged)
                 seq = self._log.append(doc)
                 if seq is not None:
+                    atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
+                    self._publish_staged(shard, staged, np.zeros((0, 16), np.uint8), np.zeros((0, 16), np.uint8))
+                    self._log.keep(seq, canonical_json(doc))
+                    break
+                sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
+                if self._mirrored(shard):  # its own entry landed, though refused: the sync published it here
+                    self._discard(staged)
                     break
                 self._withdraw(shard, staged)
-                sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
-            atomic_write_bytes(self.root / "manifests" / f"{shard}.json", canonical_json(doc))
-            self._publish_staged(shard, staged, np.zeros((0, 16), np.uint8), np.zeros((0, 16), np.uint8))
             self._indexed_shards.discard(shard)
-            self._log.keep(seq, canonical_json(doc))
             self.remove_replaced()
         for old_shard in old:  # the manifest first: a mirror listing manifests then never finds files missing
             for kind, suffix in (("manifests", "json"), ("captions", "parquet"), ("failures", "parquet")):

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -61,6 +62,8 @@ from pipeline.core.remote import (
 logger = logging.getLogger(__name__)
 
 FETCHING = ".fetching"
+# Where a creator uploads the fitted arrays (`fitted/<creator id>/projection`, ...), the root naming the winner's.
+FITTED = "fitted"
 # What a keys mirror keeps of each segment: enough to skip stored captions and to resolve a run's captions to token
 # spans (`StoreKeys.spans`) without a token.
 KEYS_MIRROR_ARRAYS = ("zarr.json", "keys", "offsets")
@@ -118,7 +121,7 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
                 )
         wanted = segments if only is None else [s for s in segments if s in only]
         (local / "segments").mkdir(exist_ok=True)
-        _fetch_root_arrays(url, fs, root, local, json.loads(stored.data)["attributes"]["tcjepa"]["encoder"])
+        _fetch_root_arrays(url, fs, root, local, json.loads(stored.data)["attributes"]["tcjepa"])
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
         doc = json.loads(stored.data)
@@ -238,13 +241,20 @@ class RemoteEmbeddingStore(EmbeddingStore):
                 # one made hundreds of commits while seven waited). It is replaced only if the entries that won
                 # hold some of its captions, or a gc claimed it.
                 _sync_keys(self.url, self._fs, self._remote, self._objects, self.root)
+                entries = self._log.entries()
+                if source.segment_id in published_segments(entries):
+                    # Its own entry: the put was refused but had landed (a PUT retried after a lost or conflicting
+                    # answer), and the sync just mirrored it. Not a lost race: its captions would all look published
+                    # by someone else, and the upload the entry names be removed.
+                    break
                 prefix = f"segments/{source.segment_id}/"
-                if any(name.startswith(prefix) for name in claimed(self._log.entries())):
+                if any(name.startswith(prefix) for name in claimed(entries)):
                     # a gc claimed this upload and may still be deleting it: upload the captions under a new name
                     source = self._replace(source, source.without(np.zeros(source.captions, dtype=bool)), False)
                     uploaded = False
-            _keep_keys(self.root, source.segment_id, source.staging)
-            self._log.keep(seq, canonical_json(entry))
+            if seq is not None:  # else the sync mirrored its keys and kept its entry
+                _keep_keys(self.root, source.segment_id, source.staging)
+                self._log.keep(seq, canonical_json(entry))
             source.discard()
         self._update_remote_root()
         return PublishResult(source.segment_id, source.captions, source.tokens, dropped)
@@ -278,14 +288,17 @@ def collect_store_garbage(url: str, grace_s: float, delete: bool) -> GarbageRepo
     writable_filesystem(url, "store gc")
     objects = ObjectRoot.of(url)
 
-    def live_segments(entries: list[dict[str, Any]]) -> set[str]:
+    def live_owners(entries: list[dict[str, Any]]) -> set[str]:
+        """The segments the root or the log lists, and the creator whose fitted arrays the root names."""
         stored = objects.read("zarr.json")
         if stored is None:
             raise UserError(f"{url} is not an embedding store (no zarr.json)")
-        listed = parse_json(f"{url}/zarr.json", stored.data).get("attributes", {}).get("tcjepa", {}).get("segments")
-        return {"zarr.json", *(listed or []), *published_segments(entries)}
+        meta = parse_json(f"{url}/zarr.json", stored.data).get("attributes", {}).get("tcjepa", {})
+        fitted = str(meta.get(FITTED, "")).split("/")[1:]
+        return {"zarr.json", *(meta.get("segments") or []), *published_segments(entries), *fitted}
 
-    return collect_garbage(objects, ["segments"], lambda name: name.split("/")[1], live_segments, grace_s, delete)
+    # segments/<id>/... and fitted/<creator>/...: owned by the second part of the name
+    return collect_garbage(objects, ["segments", FITTED], lambda name: name.split("/")[1], live_owners, grace_s, delete)
 
 
 def _create(
@@ -299,28 +312,31 @@ def _create(
 ) -> None:
     """Create the remote root unless another writer did; refuse a prefix holding anything else.
 
-    The fitted arrays go up before `zarr.json`, so a reader never sees a root without them. Two creators racing
-    upload them under the same names; each store's recipe records their sha256, which every reader checks, and the
-    fit is deterministic, so creators fitting on the same captions upload the same bytes.
+    The fitted arrays go up before `zarr.json`, so a reader never sees a root without them, and under a prefix of
+    this creator's own (`fitted/<id>/`, which the root names): creators racing fit on their own hardware, whose
+    arrays need not agree to the bit, and under shared names a loser's upload could replace the winner's arrays after
+    the winner's root recorded their sha256s. The root is created only if absent; a loser's arrays are garbage.
     """
     # another creator may be done
-    known = ("segments", LOG, CONDENSED, "zarr.json", *ROOT_ARRAYS)
+    known = ("segments", LOG, CONDENSED, "zarr.json", FITTED, *ROOT_ARRAYS)
     others = [n for n in remote_names(fs, url, root) if n not in known]
     if remote_call(url, fs.exists, f"{root}/zarr.json"):
         return
     if others or any(n != "zarr.json" for n in remote_names(fs, url, f"{root}/segments")):
         raise UserError(f"--store {url} holds other objects and no zarr.json; choose a new prefix")
+    creator = uuid.uuid4().hex  # also tells mirrors this store from one made later under the same URL
     with tempfile.TemporaryDirectory() as tmp:
         write_empty_root(Path(tmp), encoder, width, transform)
-        for name in ROOT_ARRAYS:
+        doc = json.loads((Path(tmp) / "zarr.json").read_bytes())
+        doc["attributes"]["tcjepa"]["id"] = creator
+        if root_arrays(encoder):
+            doc["attributes"]["tcjepa"][FITTED] = f"{FITTED}/{creator}"
+        for name in root_arrays(encoder):
             for dirpath, _, files in os.walk(Path(tmp) / name):
                 for file in files:
                     relative = (Path(dirpath) / file).relative_to(tmp).as_posix()
-                    remote_call(url, fs.put_file, str(Path(dirpath) / file), f"{root}/{relative}")
+                    remote_call(url, fs.put_file, str(Path(dirpath) / file), f"{root}/{FITTED}/{creator}/{relative}")
         segments_group = (Path(tmp) / "segments" / "zarr.json").read_bytes()
-        doc = json.loads((Path(tmp) / "zarr.json").read_bytes())
-        # tells mirrors this store from one made later under the same URL
-        doc["attributes"]["tcjepa"]["id"] = uuid.uuid4().hex
         remote_call(url, fs.pipe_file, f"{root}/segments/zarr.json", segments_group)
         objects.create_or_read("zarr.json", json.dumps(doc, indent=2).encode())
 
@@ -352,7 +368,7 @@ def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -
         doc["attributes"]["tcjepa"]["segments"] = []
         atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
     fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
-    _fetch_root_arrays(url, fs, root, local, remote_meta["encoder"])
+    _fetch_root_arrays(url, fs, root, local, remote_meta)
     listed = EmbeddingStore(local).segment_ids()
     shutil.rmtree(local / FETCHING, ignore_errors=True)
     for segment in segments:
@@ -374,18 +390,30 @@ def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -
     shutil.rmtree(local / FETCHING, ignore_errors=True)
 
 
-def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path, recipe: dict[str, Any]) -> None:
-    """Copy the fitted arrays `recipe` names (projection, channel scales) once: they never change after the store is
-    made, so a sync that finds them here asks nothing about them. (Listing them on every sync was 6 of ~11 requests
-    per try of a writer that lost a race for its log entry.) Each arrives whole, renamed into place; readers check
-    them against the recipe's sha256s."""
-    for name in root_arrays(recipe):
-        if (local / name).exists():
-            continue
-        partial = local / STAGING / name
-        shutil.rmtree(partial, ignore_errors=True)
-        fetch_tree(url, fs, f"{root}/{name}", partial)
-        partial.rename(local / name)
+def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path, meta: dict[str, Any]) -> None:
+    """Copy the fitted arrays the store's recipe names (projection, channel scales) once, from where its root
+    (attributes `meta`) says they are: they never change after the store is made, so a sync that finds them here asks
+    nothing about them. (Listing them on every sync was 6 of ~11 requests per try of a writer that lost a race for its
+    log entry.) They arrive in staging and are checked against the recipe's sha256s before they are renamed into
+    place, so a damaged copy is never kept."""
+    recipe = meta["encoder"]
+    wanted = [name for name in root_arrays(recipe) if not (local / name).exists()]
+    if not wanted:
+        return
+    where = meta.get(FITTED, "")  # stores made before creators had prefixes of their own: the root itself
+    if where and (not isinstance(where, str) or not re.fullmatch(rf"{FITTED}/[0-9a-f]{{32}}", where)):
+        raise DataProblem(f"{url}/zarr.json: {FITTED} {where!r} is not where a creator's fitted arrays go")
+    staging = local / STAGING / FITTED
+    shutil.rmtree(staging, ignore_errors=True)
+    for name in wanted:
+        fetch_tree(url, fs, f"{root}/{where}/{name}" if where else f"{root}/{name}", staging / name)
+    for name in root_arrays(recipe):  # the sha256s the recipe records, those already here included
+        if not (staging / name).exists():
+            shutil.copytree(local / name, staging / name)
+    StoreTransform.load(staging, recipe)
+    for name in wanted:
+        (staging / name).rename(local / name)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _keys_mirror(url: str, fs: Any, root: str, objects: ObjectRoot, mirror: Path | None) -> Path:

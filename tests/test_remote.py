@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -337,6 +338,80 @@ def test_a_lost_race_whose_rows_nobody_published_is_won_by_the_same_upload(tmp_p
     assert collect_store_garbage(f"{root}/store", 0.0, delete=False).found == 0
 
 
+class _OwnEntryAnsweredAsRefused:
+    """An obstore store whose first create of a log entry lands but is answered as refused, the entry then not
+    readable at once: what a writer sees when its PUT is retried after a lost answer (or refused while the first try
+    is still in flight) and the winner is itself."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.landed = inner, None
+
+    def put(self, path: str, data: bytes, **kwargs: Any) -> Any:
+        from obstore.exceptions import AlreadyExistsError
+
+        if self.landed is None and path.startswith("log/") and kwargs.get("mode") == "create":
+            self.inner.put(path, data, **kwargs)
+            self.landed = path
+            raise AlreadyExistsError("ConditionalRequestConflict")
+        return self.inner.put(path, data, **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        if path == self.landed:
+            self.landed = ""  # once: still landing
+            raise FileNotFoundError(path)
+        return self.inner.get(path, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_writer_whose_refused_entry_had_landed_keeps_its_upload(tmp_path, object_bucket):
+    """A cache commit, a compaction and a store segment whose entry's create was refused though it landed: after
+    catching up, each finds its own upload published and keeps it (before, it took its rows for another writer's
+    and removed the upload its entry names)."""
+    from captioning.annotations import PROMPT_ID
+    from captioning.cache import caption_row
+    from captioning.compact import _read_group
+    from captioning.remote_cache import RemoteCaptionCache, collect_cache_garbage
+    from embedding_cache.remote_store import RemoteEmbeddingStore, collect_store_garbage
+    from embedding_cache.store import TokenLayout
+
+    fs, root, bucket, env = object_bucket
+    cache = RemoteCaptionCache.open_or_create(f"{root}/cache", tmp_path / "cache")
+    digest = cache.add_recipe({"kind": "annotations", "test": "own entry"})
+    rows = [
+        caption_row(f"{i // 4:064x}", f"img{i // 4}", digest, PROMPT_ID, i % 4, f"caption {i}", "stop")
+        for i in range(40)
+    ]
+    assert cache.commit(rows[:20]).captions_added == 20
+    refusing = cache._objects.store = _OwnEntryAnsweredAsRefused(cache._objects.store)
+    result = cache.commit(rows[20:])
+    assert refusing.landed == "" and (result.captions_added, result.captions_duplicate) == (20, 0)
+    refusing.landed = None
+    shards = cache.shard_ids()
+    compacted = cache.replace_shards(shards, *_read_group(cache, shards))
+    assert refusing.landed == "" and compacted in cache.shard_ids()
+    assert tcjepa("cache", "verify", f"{root}/cache", "--no-progress", env=env).stdout.startswith(
+        "ok: 1 recipes, 1 shards, 40 captions"
+    )
+    assert collect_cache_garbage(f"{root}/cache", 0.0, delete=False).found == 0
+
+    store = RemoteEmbeddingStore.open_or_create(f"{root}/store", {"kind": "t"}, 4, tmp_path / "store")
+    refusing = store._objects.store = _OwnEntryAnsweredAsRefused(store._objects.store)
+    writer = store.new_segment(TokenLayout(8, 2))
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        writer.append(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), np.ones((2, 4), np.float16))
+    writer.finish()
+    published = store.publish(writer)
+    assert refusing.landed == "" and (published.captions, published.duplicates_dropped) == (10, 0)
+    assert store.segment_ids() == [published.segment]
+    assert tcjepa("store", "verify", f"{root}/store", "--no-progress", env=env).stdout.startswith(
+        "ok: 1 segments, 10 captions"
+    )
+    assert collect_store_garbage(f"{root}/store", 0.0, delete=False).found == 0
+
+
 @pytest.mark.distributed
 def test_four_processes_write_one_remote_cache_at_once(tmp_path, object_bucket, synth_dir, annotated_cache):
     """Two hosts sharing a mirror directory and two with their own, all importing the same captions (s3://, az://)."""
@@ -407,6 +482,78 @@ def test_two_hosts_append_to_one_remote_store(tmp_path, object_bucket, annotated
         "store", "verify", url, "--no-progress", env={**env, "HOME": str(tmp_path / "home")}
     ).stdout.startswith("ok: ")
     assert_same_embeddings(mirror_store(url, tmp_path / "reader"), annotated_store)
+
+
+def test_creators_racing_with_different_fits_leave_the_winners_arrays(tmp_path, object_bucket, monkeypatch):
+    """Two hosts create one projected store at once, their fits not equal to the bit (other hardware): B uploads
+    its arrays, then A uploads its own, then B's root wins and A's loses. Every reader must get B's arrays, the ones
+    B's root records (under shared names A's upload replaced them, and every reader refused the store); A's are
+    garbage that gc frees. A damaged copy is refused as it is mirrored, not kept."""
+    import threading
+
+    from embedding_cache.remote_store import RemoteEmbeddingStore, collect_store_garbage, mirror_store
+    from embedding_cache.store import EmbeddingStore
+    from embedding_cache.transform import fit_transform
+    from pipeline.core.objects import ObjectRoot
+
+    fs, root, bucket, env = object_bucket
+    url = f"{root}/store"
+    request = {"kind": "test-encoder", "projection": {"dim": 4}}
+    fits = {
+        host: fit_transform(np.random.default_rng(seed).standard_normal((64, 8)).astype(np.float32), "float16", 4, 16)
+        for host, seed in (("A", 1), ("B", 2))
+    }
+    b_waits, a_uploaded, b_created = threading.Event(), threading.Event(), threading.Event()
+    create_or_read = ObjectRoot.create_or_read
+
+    def in_turn(self: ObjectRoot, name: str, data: bytes, *args: Any) -> bytes:
+        if name == "zarr.json" and threading.current_thread().name == "B":
+            b_waits.set()
+            assert a_uploaded.wait(60)
+            try:
+                return create_or_read(self, name, data, *args)
+            finally:
+                b_created.set()
+        if name == "zarr.json" and threading.current_thread().name == "A":
+            a_uploaded.set()
+            assert b_created.wait(60)
+        return create_or_read(self, name, data, *args)
+
+    monkeypatch.setattr(ObjectRoot, "create_or_read", in_turn)
+    opened: dict[str, Any] = {}
+
+    def create(host: str) -> None:
+        entries, transform = fits[host]
+        try:
+            opened[host] = RemoteEmbeddingStore.open_or_create(
+                url, {**request, **entries}, 4, tmp_path / host, transform=transform
+            )
+        except Exception as exc:  # reported below, in the test's thread
+            opened[host] = exc
+
+    threads = {host: threading.Thread(target=create, args=(host,), name=host) for host in "BA"}
+    threads["B"].start()
+    assert b_waits.wait(60), "B uploaded its arrays first"
+    threads["A"].start()
+    for thread in threads.values():
+        thread.join(120)
+    assert all(isinstance(store, RemoteEmbeddingStore) for store in opened.values()), opened
+    want = fits["B"][1]
+    for store in (*opened.values(), EmbeddingStore(mirror_store(url, tmp_path / "reader"))):
+        got = store.transform
+        assert got.projection is not None and want.projection is not None
+        np.testing.assert_array_equal(got.projection.components, want.projection.components)
+    report = collect_store_garbage(url, 0.0, delete=True)
+    assert report.deleted > 0, "A's arrays, which no root names"
+    fresh = EmbeddingStore(mirror_store(url, tmp_path / "after-gc")).transform.projection
+    assert fresh is not None and np.array_equal(fresh.components, want.projection.components)
+
+    fitted = json.loads(fs.cat_file(f"{bucket}/store/zarr.json"))["attributes"]["tcjepa"]["fitted"]
+    chunks = [p for p in fs.find(f"{bucket}/store/{fitted}/projection") if "/c/" in p]
+    fs.pipe_file(chunks[0], fs.cat_file(chunks[0])[::-1])
+    with pytest.raises(DataProblem, match="projection"):
+        mirror_store(url, tmp_path / "damaged")
+    assert not list((tmp_path / "damaged").glob("*/projection")), "not kept: the next sync fetches it again"
 
 
 def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, object_bucket):
@@ -503,7 +650,8 @@ def test_an_int8_projected_store_on_s3_keeps_its_fitted_arrays(tmp_path, s3, ann
     args = ["--cache", annotated_cache, "--model", tiny_models / "t5", "--store-dtype", "int8", "--project-dim", "16"]
     small = ["--chunk-tokens", "256", "--shard-chunks", "4", "--window", "64", "--segment-mb", "0.2", "--no-progress"]
     tcjepa("embed", "--store", url, *args, *small, "--mirror", tmp_path / "writer", env=env)
-    assert fs.exists(f"{BUCKET}/int8-projected/projection/components/zarr.json")
+    fitted = json.loads(fs.cat_file(f"{BUCKET}/int8-projected/zarr.json"))["attributes"]["tcjepa"]["fitted"]
+    assert fs.exists(f"{BUCKET}/int8-projected/{fitted}/projection/components/zarr.json"), "its creator's prefix"
     again = tcjepa("embed", "--store", url, *args, *small, "--mirror", tmp_path / "writer2", env=env).stdout
     assert "320 already stored" in again
     keys = mirror_store_keys(url, tmp_path / "keys")
