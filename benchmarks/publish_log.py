@@ -4,11 +4,13 @@ A simulated back-end: obstore's in-memory store behind the same `ObjectRoot` the
 listing counts one request per 1,000 keys, as S3, GCS and Azure page them). For each history size the log gets that
 many entries (condensed every 1,000, as writers leave it); then one writer whose mirror holds them commits `--commits`
 times, while `--others` entries of other writers land before each of its commits (so each commit first loses the race
-for its number, looks again, and retries: the busy case). Per commit: list requests, gets and bytes read, and the
-wall time of the sync and append (and that time less the simulated store's own listing time: obstore's in-memory
-store filters every key it holds on each listing, where S3 and Azure seek to the offset, so its listings alone grow
-with the history); beside them, the list requests of the previous protocol (the whole `log/` prefix
-listed per look) and what a new mirror reads to catch up (condensed blocks, then the entries after them).
+for its number, looks again, and retries: the busy case). Per commit: list requests, gets and bytes read; the wall
+time of the sync and append, and that time less the simulated store's own listing time (obstore's in-memory store
+filters every key it holds on each listing, where S3 seeks to the name, so its listings alone grow with the history);
+the list requests of the previous protocol (the whole `log/` prefix listed per look); and what a new mirror reads to
+catch up (condensed blocks, then the entries after them). `in_turn_*`: the same with the log read by name, as on
+Azure, whose listing cannot start after a name: the block that holds the next number, then each entry up to the
+first missing one.
 
     python -m benchmarks.publish_log [--sizes 100 10000 1000000] [--commits 20] [--others 3]
 """
@@ -51,6 +53,10 @@ def history(objects: ObjectRoot, mirror: Path, size: int) -> None:
         (mirror / LOG / f"{size - len(block) + offset:012d}.json").write_bytes(raw.encode())
 
 
+# What is reported of the log read in turn (as on Azure, whose listing cannot start after a name), beside listing.
+IN_TURN_KEYS = ("list_requests_per_commit", "gets_per_commit", "bytes_read_per_commit", "new_mirror_gets")
+
+
 class TimedListings:
     """An obstore store whose listings are timed (`list_s`), the pages drawn inside the timing; else the store."""
 
@@ -67,12 +73,13 @@ class TimedListings:
         return getattr(self.store, name)
 
 
-def measure(size: int, commits: int, others: int) -> dict[str, float]:
+def measure(size: int, commits: int, others: int, lists_after: bool = True) -> dict[str, float]:
+    """One history size; `lists_after` False reads the log as on Azure, whose listing cannot start after a name."""
     with tempfile.TemporaryDirectory() as tmp:
         from obstore.store import MemoryStore
 
         store = TimedListings(MemoryStore())
-        objects = ObjectRoot("memory://bench/cache", store)
+        objects = ObjectRoot("memory://bench/cache", store, lists_after=lists_after)
         history(objects, Path(tmp) / "writer", size)
         log = PublishLog(objects, Path(tmp) / "writer")
         objects.requests.clear()
@@ -122,7 +129,12 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=20)
     parser.add_argument("--others", type=int, default=3)
     args = parser.parse_args()
-    rows = [measure(size, args.commits, args.others) for size in args.sizes]
+    rows = []
+    for size in args.sizes:
+        row = measure(size, args.commits, args.others)
+        in_turn = measure(size, args.commits, args.others, lists_after=False)
+        row.update({f"in_turn_{key}": in_turn[key] for key in IN_TURN_KEYS})
+        rows.append(row)
     for row in rows:
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     small, large = rows[0], rows[-1]
@@ -139,6 +151,8 @@ def main() -> None:
             "ms_per_commit_ratio_largest_over_smallest": large["ms_per_commit"] / small["ms_per_commit"],
             "ms_per_commit_less_store_listing_ratio_largest_over_smallest": large["ms_per_commit_less_store_listing"]
             / small["ms_per_commit_less_store_listing"],
+            "in_turn_gets_ratio_largest_over_smallest": large["in_turn_gets_per_commit"]
+            / small["in_turn_gets_per_commit"],
         }
     )
 

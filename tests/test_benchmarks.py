@@ -108,6 +108,8 @@ def test_the_publish_log_benchmark_counts_the_same_requests_at_both_sizes():
     )
     for row in (small, large):  # the simulated store's own listing time, apart from the client's
         assert 0 < row["ms_per_commit_less_store_listing"] < row["ms_per_commit"]
+    assert small["in_turn_list_requests_per_commit"] == large["in_turn_list_requests_per_commit"] == 0
+    assert small["in_turn_gets_per_commit"] == large["in_turn_gets_per_commit"] > 0, "read by name, as on Azure"
 
 
 def test_the_checkpoint_save_benchmark_times_every_way_of_saving():

@@ -119,6 +119,39 @@ def test_a_new_mirror_reads_condensed_blocks_and_the_entries_after_them(objects,
     assert objects.requests == {"list": 2, "get": 4}, "two blocks, then entries 8 and 9"
 
 
+def test_where_nothing_lists_after_a_name_a_sync_reads_in_turn_as_cheaply(tmp_path):
+    """Azure's listing cannot start after a name (obstore pages through the whole prefix): there the log is read by
+    name, the block that holds the next number, then entry after entry to the first missing one. What a sync costs
+    does not grow with the history either: the new entries and two reads of names not there yet, no listing."""
+    objects = ObjectRoot("memory://bucket/cache", MemoryStore(), lists_after=False)
+    writers = [PublishLog(objects, tmp_path / f"w{k}", condense_every=4) for k in range(2)]
+    for i in range(10):  # two writers taking turns, each looking again before it appends
+        log = writers[i % 2]
+        log.keep_all(log.unseen())
+        assert log.append({"i": i}) == i
+        log.keep(i, canonical_json({"i": i}))
+    fresh = PublishLog(objects, tmp_path / "fresh", condense_every=4)
+    objects.requests.clear()
+    assert fresh.unseen() == [(i, canonical_json({"i": i})) for i in range(10)]
+    assert objects.requests == {"get": 2 + 1 + 2 + 1}, "blocks 3 and 7, no block 11; entries 8 and 9, no 10"
+    fresh.keep_all(fresh.unseen())
+    for i in range(10, 2010):
+        objects.create(f"{LOG}/{i:012d}.json", canonical_json({"i": i}))
+    fresh.keep_all(fresh.unseen())
+    objects.requests.clear()
+    assert writers[0].append({"i": "late"}) is None, "entry 10 is taken"
+    writers[0].keep_all(writers[0].unseen())
+    assert writers[0].append({"i": "late"}) == 2010
+    objects.requests.clear()
+    assert fresh.unseen() == [(2010, canonical_json({"i": "late"}))]
+    assert objects.requests == {"get": 3}, "no block 2011, entry 2010, no entry 2011: as at 10 entries"
+    fresh.keep_all(fresh.unseen())
+    (tmp_path / "fresh" / LOG / f"{2009:012d}.json").unlink()  # a hole in the copies: read from there again
+    assert [seq for seq, _ in fresh.unseen()] == [2009], "2010 is held"
+    objects.delete(f"{CONDENSED}/{7:012d}.json")  # a block its writer died before writing: entries one by one
+    assert [seq for seq, _ in PublishLog(objects, tmp_path / "new", condense_every=4).unseen()] == list(range(2011))
+
+
 def test_a_writer_that_lacks_a_copy_writes_no_block(objects, tmp_path):
     """A block is written only from entries held here: a writer that would have to guess writes none (readers then
     read the entries one by one)."""
@@ -210,6 +243,7 @@ def test_the_log_and_compare_and_swap_on_each_object_store_server(tmp_path, obje
     fs = bucket_on(server, scheme, bucket)
     url = f"{scheme}://{bucket}/x"
     a, b = PublishLog(ObjectRoot.of(url), tmp_path / "a"), PublishLog(ObjectRoot.of(url), tmp_path / "b")
+    assert a.objects.lists_after == (scheme == "s3"), "Azure's List Blobs cannot start after a name: read in turn"
     assert a.append({"writer": "a"}) == 0
     assert b.append({"writer": "b"}) is None
     assert a.append({"writer": "a"}) == 0, "a retried PUT finds its own entry"

@@ -46,10 +46,18 @@ class Listed:
 
 class ObjectRoot:
     """The objects under one URL (`store` is an obstore store rooted there): create if absent, replace if unchanged,
-    read, and list after a name. `requests` counts the requests made, by kind, and `bytes_read` what they read."""
+    read, and list after a name. `requests` counts the requests made, by kind, and `bytes_read` what they read.
 
-    def __init__(self, url: str, store: Any) -> None:
+    `lists_after`: whether the back-end lists from a given name on (S3's `start-after`). Azure's List Blobs has no
+    such parameter (only an opaque continuation marker): obstore then lists the whole prefix and drops what comes
+    before the name, a request per 5,000 names, so the publish log reads such a back-end by name instead
+    (`pipeline.core.remote.PublishLog`)."""
+
+    def __init__(self, url: str, store: Any, lists_after: bool | None = None) -> None:
+        from obstore.store import AzureStore
+
         self.url, self.store = url, store
+        self.lists_after = not isinstance(store, AzureStore) if lists_after is None else lists_after
         self.requests: Counter[str] = Counter()
         self.bytes_read = 0
 
@@ -130,7 +138,8 @@ class ObjectRoot:
         return [Listed(m["path"], int(m["size"]), m["last_modified"].timestamp()) for m in self._list(prefix, None)]
 
     def _list(self, prefix: str, offset: str | None) -> list[dict[str, Any]]:
-        """The listed objects' metadata, sorted by path; one request counted per page."""
+        """The listed objects' metadata, sorted by path; one request counted per page of what was returned (where the
+        back-end cannot start after `offset`, it paged through the names before it too: `lists_after`)."""
         try:
             pages = self.store.list(f"{prefix}/", offset=offset) if offset else self.store.list(f"{prefix}/")
             metas = sorted((meta for page in pages for meta in page), key=lambda meta: meta["path"])

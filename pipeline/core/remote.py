@@ -209,7 +209,8 @@ class PublishLog:
     is kept under the mirror's ``log/``.
 
     The next entry to try is one past the highest number held here. Reading new entries lists only the names after
-    the entries this mirror holds without a gap, so a sync costs the same however long the history. Every
+    the entries this mirror holds without a gap (on a back-end that cannot list after a name, Azure's, it reads them
+    by name in turn), so a sync costs the same however long the history. Every
     `condense_every` entries, the writer of the last one also writes them as one ``log-condensed/<last>.json``
     (created only if absent), and a new mirror reads those blocks instead of each entry: N / `condense_every`
     objects, not N. The local copies are condensed the same way (``<first>-<last>.json``), so that the mirror's
@@ -272,13 +273,16 @@ class PublishLog:
         return after, {seq for first, last in held if last > after for seq in range(first, last + 1)}
 
     def unseen_numbers(self) -> list[int]:
-        """Numbers of the remote entries not copied here (one listing, no entry read)."""
+        """Numbers of the remote entries not copied here (one listing, no entry read; on a back-end that lists after a
+        name)."""
         after, beyond = self._position()
         return [seq for seq in self._listed_after(LOG, after) if seq not in beyond]
 
     def unseen(self) -> list[tuple[int, bytes]]:
         """Remote entries not copied here yet, oldest first (raw bytes; `keep` them once acted on)."""
         after, beyond = self._position()
+        if not self.objects.lists_after:
+            return self._read_in_turn(after, beyond)
         found: dict[int, bytes] = {}
         cursor = after  # every entry up to here is held or found
         for last in self._listed_after(CONDENSED, after):
@@ -294,6 +298,35 @@ class PublishLog:
             if stored is None:
                 raise RemoteFileMissing(f"{self.objects.url}/{LOG}/{self._name(seq)}: listed but missing")
             found[seq] = stored.data
+        return sorted(found.items())
+
+    def _read_in_turn(self, after: int, beyond: set[int]) -> list[tuple[int, bytes]]:
+        """`unseen` where the back-end cannot list after a name (Azure): the condensed block that holds the next
+        number while there is one, then the entries one by one up to the first that does not exist. A writer creates
+        the number one past the highest it holds after catching up, so the log has no hole for a missing number to
+        hide entries behind; a sync reads the new entries and two names that are not there yet, however long the
+        history."""
+        found: dict[int, bytes] = {}
+        cursor, size = after, self.condense_every
+        while True:
+            last = (cursor + 1) // size * size + size - 1
+            name = f"{CONDENSED}/{self._name(last)}"
+            stored = self.objects.read(name)
+            if stored is None:
+                break
+            block = _block_entries(f"{self.objects.url}/{name}", stored.data)
+            if not block or block[0][0] > cursor + 1 or block[-1][0] != last:
+                raise DataProblem(f"{self.objects.url}/{name}: does not hold entries {last - size + 1} to {last}")
+            found.update((seq, raw) for seq, raw in block if seq > after and seq not in beyond)
+            cursor = last
+        seq = cursor + 1
+        while True:
+            if seq not in beyond:
+                stored = self.objects.read(f"{LOG}/{self._name(seq)}")
+                if stored is None:
+                    break
+                found[seq] = stored.data
+            seq += 1
         return sorted(found.items())
 
     def _remote_block(self, last: int) -> list[tuple[int, bytes]]:
