@@ -261,9 +261,13 @@ def test_the_log_and_compare_and_swap_on_each_object_store_server(tmp_path, obje
         ObjectRoot.of(f"{scheme}://no-such-bucket-here/x").create("a", b"1")
 
 
-def test_a_missing_block_does_not_hide_the_entries_before_the_next_one(objects, tmp_path):
+@pytest.mark.parametrize(("lists_after", "requests"), [(True, {"list": 2, "get": 6}), (False, {"get": 9})])
+def test_a_missing_block_does_not_hide_the_entries_before_the_next_one(tmp_path, lists_after, requests):
     """The writer of a block's last entry died before writing the block: a new mirror reads that stretch entry by
-    entry, and still gets every entry in one sync (a gc reads once: an entry it missed would be deleted data)."""
+    entry, then the blocks after it, and gets every entry in one sync (a gc reads once: an entry it missed would be
+    deleted data). Listed: the blocks, entries 0-3, blocks 7 and 11, the entries after 11. Read by name: no block 3,
+    entries 0-3, blocks 7 and 11, no block 15, no entry 12. (Before, every entry after the gap was read by name.)"""
+    objects = ObjectRoot("memory://bucket/cache", MemoryStore(), lists_after=lists_after)
     log = PublishLog(objects, tmp_path / "writer", condense_every=4)
     for i in range(12):
         assert log.append({"i": i}) == i
@@ -271,7 +275,9 @@ def test_a_missing_block_does_not_hide_the_entries_before_the_next_one(objects, 
     assert objects.names(CONDENSED) == ["000000000003.json", "000000000007.json", "000000000011.json"]
     objects.delete(f"{CONDENSED}/000000000003.json")
     fresh = PublishLog(objects, tmp_path / "fresh", condense_every=4)
+    objects.requests.clear()
     assert [seq for seq, _ in fresh.unseen()] == list(range(12))
+    assert objects.requests == requests
 
 
 def test_a_copy_left_beside_its_local_block_is_held_once(objects, tmp_path):

@@ -287,8 +287,13 @@ class PublishLog:
         cursor = after  # every entry up to here is held or found
         for last in self._listed_after(CONDENSED, after):
             block = self._remote_block(last)
-            if not block or block[0][0] > cursor + 1:
-                break  # a block is missing before this one (its writer died): read the entries from `cursor` on
+            if not block:
+                break
+            if block[0][0] > cursor + 1:  # a block is missing before this one (its writer died before writing it)
+                entries, whole = self._entries_by_name(range(cursor + 1, block[0][0]), beyond)
+                found.update(entries)
+                if not whole:
+                    break  # an entry is missing too: the listing below reads on from `cursor`
             found.update((seq, raw) for seq, raw in block if seq > after and seq not in beyond)
             cursor = max(cursor, block[-1][0])
         for seq in self._listed_after(LOG, cursor):
@@ -302,32 +307,39 @@ class PublishLog:
 
     def _read_in_turn(self, after: int, beyond: set[int]) -> list[tuple[int, bytes]]:
         """`unseen` where the back-end cannot list after a name (Azure): the condensed block that holds the next
-        number while there is one, then the entries one by one up to the first that does not exist. A writer creates
-        the number one past the highest it holds after catching up, so the log has no hole for a missing number to
-        hide entries behind; a sync reads the new entries and two names that are not there yet, however long the
-        history."""
+        number, or where there is none that block's entries one by one, and so on up to the first entry that does not
+        exist. A writer creates the number one past the highest it holds after catching up, so the log has no hole
+        for a missing number to hide entries behind; a sync reads the new entries and two names that are not there
+        yet, however long the history."""
         found: dict[int, bytes] = {}
         cursor, size = after, self.condense_every
         while True:
             last = (cursor + 1) // size * size + size - 1
             name = f"{CONDENSED}/{self._name(last)}"
             stored = self.objects.read(name)
-            if stored is None:
-                break
-            block = _block_entries(f"{self.objects.url}/{name}", stored.data)
-            if not block or block[0][0] > cursor + 1 or block[-1][0] != last:
-                raise DataProblem(f"{self.objects.url}/{name}: does not hold entries {last - size + 1} to {last}")
-            found.update((seq, raw) for seq, raw in block if seq > after and seq not in beyond)
+            if stored is not None:
+                block = _block_entries(f"{self.objects.url}/{name}", stored.data)
+                if not block or block[0][0] > cursor + 1 or block[-1][0] != last:
+                    raise DataProblem(f"{self.objects.url}/{name}: does not hold entries {last - size + 1} to {last}")
+                found.update((seq, raw) for seq, raw in block if seq > after and seq not in beyond)
+            else:  # no block (not yet, or its writer died before writing it): its entries, then the next block
+                entries, whole = self._entries_by_name(range(cursor + 1, last + 1), beyond)
+                found.update(entries)
+                if not whole:
+                    return sorted(found.items())
             cursor = last
-        seq = cursor + 1
-        while True:
+
+    def _entries_by_name(self, numbers: range, beyond: set[int]) -> tuple[dict[int, bytes], bool]:
+        """The remote entries `numbers` (those held beyond a hole skipped), each read by its name, up to the first
+        that does not exist; and whether every one did."""
+        found: dict[int, bytes] = {}
+        for seq in numbers:
             if seq not in beyond:
                 stored = self.objects.read(f"{LOG}/{self._name(seq)}")
                 if stored is None:
-                    break
+                    return found, False
                 found[seq] = stored.data
-            seq += 1
-        return sorted(found.items())
+        return found, True
 
     def _remote_block(self, last: int) -> list[tuple[int, bytes]]:
         name = f"{CONDENSED}/{self._name(last)}"
