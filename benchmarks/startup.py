@@ -306,9 +306,8 @@ def summary(
 ) -> dict[str, Any]:
     index = probe.data.index
     spans = index.caption_spans
-    columns = index.caption_keys.nbytes + index.caption_offsets.nbytes
-    columns += sum(a.nbytes for a in (spans.segment, spans.start, spans.length))
-    n = len(index.caption_keys)
+    columns = index.caption_offsets.nbytes + sum(a.nbytes for a in (spans.segment, spans.start, spans.length))
+    n = int(index.caption_offsets[-1])
 
     def median(key: str) -> float:
         return statistics.median(w[key] for w in workers)

@@ -120,7 +120,7 @@ def test_synth_images_are_fully_covered_without_rehashing(tmp_path, synth_dir, a
     assert [k.tobytes() for k in index.captions_of(0)] == [text_key(r["text"]) for r in image0]
 
     index.save(tmp_path / "index.parquet")
-    _same(index, TrainIndex.load(tmp_path / "index.parquet"))
+    _same(index, TrainIndex.load(tmp_path / "index.parquet", keys=True))
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ def test_the_join_and_the_load_allocate_on_jemalloc_and_give_the_default_pool_ba
     assert jemalloc.total_bytes_allocated() - made > mimalloc_default.total_bytes_allocated() - made_by_default
     index.save(tmp_path / "index.parquet")  # every rank loads it (the save: rank 0 once, faster on mimalloc)
     made = jemalloc.total_bytes_allocated()
-    _same(index, TrainIndex.load(tmp_path / "index.parquet"))
+    _same(index, TrainIndex.load(tmp_path / "index.parquet", keys=True))
     assert jemalloc.total_bytes_allocated() > made  # the Parquet reads' buffers that pyarrow's default pool serves
     assert pa.default_memory_pool().backend_name == "mimalloc"
 
@@ -158,7 +158,7 @@ def test_an_index_saved_in_many_row_groups_loads_as_one(tmp_path, synth_dir, ann
     table = pq.read_table(tmp_path / "one.parquet")
     pq.write_table(table, tmp_path / "many.parquet", row_group_size=7)  # 40 images: 6 groups, the last of 5
     assert pq.ParquetFile(tmp_path / "many.parquet").metadata.num_row_groups == 6
-    loaded = TrainIndex.load(tmp_path / "many.parquet")
+    loaded = TrainIndex.load(tmp_path / "many.parquet", keys=True)
     _same(index, loaded)
     assert all(column.flags.owndata for column in (loaded.caption_keys, loaded.caption_offsets, loaded.sha256.values))
 
@@ -237,7 +237,7 @@ def test_captions_the_store_lacks_are_dropped_and_counted(tmp_path, synth_dir, m
     assert f"{EXTRA} captions not in the embedding store were dropped (run `tcjepa embed`" in index.coverage_line()
     assert (EmbeddingReader(store).locate(index.caption_keys) >= 0).all()
     index.save(tmp_path / "index.parquet")
-    _same(index, TrainIndex.load(tmp_path / "index.parquet"))
+    _same(index, TrainIndex.load(tmp_path / "index.parquet", keys=True))
 
 
 def test_without_a_cache_every_image_trains_without_text(tmp_path, synth_dir, store):
@@ -245,7 +245,7 @@ def test_without_a_cache_every_image_trains_without_text(tmp_path, synth_dir, st
     assert len(index) == N and index.coverage == {0: N} and index.caption_keys.shape == (0, 32) and index.recipes == []
     assert index.coverage_line() == f"{N} images: 0 captions {N}; 0.0% with at least one"
     index.save(tmp_path / "index.parquet")
-    _same(index, TrainIndex.load(tmp_path / "index.parquet"))
+    _same(index, TrainIndex.load(tmp_path / "index.parquet", keys=True))
     with pytest.raises(UserError, match="--store needs --cache"):
         build_index([synth_dir], None, store, [], progress=False)
 
@@ -276,15 +276,44 @@ def test_a_file_that_is_not_an_index_is_refused(tmp_path, content):
             read(path)
 
 
+def test_an_index_is_written_straight_to_its_file_and_a_failed_save_leaves_the_old_one(
+    tmp_path, synth_dir, monkeypatch
+):
+    """The Parquet file is written to a temporary sibling as it is made (at 10^8 captions it is GBs; it was made in
+    memory first), then renamed into place: a save that fails half-way keeps the index there before, whole."""
+    index = build_index([synth_dir], None, None, [], progress=False)
+    path = tmp_path / "index.parquet"
+    index.save(path)
+    before = path.read_bytes()
+    written: list[object] = []
+
+    def half(table: pa.Table, where: object, **kwargs: object) -> None:
+        written.append(where)
+        where.write(before[: len(before) // 2])  # type: ignore[attr-defined]
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(data_index.pq, "write_table", half)
+    with pytest.raises(OSError, match="No space left"):
+        index.save(path)
+    assert getattr(written[0], "name", "").endswith(".tmp"), "an open file, not a buffer in memory"
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["index.parquet"]
+
+
 def test_images_of_no_caption_and_left_out_images_survive_a_round_trip(tmp_path, synth_dir, mixed, store):
     cache, odd = mixed
     index = build_index([synth_dir, odd], cache, store, ["captions", "extra"], min_coverage=0, progress=False)
     assert index.coverage == {0: 10, 8: N} and index.missing_embeddings == EXTRA and sum(index.left_out.values()) == 2
     assert [len(index.captions_of(i)) for i in range(len(index))] == [8] * N + [0] * 10
     index.save(tmp_path / "index.parquet")
-    loaded = TrainIndex.load(tmp_path / "index.parquet")
+    loaded = TrainIndex.load(tmp_path / "index.parquet", keys=True)
     _same(index, loaded)
     assert loaded.coverage_line() == index.coverage_line()
+    lean = TrainIndex.load(tmp_path / "index.parquet")  # as training loads it: spans, no keys
+    assert lean.caption_keys is None and np.array_equal(lean.caption_offsets, index.caption_offsets)
+    for name in ("segment", "start", "length"):
+        assert np.array_equal(getattr(lean.caption_spans, name), getattr(index.caption_spans, name))
+    with pytest.raises(ValueError, match="keys=True"):
+        lean.captions_of(0)
 
 
 def _plain_join(refs, cache: CaptionCache, store, chosen: list[str]) -> dict:

@@ -21,7 +21,6 @@ trains on the same join.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import random
@@ -41,7 +40,7 @@ from embedding_cache.store import EmbeddingStore
 from pipeline.core.arrow_pool import bulk_memory_pool
 from pipeline.core.digests import SHA256_BYTES, arrow_to_bytes, bytes_to_arrow, hex_to_bytes
 from pipeline.core.errors import DataProblem, UserError
-from pipeline.core.fsutil import atomic_write_bytes
+from pipeline.core.fsutil import atomic_writer
 from pipeline.core.refs import Columnar, ImageRef, ImageRefs
 from pipeline.core.remote import is_remote
 from pipeline.core.sources import ImageReader, list_images, read_images
@@ -97,9 +96,10 @@ class TrainIndex:
     # columns (`ImageRefs`, `HexDigests`)
     refs: Sequence[ImageRef]
     sha256: Sequence[str]
-    caption_offsets: np.ndarray  # int64 [n+1], CSR into caption_keys
-    # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text
-    caption_keys: np.ndarray
+    caption_offsets: np.ndarray  # int64 [n+1], CSR into caption_keys and the spans
+    # uint8 [m, 32]: each image's caption keys, ordered (recipe, prompt_id, sample), no repeated text; None in an index
+    # loaded without them (`load`: training reads the spans, and at 10^8 captions the keys are 3.5 GB a rank)
+    caption_keys: np.ndarray | None
     recipes: list[str]  # recipe hashes, in the order the captions are
     coverage: dict[int, int]  # number of captions -> number of images
     left_out: dict[str, int] = field(default_factory=dict)  # reason -> listed images not in `refs`
@@ -113,15 +113,21 @@ class TrainIndex:
         self.refs = ImageRefs.of(self.refs)
         self.sha256 = HexDigests.of(self.sha256)
         if self.spans is None:
-            m = len(self.caption_keys)
+            m = int(self.caption_offsets[-1])
             self.spans = Spans(np.full(m, -1, np.int32), np.zeros(m, np.int64), np.zeros(m, np.int32))
 
     def __len__(self) -> int:
         return len(self.refs)
 
+    def keys(self) -> np.ndarray:
+        """The caption keys (`caption_keys`), refused in an index loaded without them."""
+        if self.caption_keys is None:
+            raise ValueError("this index was loaded without its caption keys: TrainIndex.load(path, keys=True)")
+        return self.caption_keys
+
     def captions_of(self, i: int) -> np.ndarray:
         """Store keys (`[k, 32]` uint8) of image i's captions."""
-        return self.caption_keys[self.caption_offsets[i] : self.caption_offsets[i + 1]]
+        return self.keys()[self.caption_offsets[i] : self.caption_offsets[i + 1]]
 
     def covered_fraction(self) -> float:
         """Fraction of images with at least one caption."""
@@ -163,7 +169,7 @@ class TrainIndex:
         """Write the index as one Parquet file, atomically."""
         offsets = pa.array(self.caption_offsets, pa.int64())
         spans = self.caption_spans
-        keys = bytes_to_arrow(self.caption_keys)
+        keys = bytes_to_arrow(self.keys())
         refs = ImageRefs.of(self.refs).table
         columns = {
             **{name: refs.column(name) for name in ImageRefs.NAMES},
@@ -183,9 +189,8 @@ class TrainIndex:
             "segments": self.segments,
         }
         table = pa.Table.from_pydict(columns, schema=_SCHEMA).replace_schema_metadata({"tcjepa": json.dumps(meta)})
-        buf = io.BytesIO()
-        pq.write_table(table, buf, compression="zstd")
-        atomic_write_bytes(Path(path), buf.getvalue())
+        with atomic_writer(Path(path)) as f:  # straight to the file: at 10^8 captions the file is GBs
+            pq.write_table(table, f, compression="zstd")
 
     @staticmethod
     def read_meta(path: Path) -> dict:
@@ -201,10 +206,10 @@ class TrainIndex:
 
     @classmethod
     @bulk_memory_pool()  # every rank loads it at start-up: at 10⁷ captions ~1 s against 2.5-4.3 on mimalloc
-    def load(cls, path: Path) -> TrainIndex:
+    def load(cls, path: Path, keys: bool = False) -> TrainIndex:
         """The saved index, a column at a time, each caption column's chunks copied once into one numpy array: never
         the whole table, nor those chunks combined by Arrow first (every rank loads it; at 10⁷ captions the peak was
-        2.3 GB)."""
+        2.3 GB). The caption keys only with `keys`: training reads the spans."""
         meta = cls.read_meta(path)
 
         def chunks(name: str) -> list[pa.Array]:
@@ -213,33 +218,36 @@ class TrainIndex:
         def end_to_end(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
             return np.concatenate([empty, *parts])  # a new array, owning its memory (no Arrow buffer held)
 
-        def values(name: str, dtype: type) -> np.ndarray:
-            """A list column's values, row after row."""
+        def values(name: str, dtype: type, read: list[pa.Array] | None = None) -> np.ndarray:
+            """A list column's values, row after row (its chunks `read` already, or read now)."""
             parts: list[np.ndarray] = [
-                np.asarray(c.flatten().to_numpy(zero_copy_only=False), dtype=dtype) for c in chunks(name)
+                np.asarray(c.flatten().to_numpy(zero_copy_only=False), dtype=dtype) for c in (read or chunks(name))
             ]
             return end_to_end(parts, np.zeros(0, dtype))
 
-        captions = chunks("captions")
-        counts = end_to_end([np.diff(c.offsets.to_numpy()) for c in captions], np.zeros(0, np.int64))
+        segment_chunks = chunks("caption_segment")  # its offsets are every caption column's
+        counts = end_to_end([np.diff(c.offsets.to_numpy()) for c in segment_chunks], np.zeros(0, np.int64))
+        segment = values("caption_segment", np.int32, segment_chunks)
+        del segment_chunks
         offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
-        keys_by_chunk = [c.flatten() for c in captions]
-        del captions  # each chunk's keys are then freed as they are copied
-        keys = _laid_end_to_end(keys_by_chunk, KEY_BYTES)
+        caption_keys = None
+        if keys:
+            keys_by_chunk = [c.flatten() for c in chunks("captions")]  # each chunk's keys freed as they are copied
+            caption_keys = _laid_end_to_end(keys_by_chunk, KEY_BYTES)
         sha256 = _laid_end_to_end(chunks("sha256"), DIGEST_BYTES)
         return cls(
             ImageRefs(pq.read_table(path, columns=list(ImageRefs.NAMES))),
             HexDigests(sha256),
             offsets,
-            keys,
+            caption_keys,
             meta["recipes"],
             {int(k): v for k, v in meta["coverage"].items()},
             meta["left_out"],
             meta["missing_embeddings"],
             meta["segments"],
             Spans(
-                values("caption_segment", np.int32),
+                segment,
                 values("caption_start", np.int64),
                 values("caption_length", np.int32),
             ),
