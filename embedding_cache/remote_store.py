@@ -278,6 +278,8 @@ class RemoteEmbeddingStore(EmbeddingStore):
             doc = json.loads(stored.data)
             if doc["attributes"]["tcjepa"]["segments"] == segments:
                 return
+            if stored.etag is None:  # else every swap would be refused, for ever
+                raise UserError(f"{self.url}: the object store gives no ETag, so its root cannot be swapped safely")
             doc["attributes"]["tcjepa"]["segments"] = segments
             if self._objects.replace("zarr.json", json.dumps(doc, indent=2).encode(), stored.etag):
                 return

@@ -562,7 +562,8 @@ def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, ob
     refused, the root read again, and the list written holds every published segment."""
     from embedding_cache.remote_store import RemoteEmbeddingStore
     from embedding_cache.store import TokenLayout
-    from pipeline.core.objects import ObjectRoot
+    from pipeline.core.errors import UserError
+    from pipeline.core.objects import ObjectRoot, Stored
 
     fs, root_url, bucket, _ = object_bucket
     url = f"{root_url}/swapped-store"
@@ -586,6 +587,21 @@ def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, ob
     assert swaps == ["zarr.json", "zarr.json"], "refused once, then written on the version read again"
     root = json.loads(fs.cat_file(f"{bucket}/swapped-store/zarr.json"))
     assert root["attributes"]["tcjepa"]["segments"] == [result.segment]
+
+    class NoETag(ObjectRoot):  # a server that gives none: no swap can be made safely, so none is tried
+        def read(self, name: str) -> Stored | None:
+            stored = super().read(name)
+            return None if stored is None else Stored(stored.data, None)
+
+        def replace(self, name: str, data: bytes, etag: str | None) -> bool:
+            raise AssertionError("a swap without an ETag: a blind write, or one refused for ever")
+
+    store._objects = NoETag(url, objects.store)
+    writer = store.new_segment(TokenLayout(8, 2))
+    writer.append(bytes(range(1, 33)), np.ones((2, 4), np.float16))
+    writer.finish()
+    with pytest.raises(UserError, match="gives no ETag"):
+        store.publish(writer)
 
 
 def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir):
