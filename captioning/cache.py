@@ -34,7 +34,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,13 +384,16 @@ class CaptionCache:
             if not (self.root / "manifests" / f"{shard}.json").exists():
                 self._write_manifest(shard)
 
-    def remove_replaced(self) -> list[str]:
-        """Delete the shards that compacted shards replace (call under the lock); returns their ids.
+    def remove_replaced(self, replaced: Collection[str] = ()) -> list[str]:
+        """Delete the shards that compacted shards here replace, and those in `replaced` (replaced by a compacted
+        shard that is itself replaced since: a mirror two compactions behind never holds the first one), under the
+        lock; returns their ids.
 
         Captions first (from then on the shard is not listed at all), then failures, then the manifest.
         """
         present = {p.stem for p in (self.root / "captions").glob("*.parquet")}
-        gone = sorted({old for s in present if is_compacted(s) for old in self.replaced_by(s)} & present)
+        named = {old for s in present if is_compacted(s) for old in self.replaced_by(s)} | set(replaced)
+        gone = sorted(named & present)
         for shard in gone:
             for path in (
                 self.root / "captions" / f"{shard}.parquet",

@@ -120,7 +120,7 @@ def _sync_cache_mirror(url: str, fs: Any, root: str, local: Path, objects: Objec
             _fetch_cache_shard(fs, root, local, stem, f"{url}/{LOG}/{seq:012d}.json", doc)
             fetched += 1
         log.keep(seq, raw)
-    CaptionCache(local).remove_replaced()
+    CaptionCache(local).remove_replaced(replaced)
     return fetched
 
 
@@ -197,9 +197,9 @@ class RemoteCaptionCache(CaptionCache):
         """Whether a gc claimed this shard's upload (and may be deleting it)."""
         return any(Path(name).stem == shard for name in claimed(self._log.entries()))
 
-    def _mirrored(self, shard: str) -> bool:
-        """Whether a sync found `shard` published: a shard's manifest is the last file of it mirrored."""
-        return (self.root / "manifests" / f"{shard}.json").exists()
+    def _published(self, shard: str) -> bool:
+        """Whether an entry of the log held here publishes `shard` (a compaction may have replaced it since)."""
+        return any(entry.get("shard") == shard for entry in self._log.entries())
 
     @staticmethod
     def _discard(staged: dict[str, Path]) -> None:
@@ -242,7 +242,7 @@ class RemoteCaptionCache(CaptionCache):
                 if seq is not None:
                     break
                 sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
-                if self._mirrored(shard):  # its own entry landed, though refused: published, not a lost race
+                if self._published(shard):  # its own entry landed, though refused: published, not a lost race
                     self._discard(staged)
                     return CommitResult(shard, rows[0], batch.offered - rows[0], rows[1])
             self._publish_staged(shard, staged, cap_digests, fail_digests)
@@ -276,7 +276,7 @@ class RemoteCaptionCache(CaptionCache):
                     self._log.keep(seq, canonical_json(doc))
                     break
                 sync_cache_mirror(self.url, self._fs, self._remote, self.root, self._objects)
-                if self._mirrored(shard):  # its own entry landed, though refused: the sync published it here
+                if self._published(shard):  # its own entry landed, though refused: the sync published it here
                     self._discard(staged)
                     break
                 self._withdraw(shard, staged)

@@ -212,6 +212,31 @@ def test_a_remote_cache_compacts_through_its_log_and_stale_mirrors_catch_up(tmp_
     assert compact_cache(url, target_mb=0.004, mirror=tmp_path / "compactor", progress=False).merged == 0
 
 
+@pytest.mark.s3
+def test_a_mirror_two_compactions_behind_holds_each_row_once(tmp_path, s3_env):
+    """Shards A and B are compacted into C1, then C1 (with D) into C2, while a mirror holding A and B does not sync:
+    when it does, C1 is skipped (replaced) and C2 fetched, and A and B must go, though no shard it holds names them
+    (before, they stayed beside C2 and their rows were read twice)."""
+    from captioning.compact import _read_group
+    from captioning.remote_cache import RemoteCaptionCache, mirror_cache
+
+    _s3fs().mkdir("chained")
+    url = "s3://chained/cache"
+    writer = RemoteCaptionCache.open_or_create(url, tmp_path / "writer")
+    recipe = writer.add_recipe({"kind": "test", "model": "m"}, "mine")
+    for k in range(3):
+        writer.commit([caption_row(f"{k:064x}", f"img{k}.png", recipe, "p0", 0, f"caption {k}", "stop", 2)])
+    stale = mirror_cache(url, tmp_path / "stale")
+    before = _contents(stale)
+    a, b, d = writer.shard_ids()
+    first = writer.replace_shards([a, b], *_read_group(writer, [a, b]))
+    assert first is not None
+    second = writer.replace_shards([first, d], *_read_group(writer, [first, d]))
+    assert second is not None and writer.shard_ids() == [second]
+    assert _contents(mirror_cache(url, tmp_path / "stale")) == before
+    assert CaptionCache(stale).shard_ids() == [second]
+
+
 def _first_rows(recipe: str) -> list[dict]:
     return [caption_row(f"{0:064x}", "img0.png", recipe, "p0", 0, "another text", "stop", 2)]
 
