@@ -124,7 +124,7 @@ def mirror_store(url: str, mirror: Path | None = None, only: Collection[str] | N
         _fetch_root_arrays(url, fs, root, local, json.loads(stored.data)["attributes"]["tcjepa"])
         # The remote root first: segments are checked against its encoder (a store rebuilt under the same URL lists
         # new segments only, and the old ones left here are no longer read). The local root lists them all.
-        doc = json.loads(stored.data)
+        doc = _local_root(stored)
 
         def list_locally(listed: list[str]) -> None:
             doc["attributes"]["tcjepa"]["segments"] = listed
@@ -196,7 +196,10 @@ class RemoteEmbeddingStore(EmbeddingStore):
         if not remote_call(url, fs.exists, f"{remote_root}/zarr.json"):
             raise UserError(f"--store {url} is not an embedding store (no zarr.json)")
         objects = ObjectRoot.of(url)
-        return cls(url, _keys_mirror(url, fs, remote_root, objects, mirror), fs, remote_root, objects)
+        local, stored = _keys_mirror(url, fs, remote_root, objects, mirror)
+        if stored.etag is None:  # a writer updates the root by compare-and-swap, after each publication
+            raise UserError(f"--store {url}: the object store gives no ETag, so its root cannot be swapped safely")
+        return cls(url, local, fs, remote_root, objects)
 
     def _lock(self) -> FileLock:
         return mirror_lock(self.root)
@@ -360,13 +363,14 @@ def _keep_keys(local: Path, segment: str, source: Path) -> None:
     _set_local_segments(local, [*listed, segment])
 
 
-def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -> None:
+def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -> Stored:
     """Fetch the attributes, keys and offsets of every remote segment the keys mirror lacks (call under
-    `mirror_lock`); a segment that a mirror made before offsets were kept lacks only those, and gets them."""
+    `mirror_lock`); a segment that a mirror made before offsets were kept lacks only those, and gets them. Returns
+    the remote root as read."""
     stored, segments = remote_store_segments(objects, local)
     remote_meta = json.loads(stored.data)["attributes"]["tcjepa"]
     if not (local / "zarr.json").exists():  # new, or emptied because the remote was made anew
-        doc = json.loads(stored.data)
+        doc = _local_root(stored)
         doc["attributes"]["tcjepa"]["segments"] = []
         atomic_write_bytes(local / "zarr.json", json.dumps(doc, indent=2).encode())
     fetch(fs, f"{root}/segments/zarr.json", local / "segments" / "zarr.json")
@@ -390,6 +394,7 @@ def _sync_keys(url: str, fs: Any, root: str, objects: ObjectRoot, local: Path) -
         _keep_keys(local, segment, into)
         listed.append(segment)
     shutil.rmtree(local / FETCHING, ignore_errors=True)
+    return stored
 
 
 def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path, meta: dict[str, Any]) -> None:
@@ -405,25 +410,42 @@ def _fetch_root_arrays(url: str, fs: Any, root: str, local: Path, meta: dict[str
     where = meta.get(FITTED, "")  # stores made before creators had prefixes of their own: the root itself
     if where and (not isinstance(where, str) or not re.fullmatch(rf"{FITTED}/[0-9a-f]{{32}}", where)):
         raise DataProblem(f"{url}/zarr.json: {FITTED} {where!r} is not where a creator's fitted arrays go")
+    remote = f"{url}/{where}" if where else url
     staging = local / STAGING / FITTED
     shutil.rmtree(staging, ignore_errors=True)
-    for name in wanted:
-        fetch_tree(url, fs, f"{root}/{where}/{name}" if where else f"{root}/{name}", staging / name)
-    for name in root_arrays(recipe):  # the sha256s the recipe records, those already here included
-        if not (staging / name).exists():
-            shutil.copytree(local / name, staging / name)
-    StoreTransform.load(staging, recipe)
-    for name in wanted:
-        (staging / name).rename(local / name)
-    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        for name in wanted:
+            fetch_tree(url, fs, f"{root}/{where}/{name}" if where else f"{root}/{name}", staging / name)
+            if not (staging / name).exists():
+                raise DataProblem(f"{remote}/{name}: missing, and the store's recipe needs it")
+        for name in root_arrays(recipe):  # the sha256s the recipe records, those already here included
+            if not (staging / name).exists():
+                shutil.copytree(local / name, staging / name)
+        try:
+            StoreTransform.load(staging, recipe)
+        except DataProblem as exc:  # named by where it came from, not by the staging copy
+            raise DataProblem(str(exc).replace(str(staging), remote)) from None
+        for name in wanted:
+            (staging / name).rename(local / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def _keys_mirror(url: str, fs: Any, root: str, objects: ObjectRoot, mirror: Path | None) -> Path:
+def _local_root(stored: Stored) -> dict[str, Any]:
+    """The remote root's document for a mirror's own root: the mirror keeps the fitted arrays in its root, so the
+    remote's `fitted` (where its creator put them) is not carried over."""
+    doc = json.loads(stored.data)
+    doc["attributes"]["tcjepa"].pop(FITTED, None)
+    return doc
+
+
+def _keys_mirror(url: str, fs: Any, root: str, objects: ObjectRoot, mirror: Path | None) -> tuple[Path, Stored]:
+    """The keys mirror of the store at `url`, brought up to date, and the remote root as it was read."""
     local = mirror_path(url, mirror, suffix="-keys")
     local.mkdir(parents=True, exist_ok=True)
     with mirror_lock(local):
-        _sync_keys(url, fs, root, objects, local)
-    return local
+        stored = _sync_keys(url, fs, root, objects, local)
+    return local, stored
 
 
 def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
@@ -431,7 +453,7 @@ def mirror_store_keys(url: str, mirror: Path | None = None) -> Path:
     attributes, keys and offsets, never its tokens. Enough to find which segments hold given captions, and where,
     before fetching any."""
     fs, root = remote_root(url, "zarr.json", "an embedding store")
-    local = _keys_mirror(url, fs, root, ObjectRoot.of(url), mirror)
+    local, _ = _keys_mirror(url, fs, root, ObjectRoot.of(url), mirror)
     logger.log(NODE, f"mirror: {url} -> {local}: keys of {len(EmbeddingStore(local).segment_ids())} segments")
     return local
 

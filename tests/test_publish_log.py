@@ -150,6 +150,9 @@ def test_where_nothing_lists_after_a_name_a_sync_reads_in_turn_as_cheaply(tmp_pa
     assert [seq for seq, _ in fresh.unseen()] == [2009], "2010 is held"
     objects.delete(f"{CONDENSED}/{7:012d}.json")  # a block its writer died before writing: entries one by one
     assert [seq for seq, _ in PublishLog(objects, tmp_path / "new", condense_every=4).unseen()] == list(range(2011))
+    objects.delete(f"{CONDENSED}/{3:012d}.json")  # one that is not the block its name says (another size): the same
+    objects.create(f"{CONDENSED}/{3:012d}.json", canonical_json({"first": 2, "entries": ['{"i":2}', '{"i":3}']}))
+    assert [seq for seq, _ in PublishLog(objects, tmp_path / "newer", condense_every=4).unseen()] == list(range(2011))
 
 
 def test_a_writer_that_lacks_a_copy_writes_no_block(objects, tmp_path):

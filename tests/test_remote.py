@@ -549,14 +549,19 @@ def test_creators_racing_with_different_fits_leave_the_winners_arrays(tmp_path, 
     assert fresh is not None and np.array_equal(fresh.components, want.projection.components)
 
     fitted = json.loads(fs.cat_file(f"{bucket}/store/zarr.json"))["attributes"]["tcjepa"]["fitted"]
+    local = json.loads((mirror_store(url, tmp_path / "reader") / "zarr.json").read_bytes())["attributes"]["tcjepa"]
+    assert "fitted" not in local, "a mirror keeps the arrays in its own root (uploaded whole, it is a store)"
     chunks = [p for p in fs.find(f"{bucket}/store/{fitted}/projection") if "/c/" in p]
     fs.pipe_file(chunks[0], fs.cat_file(chunks[0])[::-1])
-    with pytest.raises(DataProblem, match="projection"):
+    with pytest.raises(DataProblem, match=rf"^{url}/{fitted}/projection/\w+: does not match the sha256"):
         mirror_store(url, tmp_path / "damaged")
-    assert not list((tmp_path / "damaged").glob("*/projection")), "not kept: the next sync fetches it again"
+    assert not list((tmp_path / "damaged").rglob("projection")), "not kept: the next sync fetches it again"
+    fs.rm(f"{bucket}/store/{fitted}", recursive=True)
+    with pytest.raises(DataProblem, match=rf"store/{fitted}/projection: (listed but )?missing"):
+        mirror_store(url, tmp_path / "damaged")
 
 
-def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, object_bucket):
+def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, object_bucket, monkeypatch):
     """The root's segment list is replaced only in the version it was read from: when another writer replaces the
     root between this writer's read and its write (here with a stale list, as a blind writer would), the swap is
     refused, the root read again, and the list written holds every published segment."""
@@ -588,10 +593,14 @@ def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, ob
     root = json.loads(fs.cat_file(f"{bucket}/swapped-store/zarr.json"))
     assert root["attributes"]["tcjepa"]["segments"] == [result.segment]
 
-    class NoETag(ObjectRoot):  # a server that gives none: no swap can be made safely, so none is tried
-        def read(self, name: str) -> Stored | None:
-            stored = super().read(name)
-            return None if stored is None else Stored(stored.data, None)
+    plain_read = ObjectRoot.read
+
+    def without_etag(self: ObjectRoot, name: str) -> Stored | None:  # a server that gives none
+        stored = plain_read(self, name)
+        return None if stored is None else Stored(stored.data, None)
+
+    class NoETag(ObjectRoot):  # no swap can then be made safely, so none is tried
+        read = without_etag
 
         def replace(self, name: str, data: bytes, etag: str | None) -> bool:
             raise AssertionError("a swap without an ETag: a blind write, or one refused for ever")
@@ -602,6 +611,9 @@ def test_the_store_root_is_listed_by_compare_and_swap_never_blindly(tmp_path, ob
     writer.finish()
     with pytest.raises(UserError, match="gives no ETag"):
         store.publish(writer)
+    monkeypatch.setattr(ObjectRoot, "read", without_etag)  # a writer opening the store is refused before it writes
+    with pytest.raises(UserError, match=rf"^--store {url}: the object store gives no ETag"):
+        RemoteEmbeddingStore.open(url, tmp_path / "another")
 
 
 def test_writers_refuse_other_object_stores_in_one_line(tmp_path, s3, synth_dir):

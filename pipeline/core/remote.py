@@ -315,12 +315,8 @@ class PublishLog:
         cursor, size = after, self.condense_every
         while True:
             last = (cursor + 1) // size * size + size - 1
-            name = f"{CONDENSED}/{self._name(last)}"
-            stored = self.objects.read(name)
-            if stored is not None:
-                block = _block_entries(f"{self.objects.url}/{name}", stored.data)
-                if not block or block[0][0] > cursor + 1 or block[-1][0] != last:
-                    raise DataProblem(f"{self.objects.url}/{name}: does not hold entries {last - size + 1} to {last}")
+            block = self._block_by_name(last)
+            if block:
                 found.update((seq, raw) for seq, raw in block if seq > after and seq not in beyond)
             else:  # no block (not yet, or its writer died before writing it): its entries, then the next block
                 entries, whole = self._entries_by_name(range(cursor + 1, last + 1), beyond)
@@ -328,6 +324,24 @@ class PublishLog:
                 if not whole:
                     return sorted(found.items())
             cursor = last
+
+    def _block_by_name(self, last: int) -> list[tuple[int, bytes]]:
+        """The condensed block ending at `last`, or nothing where there is none, or one that is not the block of
+        `condense_every` entries its name says (damaged, or written with another size): its entries are then read."""
+        name = f"{CONDENSED}/{self._name(last)}"
+        stored = self.objects.read(name)
+        if stored is None:
+            return []
+        try:
+            block = _block_entries(f"{self.objects.url}/{name}", stored.data)
+        except DataProblem as exc:
+            block = []
+            logger.warning(f"{exc}; its entries are read one by one")
+        first = last - self.condense_every + 1
+        if block and [seq for seq, _ in block] != list(range(first, last + 1)):
+            logger.warning(f"{self.objects.url}/{name}: not entries {first} to {last}; they are read one by one")
+            return []
+        return block
 
     def _entries_by_name(self, numbers: range, beyond: set[int]) -> tuple[dict[int, bytes], bool]:
         """The remote entries `numbers` (those held beyond a hole skipped), each read by its name, up to the first
