@@ -148,6 +148,9 @@ def test_where_nothing_lists_after_a_name_a_sync_reads_in_turn_as_cheaply(tmp_pa
     fresh.keep_all(fresh.unseen())
     (tmp_path / "fresh" / LOG / f"{2009:012d}.json").unlink()  # a hole in the copies: read from there again
     assert [seq for seq, _ in fresh.unseen()] == [2009], "2010 is held"
+    gone = PublishLog(ObjectRoot("memory://bucket/new", MemoryStore(), lists_after=False), tmp_path / "fresh")
+    with pytest.raises(UserError, match=r"entry 2010, held here, is not there: .* made anew"):
+        gone.append({"i": "after a rebuild"})  # its number would be past the new log's end, never read by name
     objects.delete(f"{CONDENSED}/{7:012d}.json")  # a block its writer died before writing: entries one by one
     assert [seq for seq, _ in PublishLog(objects, tmp_path / "new", condense_every=4).unseen()] == list(range(2011))
     objects.delete(f"{CONDENSED}/{3:012d}.json")  # one that is not the block its name says (another size): the same

@@ -417,6 +417,13 @@ class PublishLog:
         held = self._held()
         seq = max([-1, *(last for _, last in held)]) + 1
         name, raw = f"{LOG}/{self._name(seq)}", canonical_json(doc)
+        if not self.objects.lists_after and seq > 0 and self.objects.read(f"{LOG}/{self._name(seq - 1)}") is None:
+            # Read by name, an entry past a hole is never seen: the log held here is not the remote's (deleted and
+            # made anew since this mirror last looked), and a sync resets the mirror.
+            raise UserError(
+                f"{self.objects.url}/{LOG}: entry {seq - 1}, held here, is not there: it was deleted or made anew "
+                "since this mirror last looked; run again"
+            )
         if not self.objects.create(name, raw):
             # A PUT retried after a lost response finds its own entry: that is a success, not a lost race.
             there = self.objects.read(name)
